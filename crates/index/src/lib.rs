@@ -1,0 +1,27 @@
+//! # ferry-index: seekable layer formats
+//!
+//! This crate owns everything about the bytes of a layer: walking tar streams
+//! ([`tarwalk`]), building and reading the ferry index over an unmodified gzip layer
+//! ([`zran`] checkpoints + [`ferryidx`] file format), reading and writing eStargz
+//! ([`estargz`]), answering "bytes `[off, off+len)` of file F" over any of them while
+//! fetching only the compressed ranges needed ([`reader`]), the merged view of an image's
+//! layers with whiteouts applied ([`merged`]), and packing a directory straight into a
+//! lazy-loadable layer ([`pack`]).
+//!
+//! It must not do I/O of its own beyond what a [`source::RangeSource`] or a caller's
+//! `Read`/`Write` gives it: no network, no mounts, no global state. Everything parsed here
+//! comes from strangers, so every parser is bounded and returns [`Error`], never panics.
+
+pub mod entry;
+pub mod error;
+pub mod estargz;
+pub mod ferryidx;
+pub mod merged;
+pub mod pack;
+pub mod reader;
+pub mod source;
+pub mod tarwalk;
+pub mod zran;
+
+pub use entry::{Entry, EntryKind, Whiteout};
+pub use error::{Error, Result};
