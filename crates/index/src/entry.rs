@@ -9,9 +9,10 @@
 use std::collections::BTreeMap;
 
 /// What kind of filesystem object an entry is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum EntryKind {
     /// A regular file; its bytes live at [`Entry::offset`] in the uncompressed tar.
+    #[default]
     File,
     /// A directory.
     Dir,
@@ -94,12 +95,6 @@ pub struct Entry {
     pub xattrs: BTreeMap<String, Vec<u8>>,
 }
 
-impl Default for EntryKind {
-    fn default() -> Self {
-        EntryKind::File
-    }
-}
-
 /// How an entry takes part in OCI whiteout semantics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Whiteout<'a> {
@@ -151,4 +146,10 @@ impl Entry {
     pub fn is_file(&self) -> bool {
         self.kind == EntryKind::File
     }
+}
+
+/// True for a path in the normalized form every [`Entry`] has: relative, no empty, `.`
+/// or `..` components, no leading or trailing `/`. The root is `""`.
+pub fn is_clean_path(p: &str) -> bool {
+    p.is_empty() || p.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
 }

@@ -44,6 +44,9 @@ pub enum Error {
         /// The digest of the bytes received.
         actual: String,
     },
+    /// An OCI document or layout problem.
+    #[error(transparent)]
+    Oci(Box<ferry_oci::Error>),
     /// A path was asked for that the layer or image does not have.
     #[error("no such file in the image: {0}")]
     NotFound(String),
@@ -55,4 +58,10 @@ pub enum Error {
         /// Why it cannot be read as a file.
         reason: String,
     },
+}
+
+impl From<ferry_oci::Error> for Error {
+    fn from(e: ferry_oci::Error) -> Self {
+        Error::Oci(Box::new(e))
+    }
 }

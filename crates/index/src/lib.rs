@@ -16,6 +16,8 @@ pub mod entry;
 pub mod error;
 pub mod estargz;
 pub mod ferryidx;
+pub mod image;
+pub mod indexer;
 pub mod merged;
 pub mod pack;
 pub mod reader;

@@ -37,7 +37,10 @@ fn check_range(range: &Range<u64>, len: u64) -> io::Result<usize> {
     if range.start > range.end || range.end > len {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
-            format!("range {}..{} is outside the blob of {len} bytes", range.start, range.end),
+            format!(
+                "range {}..{} is outside the blob of {len} bytes",
+                range.start, range.end
+            ),
         ));
     }
     usize::try_from(range.end - range.start)
@@ -99,7 +102,11 @@ pub struct CountingSource<S> {
 impl<S: RangeSource> CountingSource<S> {
     /// Wraps `inner`.
     pub fn new(inner: S) -> Self {
-        CountingSource { inner, bytes: AtomicU64::new(0), requests: AtomicU64::new(0) }
+        CountingSource {
+            inner,
+            bytes: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+        }
     }
 
     /// Bytes served so far.
@@ -129,7 +136,8 @@ impl<S: RangeSource> RangeSource for CountingSource<S> {
         let out = self.inner.read_ranges(ranges)?;
         let total: u64 = out.iter().map(|b| b.len() as u64).sum();
         self.bytes.fetch_add(total, Ordering::Relaxed);
-        self.requests.fetch_add(ranges.len() as u64, Ordering::Relaxed);
+        self.requests
+            .fetch_add(ranges.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 }

@@ -1,0 +1,219 @@
+//! Images as ferry reads them: a manifest's layers, each paired with the best way to
+//! reach its files (ferry index, eStargz TOC, or the whole blob), stacked into a
+//! [`MergedImage`]; and storing ferry index artifacts beside an image.
+//!
+//! Index artifacts follow the OCI 1.1 referrers model: one manifest per image manifest,
+//! `artifactType` [`FERRY_INDEX_ARTIFACT`], `subject` = the image manifest, one blob per
+//! indexed layer annotated with the layer's digest. In an OCI layout they are found
+//! through the `sha256-<hex>` tag fallback.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferry_oci::layout::{
+    OciLayout, canonical_json, descriptor, digest as parse_digest, media_type,
+};
+use ferry_oci::media::{
+    ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE, FERRY_INDEX_ARTIFACT,
+    FERRY_LAYER_INDEX, OCI_EMPTY, OCI_MANIFEST, layer_compression,
+};
+use ferry_oci::{Descriptor, ImageManifest};
+
+use crate::error::{Error, Result};
+use crate::estargz::EstargzLayer;
+use crate::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
+use crate::merged::MergedImage;
+use crate::reader::{LayerFormat, LayerReader};
+use crate::source::{FileSource, RangeSource};
+
+/// Layers smaller than this (compressed) are not indexed by default: one span of a
+/// typical layer is about this size, so fetching such a layer whole costs no more than
+/// a single lazy read would.
+pub const DEFAULT_MIN_LAYER_SIZE: u64 = 1 << 20;
+
+/// What `ferry inspect` reports about one layer.
+#[derive(Debug, Clone)]
+pub struct LayerSummary {
+    /// Layer descriptor from the manifest.
+    pub descriptor: Descriptor,
+    /// How ferry reads it.
+    pub format: String,
+    /// Entries in its file table (when known without reading the layer).
+    pub entries: Option<usize>,
+}
+
+/// Reads the ferry index blobs that refer to `manifest` in `layout`: layer digest → index.
+pub fn layout_indexes(
+    layout: &OciLayout,
+    manifest: &Descriptor,
+) -> Result<HashMap<String, Arc<LayerIndex>>> {
+    let mut out = HashMap::new();
+    for referrer in layout.referrers(manifest.digest())? {
+        if referrer
+            .artifact_type()
+            .as_ref()
+            .map(|t| t.to_string())
+            .as_deref()
+            != Some(FERRY_INDEX_ARTIFACT)
+        {
+            continue;
+        }
+        let bytes = layout.read_document(&referrer)?;
+        let artifact: ImageManifest = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::Index(format!("index artifact manifest: {e}")))?;
+        if artifact.subject().as_ref().map(|s| s.digest()) != Some(manifest.digest()) {
+            continue;
+        }
+        for blob in artifact.layers() {
+            if blob.media_type().to_string() != FERRY_LAYER_INDEX {
+                continue;
+            }
+            let bytes = layout.read_blob(blob.digest(), MAX_INDEX_BYTES as u64)?;
+            let index = LayerIndex::decode(&bytes)?;
+            let claimed = blob
+                .annotations()
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST));
+            if claimed.is_some_and(|c| *c != index.layer_digest) {
+                return Err(Error::Index(format!(
+                    "index blob {} claims layer {claimed:?} but indexes {}",
+                    blob.digest(),
+                    index.layer_digest
+                )));
+            }
+            out.insert(index.layer_digest.clone(), Arc::new(index));
+        }
+    }
+    Ok(out)
+}
+
+/// Opens an image stored in an OCI layout, choosing per layer: ferry index if one
+/// refers to the image, eStargz if the layer carries a TOC digest annotation, else the
+/// whole layer. Each layer's source is wrapped by `wrap` (for counting reads).
+pub fn open_layout_image(
+    layout: &OciLayout,
+    reference: &str,
+    wrap: &dyn Fn(Arc<dyn RangeSource>) -> Arc<dyn RangeSource>,
+) -> Result<(MergedImage, Vec<LayerSummary>)> {
+    let (mdesc, manifest) = layout.image_manifest(reference)?;
+    let indexes = layout_indexes(layout, &mdesc)?;
+    let mut readers = Vec::new();
+    let mut summaries = Vec::new();
+    for layer in manifest.layers() {
+        let path = layout.blob_path(layer.digest())?;
+        let file = FileSource::open(&path).map_err(|e| {
+            Error::NotFound(format!(
+                "layer blob {} ({}): {e}; is the layout complete?",
+                layer.digest(),
+                path.display()
+            ))
+        })?;
+        if file.len() != layer.size() {
+            return Err(Error::Index(format!(
+                "layer {} is {} bytes, manifest says {}",
+                layer.digest(),
+                file.len(),
+                layer.size()
+            )));
+        }
+        let source = wrap(Arc::new(file));
+        let reader = layer_reader(layer, &indexes, source)?;
+        summaries.push(LayerSummary {
+            descriptor: layer.clone(),
+            format: reader.format_name().to_string(),
+            entries: Some(reader.entries().len()),
+        });
+        readers.push(reader);
+    }
+    Ok((MergedImage::new(readers), summaries))
+}
+
+/// Picks the reader for one layer.
+pub fn layer_reader(
+    layer: &Descriptor,
+    indexes: &HashMap<String, Arc<LayerIndex>>,
+    source: Arc<dyn RangeSource>,
+) -> Result<LayerReader> {
+    if let Some(index) = indexes.get(layer.digest().as_ref()) {
+        if index.compressed_size != layer.size() {
+            return Err(Error::Index(format!(
+                "index of {} is for a {}-byte blob",
+                layer.digest(),
+                index.compressed_size
+            )));
+        }
+        return Ok(LayerReader::new(
+            LayerFormat::Indexed(index.clone()),
+            source,
+        ));
+    }
+    let toc = layer
+        .annotations()
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC));
+    if let Some(toc) = toc {
+        let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
+        return Ok(LayerReader::new(
+            LayerFormat::Estargz(Arc::new(esgz)),
+            source,
+        ));
+    }
+    let media = layer.media_type().to_string();
+    let compression = layer_compression(&media).ok_or_else(|| {
+        Error::Index(format!(
+            "layer {} has media type {media}, which is not a layer ferry can read",
+            layer.digest()
+        ))
+    })?;
+    LayerReader::whole(source, compression)
+}
+
+/// Stores `indexes` (layer descriptor, index) as one artifact referring to the image
+/// manifest `subject`, and records it in the layout's referrers. Returns the artifact
+/// manifest's descriptor. Deterministic: the same indexes give the same artifact bytes.
+pub fn store_layout_artifact(
+    layout: &OciLayout,
+    subject: &Descriptor,
+    indexes: &[(Descriptor, LayerIndex)],
+) -> Result<Descriptor> {
+    let empty = layout.write_blob(b"{}")?;
+    let mut blobs = Vec::new();
+    for (layer, index) in indexes {
+        let bytes = index.encode()?;
+        let d = layout.write_blob(&bytes)?;
+        blobs.push(descriptor(
+            FERRY_LAYER_INDEX,
+            d,
+            bytes.len() as u64,
+            &[
+                (ANNOTATION_LAYER_DIGEST, layer.digest().to_string()),
+                (ANNOTATION_SPAN_SIZE, index.span_size.to_string()),
+            ],
+        ));
+    }
+    let subject_desc = descriptor(
+        subject.media_type().as_ref(),
+        subject.digest().clone(),
+        subject.size(),
+        &[],
+    );
+    let doc = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": FERRY_INDEX_ARTIFACT,
+        "config": descriptor(OCI_EMPTY, empty, 2, &[]),
+        "layers": blobs,
+        "subject": subject_desc,
+    });
+    let bytes = canonical_json(&doc)?;
+    let digest = layout.write_blob(&bytes)?;
+    let mut desc = descriptor(OCI_MANIFEST, digest, bytes.len() as u64, &[]);
+    desc.set_artifact_type(Some(media_type(FERRY_INDEX_ARTIFACT)));
+    layout.add_referrer(subject.digest(), &desc)?;
+    Ok(desc)
+}
+
+/// Parses a `sha256:` digest string into oci-spec's type.
+pub fn digest(s: &str) -> Result<ferry_oci::Digest> {
+    Ok(parse_digest(s)?)
+}

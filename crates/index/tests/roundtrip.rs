@@ -1,0 +1,335 @@
+//! Property test of the whole format stack: random file trees (every entry kind, long
+//! names, xattrs, hard links, whiteouts across layers) → tar → gzip at several levels and
+//! member layouts → ferry index (encoded and decoded again) → every file read at random
+//! offsets through the merged view equals the original.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::Arc;
+
+use ferry_index::entry::EntryKind;
+use ferry_index::ferryidx::LayerIndex;
+use ferry_index::indexer::{index_gzip, index_tar};
+use ferry_index::merged::MergedImage;
+use ferry_index::reader::{LayerFormat, LayerReader};
+use ferry_index::source::{CountingSource, MemSource, RangeSource};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Node {
+    File(Vec<u8>),
+    Symlink(String),
+    Dir,
+    Fifo,
+    Char(u32, u32),
+    Whiteout,
+}
+
+#[derive(Debug, Clone)]
+struct Layer {
+    nodes: BTreeMap<String, Node>,
+    hardlinks: Vec<(String, String)>,
+    opaque: Vec<String>,
+    xattr: Option<(String, Vec<u8>)>,
+}
+
+fn name() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[a-z]{1,8}",
+        "[a-z]{90,130}", // around the 100-byte ustar name limit
+    ]
+}
+
+fn content() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        prop::collection::vec(any::<u8>(), 0..2000),
+        (1usize..300_000, any::<u8>())
+            .prop_map(|(n, seed)| (0..n).map(|i| ((i / 7) as u8).wrapping_add(seed)).collect()),
+        (1usize..200_000).prop_map(|n| {
+            // Incompressible but deterministic bytes.
+            let mut x: u32 = n as u32 | 1;
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    x as u8
+                })
+                .collect()
+        }),
+    ]
+}
+
+fn node() -> impl Strategy<Value = Node> {
+    prop_oneof![
+        6 => content().prop_map(Node::File),
+        1 => "[a-z/.]{1,20}".prop_map(Node::Symlink),
+        1 => Just(Node::Dir),
+        1 => Just(Node::Fifo),
+        1 => (0u32..300, 0u32..300).prop_map(|(a, b)| Node::Char(a, b)),
+    ]
+}
+
+fn layer(upper: bool) -> impl Strategy<Value = Layer> {
+    (
+        prop::collection::btree_map(
+            (
+                prop::sample::select(vec!["", "d1/", "d2/", "d1/sub/"]),
+                name(),
+            )
+                .prop_map(|(d, n)| format!("{d}{n}")),
+            node(),
+            1..12,
+        ),
+        any::<bool>(),
+        prop::option::of((
+            "user\\.[a-z]{1,6}",
+            prop::collection::vec(any::<u8>(), 0..20),
+        )),
+        prop::collection::vec(name(), 0..3),
+    )
+        .prop_map(move |(mut nodes, opaque, xattr, wh)| {
+            let mut hardlinks = Vec::new();
+            if let Some(first_file) = nodes
+                .iter()
+                .find(|(_, n)| matches!(n, Node::File(_)))
+                .map(|(k, _)| k.clone())
+            {
+                hardlinks.push((format!("{first_file}.link"), first_file));
+            }
+            let mut opaque_dirs = Vec::new();
+            if upper {
+                for w in wh {
+                    nodes.insert(format!("d1/{w}"), Node::Whiteout);
+                }
+                if opaque {
+                    opaque_dirs.push("d2".to_string());
+                }
+            }
+            Layer {
+                nodes,
+                hardlinks,
+                opaque: opaque_dirs,
+                xattr,
+            }
+        })
+}
+
+fn header(kind: tar::EntryType, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_mtime(1_700_000_000);
+    h
+}
+
+/// Writes a layer as a tar stream; parents are written as directories.
+fn write_tar(l: &Layer) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for d in ["d1", "d2", "d1/sub"] {
+        let mut h = header(tar::EntryType::Directory, 0);
+        h.set_mode(0o755);
+        b.append_data(&mut h, d, std::io::empty()).expect("dir");
+    }
+    for d in &l.opaque {
+        let mut h = header(tar::EntryType::Regular, 0);
+        b.append_data(&mut h, format!("{d}/.wh..wh..opq"), std::io::empty())
+            .expect("opq");
+    }
+    for (path, n) in &l.nodes {
+        match n {
+            Node::File(data) => {
+                if let Some((k, v)) = &l.xattr {
+                    let key = format!("SCHILY.xattr.{k}");
+                    b.append_pax_extensions([(key.as_str(), v.as_slice())])
+                        .expect("pax");
+                }
+                let mut h = header(tar::EntryType::Regular, data.len() as u64);
+                b.append_data(&mut h, path, &data[..]).expect("file");
+            }
+            Node::Symlink(t) => {
+                let mut h = header(tar::EntryType::Symlink, 0);
+                b.append_link(&mut h, path, t).expect("symlink");
+            }
+            Node::Dir => {
+                let mut h = header(tar::EntryType::Directory, 0);
+                b.append_data(&mut h, path, std::io::empty()).expect("dir");
+            }
+            Node::Fifo => {
+                let mut h = header(tar::EntryType::Fifo, 0);
+                b.append_data(&mut h, path, std::io::empty()).expect("fifo");
+            }
+            Node::Char(ma, mi) => {
+                let mut h = header(tar::EntryType::Char, 0);
+                h.set_device_major(*ma).expect("major");
+                h.set_device_minor(*mi).expect("minor");
+                b.append_data(&mut h, path, std::io::empty()).expect("char");
+            }
+            Node::Whiteout => {
+                let (dir, base) = path.rsplit_once('/').unwrap_or(("", path));
+                let wh = if dir.is_empty() {
+                    format!(".wh.{base}")
+                } else {
+                    format!("{dir}/.wh.{base}")
+                };
+                let mut h = header(tar::EntryType::Regular, 0);
+                b.append_data(&mut h, wh, std::io::empty())
+                    .expect("whiteout");
+            }
+        }
+    }
+    for (link, target) in &l.hardlinks {
+        let mut h = header(tar::EntryType::Link, 0);
+        b.append_link(&mut h, link, target).expect("hardlink");
+    }
+    b.into_inner().expect("tar")
+}
+
+/// gzip with a level and a member layout: one member, or a new member every `cut` bytes.
+fn gzip(data: &[u8], level: u32, cut: Option<usize>) -> Vec<u8> {
+    let mut out = Vec::new();
+    let pieces: Vec<&[u8]> = match cut {
+        Some(c) => data.chunks(c.max(1)).collect(),
+        None => vec![data],
+    };
+    for p in pieces {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
+        e.write_all(p).expect("gzip");
+        out.extend(e.finish().expect("gzip"));
+    }
+    out
+}
+
+/// The expected merged view: path → file bytes (regular files only, hard links resolved).
+fn expected(layers: &[Layer]) -> BTreeMap<String, Vec<u8>> {
+    let mut all: BTreeMap<String, Option<Vec<u8>>> = BTreeMap::new();
+    for l in layers {
+        for d in &l.opaque {
+            all.retain(|k, _| !k.starts_with(&format!("{d}/")));
+        }
+        for (p, n) in &l.nodes {
+            if let Node::Whiteout = n {
+                all.retain(|k, _| k != p && !k.starts_with(&format!("{p}/")));
+            }
+        }
+        for (p, n) in &l.nodes {
+            match n {
+                Node::Whiteout => {}
+                Node::File(d) => {
+                    all.retain(|k, _| !k.starts_with(&format!("{p}/")));
+                    all.insert(p.clone(), Some(d.clone()));
+                }
+                Node::Dir => {
+                    all.entry(p.clone()).or_insert(None);
+                }
+                _ => {
+                    all.retain(|k, _| !k.starts_with(&format!("{p}/")));
+                    all.insert(p.clone(), None);
+                }
+            }
+        }
+        for (link, target) in &l.hardlinks {
+            if let Some(Node::File(d)) = l.nodes.get(target) {
+                all.insert(link.clone(), Some(d.clone()));
+            }
+        }
+    }
+    all.into_iter()
+        .filter_map(|(k, v)| v.map(|d| (k, d)))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    #[test]
+    fn every_file_reads_back_at_random_offsets(
+        lower in layer(false),
+        upper in layer(true),
+        level in prop::sample::select(vec![0u32, 1, 6, 9]),
+        cut in prop::option::of(1000usize..200_000),
+        plain in any::<bool>(),
+        span in prop::sample::select(vec![64u64 << 10, 256 << 10, 4 << 20]),
+        probes in prop::collection::vec((any::<u64>(), 0usize..70_000), 8),
+    ) {
+        let layers = vec![lower, upper];
+        let mut readers = Vec::new();
+        let mut counters = Vec::new();
+        for l in &layers {
+            let tar = write_tar(l);
+            let (index, blob) = if plain {
+                (index_tar(&tar[..], span, None).expect("index tar"), tar)
+            } else {
+                let gz = gzip(&tar, level, cut);
+                (index_gzip(&gz[..], span, None).expect("index gzip"), gz)
+            };
+            let decoded = LayerIndex::decode(&index.encode().expect("encode")).expect("decode");
+            prop_assert_eq!(&decoded, &index);
+            prop_assert_eq!(decoded.encode().expect("encode"), index.encode().expect("encode"));
+            let src = Arc::new(CountingSource::new(MemSource(blob)));
+            counters.push(src.clone());
+            readers.push(LayerReader::new(LayerFormat::Indexed(Arc::new(decoded)), src as Arc<dyn RangeSource>));
+        }
+        let image = MergedImage::new(readers);
+        let want = expected(&layers);
+        for (path, data) in &want {
+            let mut got = Vec::new();
+            image.cat(path, &mut got).map_err(|e| TestCaseError::fail(format!("{path}: {e}")))?;
+            prop_assert!(got == *data, "content of {} differs", path);
+            let loc = image.data_location(image.lookup(path, false).expect("lookup")).expect("data");
+            let layer = &image.layers()[loc.layer];
+            for (off, len) in &probes {
+                let off = if data.is_empty() { 0 } else { off % data.len() as u64 };
+                let mut buf = vec![0u8; *len];
+                let n = layer.read_at(loc.entry, off, &mut buf).expect("read_at");
+                let end = (off as usize + len).min(data.len());
+                prop_assert_eq!(&buf[..n], &data[off as usize..end]);
+            }
+        }
+        // Every merged regular file exists in the expectation and vice versa.
+        let merged_files: Vec<&String> = image
+            .table()
+            .iter()
+            .filter(|(_, loc)| image.entry(**loc).is_some_and(|e| matches!(e.kind, EntryKind::File | EntryKind::Hardlink)))
+            .map(|(p, _)| p)
+            .collect();
+        prop_assert_eq!(merged_files, want.keys().collect::<Vec<_>>());
+    }
+}
+
+/// A 4 KiB read from a big indexed layer fetches at most the spans holding it.
+#[test]
+fn small_read_costs_at_most_one_span_plus_overlap() {
+    let data: Vec<u8> = (0..8_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8 ^ (i / 1000) as u8)
+        .collect();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = header(tar::EntryType::Regular, data.len() as u64);
+    b.append_data(&mut h, "big", &data[..]).expect("file");
+    let tar = b.into_inner().expect("tar");
+    let gz = gzip(&tar, 6, None);
+    let span = 1 << 20;
+    let index = Arc::new(index_gzip(&gz[..], span, None).expect("index"));
+    let max_span = (0..index.checkpoints.len())
+        .filter_map(|i| index.span_range(i))
+        .map(|r| r.end - r.start)
+        .max()
+        .unwrap_or(0);
+    let src = Arc::new(CountingSource::new(MemSource(gz)));
+    let reader = LayerReader::new(
+        LayerFormat::Indexed(index),
+        src.clone() as Arc<dyn RangeSource>,
+    );
+    for off in [0u64, 1_000_000, 4_194_300, 7_990_000] {
+        let before = src.bytes_read();
+        let mut buf = vec![0u8; 4096];
+        let n = reader.read_at(0, off, &mut buf).expect("read");
+        assert_eq!(&buf[..n], &data[off as usize..off as usize + n]);
+        let cost = src.bytes_read() - before;
+        assert!(
+            cost <= 2 * max_span,
+            "read at {off} cost {cost}, spans are at most {max_span}"
+        );
+    }
+}
