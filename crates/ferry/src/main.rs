@@ -1,1 +1,85 @@
-fn main(){}
+//! # ferry — the one binary
+//!
+//! Wires the crates together and owns what a user touches: the command line, logging,
+//! progress bars and error messages that say what to do next. Library crates return typed
+//! errors; this binary adds context with `anyhow`. It must not hold format or protocol
+//! logic of its own: that belongs in the crates.
+
+mod cmd;
+mod progress;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// ferry: start containers before their image is downloaded.
+///
+/// Images are named as skopeo names them: `oci:DIR[:TAG]` for an OCI image layout on
+/// disk, `HOST[:PORT]/REPO[:TAG|@DIGEST]` for a registry.
+#[derive(Debug, Parser)]
+#[command(name = "ferry", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax), e.g. `info`, `ferry=debug`.
+    #[arg(long, global = true, env = "FERRY_LOG", default_value = "warn")]
+    log: String,
+    /// Emit logs as JSON lines.
+    #[arg(long, global = true)]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Index every gzip (and plain tar) layer of an image so it can be read lazily;
+    /// stores the indexes beside the image as an OCI artifact referring to it.
+    Index(cmd::index::Args),
+    /// Write one file of an image's merged root filesystem to stdout, reading only what
+    /// the index says it needs.
+    Cat(cmd::cat::Args),
+    /// Convert an image's layers to another format (eStargz).
+    Convert(cmd::convert::Args),
+    /// Pack a directory into a single-layer image that is lazy-loadable from birth.
+    Pack(cmd::pack::Args),
+    /// Show an image's layers, their formats, index presence and file counts.
+    Inspect(cmd::inspect::Args),
+    /// The main job end to end on an embedded default: pack a directory of this machine
+    /// into an image, index it, read files from it lazily and report the bytes read.
+    Demo(cmd::demo::Args),
+    /// Measurements driven by the scripts under bench/.
+    Bench(cmd::bench::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(&cli.log, cli.log_json);
+    let result = match cli.command {
+        Command::Index(a) => cmd::index::run(a),
+        Command::Cat(a) => cmd::cat::run(a),
+        Command::Convert(a) => cmd::convert::run(a),
+        Command::Pack(a) => cmd::pack::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ferry: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(filter: &str, json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

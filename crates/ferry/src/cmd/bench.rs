@@ -1,0 +1,127 @@
+//! `ferry bench …` — measurements that the scripts under `bench/` drive.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use ferry_index::entry::EntryKind;
+use ferry_index::image::open_layout_image;
+
+use super::{cat::counter, layout_ref};
+
+/// Benchmarks.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub what: What,
+}
+
+/// Which benchmark.
+#[derive(Debug, clap::Subcommand)]
+pub enum What {
+    /// Random reads of files through the image's indexes: latency percentiles and
+    /// compressed bytes fetched per read, from local blobs.
+    Read(ReadArgs),
+}
+
+/// Arguments of `ferry bench read`.
+#[derive(Debug, clap::Args)]
+pub struct ReadArgs {
+    /// The image, `oci:DIR[:TAG]`.
+    pub image: String,
+    /// Number of reads.
+    #[arg(long, default_value_t = 1000)]
+    pub samples: usize,
+    /// Bytes per read.
+    #[arg(long, default_value_t = 4096)]
+    pub size: usize,
+    /// Seed for the choice of files and offsets.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    match args.what {
+        What::Read(a) => read(a),
+    }
+}
+
+fn read(args: ReadArgs) -> Result<()> {
+    let (layout, reference, _) = layout_ref(&args.image)?;
+    let total = Arc::new(AtomicU64::new(0));
+    let (image, layers) = open_layout_image(&layout, &reference, &counter(total.clone()))
+        .with_context(|| format!("opening {}", args.image))?;
+    // Files that a read can land in, weighted by size so every byte is equally likely.
+    let mut files = Vec::new();
+    let mut weight = 0u64;
+    for (li, layer) in image.layers().iter().enumerate() {
+        for (ei, e) in layer.entries().iter().enumerate() {
+            if e.kind == EntryKind::File && e.size > 0 {
+                weight += e.size;
+                files.push((weight, li, ei, e.size));
+            }
+        }
+    }
+    if files.is_empty() {
+        bail!("{} has no regular files", args.image);
+    }
+    let mut rng = args.seed.max(1);
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut lat = Vec::with_capacity(args.samples);
+    let mut bytes = Vec::with_capacity(args.samples);
+    let mut buf = vec![0u8; args.size];
+    for _ in 0..args.samples {
+        let pick = next() % weight;
+        let i = files.partition_point(|f| f.0 <= pick);
+        let (_, li, ei, size) = files[i.min(files.len() - 1)];
+        let off = next() % size;
+        let before = total.load(Ordering::Relaxed);
+        let t = Instant::now();
+        image.layers()[li].read_at(ei, off, &mut buf)?;
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+        bytes.push(total.load(Ordering::Relaxed) - before);
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    bytes.sort_unstable();
+    let pct = |v: &[f64], p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    let pctb = |v: &[u64], p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    let mean_bytes = bytes.iter().sum::<u64>() as f64 / bytes.len() as f64;
+    let layer_bytes: u64 = layers.iter().map(|l| l.descriptor.size()).sum();
+    let formats: Vec<&str> = layers.iter().map(|l| l.format.as_str()).collect();
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "samples": args.samples, "size": args.size, "formats": formats,
+                "p50_ms": pct(&lat, 0.5), "p99_ms": pct(&lat, 0.99), "max_ms": pct(&lat, 1.0),
+                "bytes_p50": pctb(&bytes, 0.5), "bytes_p99": pctb(&bytes, 0.99), "bytes_max": pctb(&bytes, 1.0),
+                "bytes_mean": mean_bytes, "layer_bytes": layer_bytes,
+            })
+        );
+    } else {
+        println!(
+            "{} random {}-byte reads over {} files ({:?}): latency p50 {:.2} ms p99 {:.2} ms max {:.2} ms; compressed bytes per read p50 {} p99 {} max {} mean {:.0}",
+            args.samples,
+            args.size,
+            files.len(),
+            formats,
+            pct(&lat, 0.5),
+            pct(&lat, 0.99),
+            pct(&lat, 1.0),
+            pctb(&bytes, 0.5),
+            pctb(&bytes, 0.99),
+            pctb(&bytes, 1.0),
+            mean_bytes
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,61 @@
+//! `ferry inspect IMAGE`
+
+use anyhow::{Context, Result};
+use ferry_index::image::open_layout_image;
+
+use super::{human, index::short, layout_ref};
+
+/// Arguments of `ferry inspect`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The image, `oci:DIR[:TAG]`.
+    pub image: String,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (layout, reference, _) = layout_ref(&args.image)?;
+    let (mdesc, _) = layout.image_manifest(&reference)?;
+    let (image, layers) = open_layout_image(&layout, &reference, &|s| s)
+        .with_context(|| format!("opening {}", args.image))?;
+    if args.json {
+        let doc = serde_json::json!({
+            "manifest": mdesc.digest().to_string(),
+            "layers": layers.iter().map(|l| serde_json::json!({
+                "digest": l.descriptor.digest().to_string(),
+                "mediaType": l.descriptor.media_type().to_string(),
+                "size": l.descriptor.size(),
+                "format": l.format,
+                "entries": l.entries,
+            })).collect::<Vec<_>>(),
+            "mergedEntries": image.table().len(),
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!("image {} manifest {}", args.image, mdesc.digest());
+    println!(
+        "{:<20} {:>10} {:<18} {:>8}  media type",
+        "layer", "size", "format", "entries"
+    );
+    for l in &layers {
+        println!(
+            "{:<20} {:>10} {:<18} {:>8}  {}",
+            short(l.descriptor.digest().as_ref()),
+            human(l.descriptor.size()),
+            l.format,
+            l.entries
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "-".into()),
+            l.descriptor.media_type()
+        );
+    }
+    println!(
+        "{} layers, {} paths in the merged root filesystem",
+        layers.len(),
+        image.table().len()
+    );
+    Ok(())
+}

@@ -1,0 +1,100 @@
+//! One module per subcommand.
+
+pub mod bench;
+pub mod cat;
+pub mod convert;
+pub mod demo;
+pub mod index;
+pub mod inspect;
+pub mod pack;
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use ferry_oci::{ImageRef, OciLayout};
+
+/// Opens the OCI layout an `oci:DIR:TAG` reference names; registries come with the
+/// registry client.
+pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
+    match ImageRef::parse(image)? {
+        ImageRef::Layout { dir, reference } => {
+            let layout = OciLayout::open(&dir).with_context(|| format!("opening {image}"))?;
+            Ok((layout, reference, dir))
+        }
+        ImageRef::Registry { .. } => bail!(
+            "{image} is a registry reference; this build reads OCI layouts only: copy it first with `skopeo copy docker://{image} oci:DIR:TAG`"
+        ),
+    }
+}
+
+/// Like [`layout_ref`] but creates the layout when it does not exist (outputs).
+pub fn output_layout(image: &str) -> Result<(OciLayout, String)> {
+    match ImageRef::parse(image)? {
+        ImageRef::Layout { dir, reference } => {
+            if reference.starts_with("sha256:") {
+                bail!("{image}: an output needs a tag, not a digest");
+            }
+            Ok((
+                OciLayout::open_or_create(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?,
+                reference,
+            ))
+        }
+        ImageRef::Registry { .. } => {
+            bail!("{image}: outputs must be OCI layouts (oci:DIR:TAG) in this build")
+        }
+    }
+}
+
+/// Human-readable byte count.
+pub fn human(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Writes an image (config + manifest) for `layers` into `layout` under `tag`.
+/// `config` is the image config to start from (its `rootfs.diff_ids` are replaced);
+/// `None` makes a minimal linux config for this machine's architecture. No timestamps
+/// are added, so the same layers give the same manifest digest.
+pub fn write_image(
+    layout: &OciLayout,
+    tag: &str,
+    layers: Vec<(ferry_oci::Descriptor, String)>,
+    config: Option<serde_json::Value>,
+) -> Result<ferry_oci::Descriptor> {
+    use ferry_oci::layout::{canonical_json, descriptor};
+    use ferry_oci::media::{OCI_CONFIG, OCI_MANIFEST};
+    let mut config = config.unwrap_or_else(|| {
+        serde_json::json!({
+            "architecture": std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"),
+            "os": "linux",
+            "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
+        })
+    });
+    let diff_ids: Vec<String> = layers.iter().map(|(_, d)| d.clone()).collect();
+    config["rootfs"] = serde_json::json!({"type": "layers", "diff_ids": diff_ids});
+    let config_bytes = canonical_json(&config)?;
+    let config_digest = layout.write_blob(&config_bytes)?;
+    let descs: Vec<ferry_oci::Descriptor> = layers.into_iter().map(|(d, _)| d).collect();
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": descriptor(OCI_CONFIG, config_digest, config_bytes.len() as u64, &[]),
+        "layers": descs,
+    });
+    let bytes = canonical_json(&manifest)?;
+    let digest = layout.write_blob(&bytes)?;
+    let desc = descriptor(OCI_MANIFEST, digest, bytes.len() as u64, &[]);
+    layout.set_tag(tag, &desc)?;
+    Ok(desc)
+}

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ferry's tests and benchmarks use (idempotent; needs root).
+set -euo pipefail
+PKGS=(containerd runc docker-registry skopeo podman stargz-snapshotter fuse3 protobuf-compiler
+      pigz zstd jq wrk hyperfine debootstrap iproute2 ca-certificates)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
