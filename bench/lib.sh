@@ -1,0 +1,33 @@
+# bench/lib.sh — shared helpers for benchmark scripts (source it).
+# shellcheck shell=bash
+set -euo pipefail
+BENCH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$BENCH_ROOT"
+FERRY=${FERRY:-$BENCH_ROOT/target/release/ferry}
+IMG=${IMG:-$BENCH_ROOT/bench/out/image}
+TAG=${TAG:-ferry-bench}
+
+ensure_ferry() {
+    cargo build --release --locked -q -p ferry
+}
+ensure_image() {
+    [ -f "$IMG/index.json" ] || bash bench/make-image.sh
+}
+now() { date +%s.%N; }
+# elapsed START -> seconds with 3 decimals
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.3f", b - a }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "inf" }'; }
+manifest_of() { # layout tag -> manifest path
+    local d
+    d=$(jq -r --arg t "$2" '.manifests[] | select(.annotations["org.opencontainers.image.ref.name"] == $t) | .digest' "$1/index.json")
+    echo "$1/blobs/sha256/${d#sha256:}"
+}
+layer_blobs() { # layout tag -> layer blob paths
+    jq -r '.layers[].digest' "$(manifest_of "$1" "$2")" | sed "s|sha256:|$1/blobs/sha256/|"
+}
+# Copy a layout cheaply (blobs hard-linked), so a benchmark can add artifacts to it.
+clone_layout() {
+    rm -rf "$2"; mkdir -p "$2"
+    cp -al "$1/blobs" "$2/blobs"
+    cp "$1/index.json" "$1/oci-layout" "$2/"
+}
