@@ -1231,7 +1231,7 @@ mod tests {
             let o = PackOptions {
                 span,
                 level: level.parse().unwrap(),
-                threads: 0,
+                threads,
             };
             let t = std::time::Instant::now();
             let out = pack_dir(Path::new(&dir), io::sink(), &o, &|_| {}).unwrap();
