@@ -25,7 +25,9 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     match mode % 3 {
-        0 => check_blob(rest, None),
+        0 => {
+            check_blob(rest, None);
+        }
         1 => {
             if let Some(blob) = wrap_toc(rest) {
                 check_blob(&blob, None);
@@ -46,7 +48,13 @@ fn check_blob(blob: &[u8], toc_digest: Option<&str>) -> Option<EstargzLayer> {
     assert!(layer.toc_offset() < blob.len() as u64);
     for (idx, e) in layer.entries().iter().enumerate().take(16) {
         assert!(e.path.split('/').all(|c| c != ".." && c != "."));
-        for (off, len) in [(0u64, 64usize), (1, 3), (e.size.saturating_sub(2), 8), (e.size, 1), (u64::MAX - 1, 4)] {
+        for (off, len) in [
+            (0u64, 64usize),
+            (1, 3),
+            (e.size.saturating_sub(2), 8),
+            (e.size, 1),
+            (u64::MAX - 1, 4),
+        ] {
             for r in layer.ranges_for(idx, off, len as u64) {
                 assert!(r.start < r.end && r.end <= layer.toc_offset());
             }
@@ -71,7 +79,11 @@ fn crc32(data: &[u8]) -> u32 {
     for &b in data {
         crc ^= u32::from(b);
         for _ in 0..8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ 0xedb8_8320 } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
         }
     }
     !crc
@@ -98,8 +110,9 @@ fn stored_gzip(data: &[u8]) -> Vec<u8> {
 }
 
 fn octal(field: &mut [u8], v: u64) {
-    let s = format!("{v:0width$o}", width = field.len() - 1);
-    field[..field.len() - 1].copy_from_slice(&s.as_bytes()[s.len() - (field.len() - 1)..]);
+    let n = field.len() - 1;
+    let s = format!("{v:0n$o}");
+    field[..n].copy_from_slice(&s.as_bytes()[s.len() - n..]);
 }
 
 /// A ustar header for a regular file.
@@ -165,13 +178,19 @@ fn round_trip(tar: &[u8], mode: u8) {
     };
     let mut open = || Ok(Box::new(Cursor::new(tar.to_vec())) as Box<dyn Read + Send>);
     let mut blob = Vec::new();
-    let out = convert(&mut open, &mut blob, &opts).expect("convert rejected a tar the walker accepts");
+    let out =
+        convert(&mut open, &mut blob, &opts).expect("convert rejected a tar the walker accepts");
     let layer = check_blob(&blob, Some(&out.toc_digest)).expect("cannot open a converted blob");
     let source = MemSource(blob);
     assert_eq!(source.len(), out.size);
     let kept: Vec<&(Entry, Vec<u8>)> = expected
         .iter()
-        .filter(|(e, _)| !matches!(e.path.as_str(), "stargz.index.json" | ".prefetch.landmark" | ".no.prefetch.landmark"))
+        .filter(|(e, _)| {
+            !matches!(
+                e.path.as_str(),
+                "stargz.index.json" | ".prefetch.landmark" | ".no.prefetch.landmark"
+            )
+        })
         .collect();
     assert_eq!(layer.entries().len(), kept.len());
     for (idx, (got, (want, data))) in layer.entries().iter().zip(kept).enumerate() {
