@@ -333,3 +333,85 @@ fn small_read_costs_at_most_one_span_plus_overlap() {
         );
     }
 }
+
+/// Layers without an index (zstd, gzip, plain tar) are read whole and serve the same
+/// bytes, with whiteouts applied across them.
+#[test]
+fn unindexed_layers_of_every_compression_read_whole() {
+    use ferry_oci::media::LayerCompression;
+    let mut lower = Layer {
+        nodes: BTreeMap::new(),
+        hardlinks: vec![],
+        opaque: vec![],
+        xattr: None,
+    };
+    lower
+        .nodes
+        .insert("d1/a".into(), Node::File(b"alpha".to_vec()));
+    lower
+        .nodes
+        .insert("d1/gone".into(), Node::File(b"old".to_vec()));
+    let mut upper = Layer {
+        nodes: BTreeMap::new(),
+        hardlinks: vec![],
+        opaque: vec![],
+        xattr: None,
+    };
+    upper.nodes.insert("d1/gone".into(), Node::Whiteout);
+    upper
+        .nodes
+        .insert("d2/b".into(), Node::File(vec![7u8; 100_000]));
+    for compression in [
+        LayerCompression::None,
+        LayerCompression::Gzip,
+        LayerCompression::Zstd,
+    ] {
+        let readers: Vec<LayerReader> = [&lower, &upper]
+            .iter()
+            .map(|l| {
+                let tar = write_tar(l);
+                let blob = match compression {
+                    LayerCompression::None => tar,
+                    LayerCompression::Gzip => gzip(&tar, 6, None),
+                    LayerCompression::Zstd => zstd::encode_all(&tar[..], 3).expect("zstd"),
+                };
+                LayerReader::whole(Arc::new(MemSource(blob)), compression).expect("whole layer")
+            })
+            .collect();
+        let image = MergedImage::new(readers);
+        let mut got = Vec::new();
+        image.cat("/d1/a", &mut got).expect("cat a");
+        assert_eq!(got, b"alpha");
+        got.clear();
+        image.cat("d2/b", &mut got).expect("cat b");
+        assert_eq!(got, vec![7u8; 100_000]);
+        assert!(
+            image.cat("d1/gone", &mut Vec::new()).is_err(),
+            "{compression:?}: whiteout not applied"
+        );
+    }
+}
+
+/// A flipped byte in a fetched span is caught by the span digest: the read fails and
+/// never returns wrong bytes.
+#[test]
+fn corrupted_span_fails_the_read() {
+    let data: Vec<u8> = (0..600_000u32).map(|i| (i % 251) as u8).collect();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = header(tar::EntryType::Regular, data.len() as u64);
+    b.append_data(&mut h, "f", &data[..]).expect("file");
+    let tar = b.into_inner().expect("tar");
+    let mut gz = gzip(&tar, 6, None);
+    let index = Arc::new(index_gzip(&gz[..], 64 << 10, None).expect("index"));
+    let mid = gz.len() / 2;
+    gz[mid] ^= 0x40;
+    let reader = LayerReader::new(LayerFormat::Indexed(index), Arc::new(MemSource(gz)));
+    let mut all = Vec::new();
+    let err = reader
+        .copy_file(0, &mut all)
+        .expect_err("corruption must be detected");
+    assert!(
+        matches!(err, ferry_index::Error::DigestMismatch { .. }),
+        "{err}"
+    );
+}
