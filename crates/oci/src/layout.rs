@@ -298,11 +298,20 @@ fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// Temp files are created 0600; layout content is world-readable like skopeo's (0644),
+/// so a registry or a non-root reader can serve it.
+fn make_readable(file: &File, path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    file.set_permissions(fs::Permissions::from_mode(0o644))
+        .map_err(io_err(path))
+}
+
 /// Writes a file atomically: temp file in the same directory, fsync, rename.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(io_err(dir))?;
     tmp.write_all(bytes).map_err(io_err(path))?;
+    make_readable(tmp.as_file(), path)?;
     tmp.as_file().sync_all().map_err(io_err(path))?;
     tmp.persist(path).map_err(|e| Error::Io {
         path: path.display().to_string(),
@@ -336,8 +345,9 @@ impl BlobWriter {
             path: self.dir.display().to_string(),
             source: e.into_error(),
         })?;
-        tmp.as_file().sync_all().map_err(io_err(&self.dir))?;
         let path = self.dir.join(digest.digest());
+        make_readable(tmp.as_file(), &path)?;
+        tmp.as_file().sync_all().map_err(io_err(&self.dir))?;
         tmp.persist(&path).map_err(|e| Error::Io {
             path: path.display().to_string(),
             source: e.error,
@@ -418,6 +428,25 @@ mod tests {
         assert_eq!(refs.len(), 1);
         assert_eq!(refs[0].digest(), &a);
         assert!(layout.resolve(&fallback_tag(&m)?).is_ok());
+        Ok(())
+    }
+
+    #[test]
+    fn written_blobs_are_world_readable() -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().map_err(io_err(Path::new("tmp")))?;
+        let layout = OciLayout::open_or_create(dir.path())?;
+        let d = layout.write_blob(b"x")?;
+        let mode = fs::metadata(layout.blob_path(&d)?)
+            .map_err(io_err(dir.path()))?
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
+        let mode = fs::metadata(dir.path().join("index.json"))
+            .map_err(io_err(dir.path()))?
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
         Ok(())
     }
 
