@@ -31,8 +31,8 @@
 //! `./`, no root entry, numeric ids only (uname/gname empty), whole-second mtimes
 //! (negative mtimes clamp to 0). Hard links (regular files with `nlink > 1`, keyed by
 //! `(dev, inode)`) become link entries to the first path seen in walk order. Sockets and
-//! unknown file types are skipped with a warning. Extended attributes are not recorded
-//! (std has no xattr API). Names that are not UTF-8 are refused.
+//! unknown file types are skipped with a warning. Extended attributes are kept as PAX `SCHILY.xattr.*` records (except
+//! `trusted.overlay.*` and `security.selinux`). Names that are not UTF-8 are refused.
 
 use std::collections::hash_map;
 use std::collections::{BTreeMap, HashMap};
@@ -479,6 +479,43 @@ fn base(rel: &str, md: &Metadata, kind: EntryKind) -> (Header, Entry) {
 
 /// Walks `dir` and writes its tar stream into `sink`; returns the file table and the
 /// stream size.
+/// Extended attributes of `path` (not following symlinks), as tar records them.
+/// overlayfs' own `trusted.overlay.*` and SELinux labels describe the build host, not the
+/// image, so they are left out, as container builders do. Unreadable or non-UTF-8 names
+/// are skipped with a warning: losing an attribute must not fail a pack.
+fn read_xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let names = match xattr::list(path) {
+        Ok(n) => n,
+        Err(e) => {
+            if e.raw_os_error() != Some(95) {
+                // 95 = EOPNOTSUPP: the filesystem has no xattrs at all.
+                tracing::warn!(path = %path.display(), error = %e, "pack: cannot list xattrs");
+            }
+            return out;
+        }
+    };
+    for name in names {
+        let Some(key) = name.to_str() else {
+            tracing::warn!(path = %path.display(), "pack: skipping a non-UTF-8 xattr name");
+            continue;
+        };
+        if key.starts_with("trusted.overlay.") || key == "security.selinux" {
+            continue;
+        }
+        match xattr::get(path, &name) {
+            Ok(Some(v)) => {
+                out.insert(key.to_string(), v);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(path = %path.display(), xattr = key, error = %e, "pack: cannot read xattr")
+            }
+        }
+    }
+    out
+}
+
 fn produce(dir: &Path, sink: TarSink) -> Result<(Vec<Entry>, u64)> {
     let mut builder = tar::Builder::new(sink);
     let mut entries = Vec::new();
@@ -561,6 +598,17 @@ fn produce(dir: &Path, sink: TarSink) -> Result<(Vec<Entry>, u64)> {
             continue;
         };
 
+        entry.xattrs = read_xattrs(&abs);
+        if !entry.xattrs.is_empty() {
+            let records: Vec<(String, &[u8])> = entry
+                .xattrs
+                .iter()
+                .map(|(k, v)| (format!("SCHILY.xattr.{k}"), v.as_slice()))
+                .collect();
+            builder
+                .append_pax_extensions(records.iter().map(|(k, v)| (k.as_str(), *v)))
+                .map_err(append_err)?;
+        }
         if !entry.link_target.is_empty() {
             let target = entry.link_target.as_bytes();
             if h.set_link_name_literal(target).is_err() {
@@ -1178,6 +1226,34 @@ mod tests {
             let (gz, out) = pack(src.path(), &o);
             check_index(&gz, &out);
         }
+    }
+
+    #[test]
+    fn pack_keeps_xattrs() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("capable");
+        fs::write(&f, b"x").unwrap();
+        if let Err(e) = xattr::set(&f, "user.ferry", b"v1\0bin") {
+            eprintln!("skipping: this filesystem has no user xattrs ({e})");
+            return;
+        }
+        let (gz, out) = pack(dir.path(), &opts(64 << 10, 1));
+        let e = out
+            .index
+            .entries
+            .iter()
+            .find(|e| e.path == "capable")
+            .unwrap();
+        assert_eq!(
+            e.xattrs.get("user.ferry").map(|v| v.as_slice()),
+            Some(&b"v1\0bin"[..])
+        );
+        let walked = crate::tarwalk::walk(&gunzip(&gz)[..]).unwrap();
+        let w = walked.iter().find(|e| e.path == "capable").unwrap();
+        assert_eq!(
+            w, e,
+            "the tar must carry the xattr exactly as the index records it"
+        );
     }
 
     #[test]
