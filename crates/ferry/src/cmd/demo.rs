@@ -45,7 +45,7 @@ pub fn run(args: Args) -> Result<()> {
     super::pack::run(super::pack::Args {
         dir: args.dir.clone(),
         dest: image.clone(),
-        span: ferry_index::zran::DEFAULT_SPAN,
+        span: ferry_index::pack::DEFAULT_SPAN,
         level: ferry_index::pack::PackOptions::default().level,
         threads: 0,
     })?;

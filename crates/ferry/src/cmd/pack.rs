@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail};
 use ferry_index::image::store_layout_artifact;
 use ferry_index::pack::{PackOptions, pack_dir};
-use ferry_index::zran::DEFAULT_SPAN;
 use ferry_oci::layout::{descriptor, digest};
 use ferry_oci::media::LAYER_TAR_GZIP;
 
@@ -20,7 +19,7 @@ pub struct Args {
     /// Destination image, `oci:DIR:TAG` (the layout is created if missing).
     pub dest: String,
     /// Uncompressed bytes per independently compressed gzip member (= index span).
-    #[arg(long, default_value_t = DEFAULT_SPAN)]
+    #[arg(long, default_value_t = ferry_index::pack::DEFAULT_SPAN)]
     pub span: u64,
     /// gzip level, 1 (fast) to 9 (small).
     #[arg(long, default_value_t = PackOptions::default().level)]
