@@ -10,6 +10,7 @@ use std::io;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Random-access, read-only bytes of one blob.
@@ -92,20 +93,27 @@ impl RangeSource for MemSource {
 }
 
 /// Wraps a source and counts the bytes and requests it served (`ferry cat --stats`).
+/// Several sources can share one pair of counters ([`CountingSource::shared`]), so an
+/// image's layers add up into one total.
 #[derive(Debug)]
 pub struct CountingSource<S> {
     inner: S,
-    bytes: AtomicU64,
-    requests: AtomicU64,
+    bytes: Arc<AtomicU64>,
+    requests: Arc<AtomicU64>,
 }
 
 impl<S: RangeSource> CountingSource<S> {
-    /// Wraps `inner`.
+    /// Wraps `inner` with counters of its own.
     pub fn new(inner: S) -> Self {
+        Self::shared(inner, Arc::default(), Arc::default())
+    }
+
+    /// Wraps `inner`, adding into counters other sources may share.
+    pub fn shared(inner: S, bytes: Arc<AtomicU64>, requests: Arc<AtomicU64>) -> Self {
         CountingSource {
             inner,
-            bytes: AtomicU64::new(0),
-            requests: AtomicU64::new(0),
+            bytes,
+            requests,
         }
     }
 
@@ -142,7 +150,7 @@ impl<S: RangeSource> RangeSource for CountingSource<S> {
     }
 }
 
-impl<T: RangeSource + ?Sized> RangeSource for std::sync::Arc<T> {
+impl<T: RangeSource + ?Sized> RangeSource for Arc<T> {
     fn len(&self) -> u64 {
         (**self).len()
     }

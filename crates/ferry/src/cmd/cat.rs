@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{Context, Result};
 use ferry_index::image::open_layout_image;
-use ferry_index::source::RangeSource;
+use ferry_index::source::{CountingSource, RangeSource};
 
 use super::layout_ref;
 
@@ -22,36 +22,11 @@ pub struct Args {
     pub path: String,
 }
 
-/// Counts bytes served by every layer source of an image.
-pub struct Counted {
-    inner: Arc<dyn RangeSource>,
-    total: Arc<AtomicU64>,
-}
-
-impl RangeSource for Counted {
-    fn len(&self) -> u64 {
-        self.inner.len()
-    }
-    fn read_range(&self, range: std::ops::Range<u64>) -> std::io::Result<Vec<u8>> {
-        let out = self.inner.read_range(range)?;
-        self.total.fetch_add(out.len() as u64, Ordering::Relaxed);
-        Ok(out)
-    }
-}
-
-impl std::fmt::Debug for Counted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Counted({} bytes)", self.inner.len())
-    }
-}
-
-/// Returns a wrapper that counts into `total`.
+/// Returns a wrapper that counts the bytes every wrapped source serves into `total`.
 pub fn counter(total: Arc<AtomicU64>) -> impl Fn(Arc<dyn RangeSource>) -> Arc<dyn RangeSource> {
     move |inner| {
-        Arc::new(Counted {
-            inner,
-            total: total.clone(),
-        }) as Arc<dyn RangeSource>
+        Arc::new(CountingSource::shared(inner, total.clone(), Arc::default()))
+            as Arc<dyn RangeSource>
     }
 }
 
