@@ -1,7 +1,7 @@
 //! `ferry index oci:DIR:TAG`
 
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::BufReader;
 
 use anyhow::{Context, Result};
 use ferry_index::ferryidx::LayerIndex;
@@ -151,12 +151,4 @@ pub fn run(args: Args) -> Result<()> {
 /// `sha256:0123456789ab` — enough to tell layers apart in a table.
 pub fn short(digest: &str) -> String {
     digest.chars().take(19).collect()
-}
-
-/// Reads a whole file (small helper for tests).
-#[allow(dead_code)]
-fn read_all(path: &std::path::Path) -> Result<Vec<u8>> {
-    let mut v = Vec::new();
-    File::open(path)?.read_to_end(&mut v)?;
-    Ok(v)
 }
