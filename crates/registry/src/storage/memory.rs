@@ -1,1 +1,513 @@
-//! (being written)
+//! In-process [`Storage`]: everything in maps behind one lock, lost on exit.
+//!
+//! Used by tests (of the server, cache and garbage collector) and benchmarks; it keeps
+//! every invariant of the trait so tests against it mean something for the real
+//! backends. Bodies are collected before the lock is taken, so a slow client never holds
+//! it, and each change happens under one lock acquisition, so it is atomic.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use sha2::{Digest as _, Sha256};
+
+use super::{
+    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
+    check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+};
+
+/// A [`Storage`] held in memory.
+#[derive(Debug, Default)]
+pub struct MemoryStorage {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    blobs: HashMap<String, Blob>,
+    uploads: HashMap<String, Upload>,
+    repos: BTreeMap<String, Repo>,
+}
+
+#[derive(Debug)]
+struct Blob {
+    bytes: Bytes,
+    modified: SystemTime,
+}
+
+#[derive(Debug)]
+struct Upload {
+    repo: String,
+    data: BytesMut,
+    hasher: Sha256,
+    touched: SystemTime,
+}
+
+#[derive(Debug, Default)]
+struct Repo {
+    blobs: HashMap<String, SystemTime>,
+    /// Manifest digest → (media type, link time).
+    manifests: HashMap<String, (String, SystemTime)>,
+    tags: BTreeMap<String, String>,
+    /// Subject digest → referrer digests.
+    referrers: HashMap<String, BTreeSet<String>>,
+}
+
+impl MemoryStorage {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the maps half-updated (every change
+        // is a single insert/remove), so a poisoned lock is still consistent.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// Reads `body` fully, failing with [`StorageError::TooLarge`] past `limit` bytes total
+/// (counting `already` bytes held before it).
+async fn collect_body(mut body: ByteStream, already: u64, limit: u64) -> Result<BytesMut> {
+    let mut out = BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(StorageError::Body)?;
+        if already + out.len() as u64 + chunk.len() as u64 > limit {
+            return Err(StorageError::TooLarge { limit });
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+fn slice_range(bytes: &Bytes, range: Option<Range<u64>>) -> Result<Bytes> {
+    let len = bytes.len() as u64;
+    match range {
+        None => Ok(bytes.clone()),
+        Some(r) if r.start <= r.end && r.end <= len => {
+            // Both bounds are ≤ len, which came from a usize.
+            Ok(bytes.slice(r.start as usize..r.end as usize))
+        }
+        Some(r) => Err(StorageError::Invalid(format!(
+            "range {}..{} of a {len}-byte blob",
+            r.start, r.end
+        ))),
+    }
+}
+
+#[async_trait]
+impl Storage for MemoryStorage {
+    async fn blob_size(&self, digest: &str) -> Result<Option<u64>> {
+        sha256_hex(digest)?;
+        Ok(self.lock().blobs.get(digest).map(|b| b.bytes.len() as u64))
+    }
+
+    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>> {
+        sha256_hex(digest)?;
+        let Some(bytes) = self.lock().blobs.get(digest).map(|b| b.bytes.clone()) else {
+            return Ok(None);
+        };
+        let part = slice_range(&bytes, range)?;
+        Ok(Some(BlobRead {
+            size: bytes.len() as u64,
+            body: Box::pin(futures_util::stream::iter([Ok(part)])),
+        }))
+    }
+
+    async fn blob_delete(&self, digest: &str) -> Result<bool> {
+        sha256_hex(digest)?;
+        Ok(self.lock().blobs.remove(digest).is_some())
+    }
+
+    async fn blob_list(&self) -> Result<Vec<BlobInfo>> {
+        let mut list: Vec<BlobInfo> = self
+            .lock()
+            .blobs
+            .iter()
+            .map(|(digest, b)| BlobInfo {
+                digest: digest.clone(),
+                size: b.bytes.len() as u64,
+                modified: b.modified,
+            })
+            .collect();
+        list.sort_by(|a, b| a.digest.cmp(&b.digest));
+        Ok(list)
+    }
+
+    async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64> {
+        sha256_hex(digest)?;
+        let data = collect_body(body, 0, limit).await?;
+        let actual = digest_of(&data);
+        if actual != digest {
+            return Err(StorageError::DigestMismatch {
+                expected: digest.to_string(),
+                actual,
+            });
+        }
+        let size = data.len() as u64;
+        commit_blob(&mut self.lock(), digest, data.freeze());
+        Ok(size)
+    }
+
+    async fn upload_start(&self, repo: &str) -> Result<String> {
+        let id = new_upload_id();
+        self.lock().uploads.insert(
+            id.clone(),
+            Upload {
+                repo: repo.to_string(),
+                data: BytesMut::new(),
+                hasher: Sha256::new(),
+                touched: SystemTime::now(),
+            },
+        );
+        Ok(id)
+    }
+
+    async fn upload_repo(&self, id: &str) -> Result<Option<String>> {
+        if !valid_upload_id(id) {
+            return Ok(None);
+        }
+        Ok(self.lock().uploads.get(id).map(|u| u.repo.clone()))
+    }
+
+    async fn upload_size(&self, id: &str) -> Result<Option<u64>> {
+        if !valid_upload_id(id) {
+            return Ok(None);
+        }
+        Ok(self.lock().uploads.get(id).map(|u| u.data.len() as u64))
+    }
+
+    async fn upload_append(
+        &self,
+        id: &str,
+        offset: u64,
+        body: ByteStream,
+        limit: u64,
+    ) -> Result<u64> {
+        let have = self.upload_size(id).await?;
+        let have = have.ok_or_else(|| StorageError::UploadUnknown(id.to_string()))?;
+        if have != offset {
+            return Err(StorageError::OutOfOrder { have, got: offset });
+        }
+        let chunk = collect_body(body, offset, limit).await?;
+        let mut state = self.lock();
+        let upload = state
+            .uploads
+            .get_mut(id)
+            .ok_or_else(|| StorageError::UploadUnknown(id.to_string()))?;
+        // Another append may have landed while this body streamed in.
+        let have = upload.data.len() as u64;
+        if have != offset {
+            return Err(StorageError::OutOfOrder { have, got: offset });
+        }
+        upload.hasher.update(&chunk);
+        upload.data.extend_from_slice(&chunk);
+        upload.touched = SystemTime::now();
+        Ok(upload.data.len() as u64)
+    }
+
+    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64> {
+        sha256_hex(digest)?;
+        if !valid_upload_id(id) {
+            return Err(StorageError::UploadUnknown(id.to_string()));
+        }
+        let mut state = self.lock();
+        let upload = state
+            .uploads
+            .remove(id)
+            .ok_or_else(|| StorageError::UploadUnknown(id.to_string()))?;
+        let actual = digest_string(upload.hasher);
+        if actual != digest {
+            return Err(StorageError::DigestMismatch {
+                expected: digest.to_string(),
+                actual,
+            });
+        }
+        let size = upload.data.len() as u64;
+        commit_blob(&mut state, digest, upload.data.freeze());
+        Ok(size)
+    }
+
+    async fn upload_cancel(&self, id: &str) -> Result<bool> {
+        if !valid_upload_id(id) {
+            return Ok(false);
+        }
+        Ok(self.lock().uploads.remove(id).is_some())
+    }
+
+    async fn upload_list_stale(&self, older_than: Duration) -> Result<Vec<String>> {
+        let now = SystemTime::now();
+        let mut ids: Vec<String> = self
+            .lock()
+            .uploads
+            .iter()
+            .filter(|(_, u)| {
+                now.duration_since(u.touched)
+                    .is_ok_and(|age| age >= older_than)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()> {
+        check_repo(repo)?;
+        sha256_hex(digest)?;
+        let mut state = self.lock();
+        let now = SystemTime::now();
+        // Linking an existing blob keeps it young, so a collection running right now
+        // does not delete what was just linked.
+        if let Some(blob) = state.blobs.get_mut(digest) {
+            blob.modified = now;
+        }
+        state
+            .repos
+            .entry(repo.to_string())
+            .or_default()
+            .blobs
+            .insert(digest.to_string(), now);
+        Ok(())
+    }
+
+    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool> {
+        check_repo(repo)?;
+        sha256_hex(digest)?;
+        Ok(self
+            .lock()
+            .repos
+            .get(repo)
+            .is_some_and(|r| r.blobs.contains_key(digest)))
+    }
+
+    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool> {
+        check_repo(repo)?;
+        sha256_hex(digest)?;
+        Ok(self
+            .lock()
+            .repos
+            .get_mut(repo)
+            .is_some_and(|r| r.blobs.remove(digest).is_some()))
+    }
+
+    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>> {
+        Ok(self
+            .repo_blob_links(repo)
+            .await?
+            .into_iter()
+            .map(|l| l.digest)
+            .collect())
+    }
+
+    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+        check_repo(repo)?;
+        let state = self.lock();
+        let mut links: Vec<LinkInfo> = state
+            .repos
+            .get(repo)
+            .map(|r| {
+                r.blobs
+                    .iter()
+                    .map(|(d, t)| LinkInfo {
+                        digest: d.clone(),
+                        modified: Some(*t),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        links.sort_by(|a, b| a.digest.cmp(&b.digest));
+        Ok(links)
+    }
+
+    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()> {
+        check_repo(repo)?;
+        sha256_hex(&manifest.digest)?;
+        let actual = digest_of(&manifest.bytes);
+        if actual != manifest.digest {
+            return Err(StorageError::DigestMismatch {
+                expected: manifest.digest.clone(),
+                actual,
+            });
+        }
+        let mut state = self.lock();
+        commit_blob(&mut state, &manifest.digest, manifest.bytes.clone());
+        state
+            .repos
+            .entry(repo.to_string())
+            .or_default()
+            .manifests
+            .insert(
+                manifest.digest.clone(),
+                (manifest.media_type.clone(), SystemTime::now()),
+            );
+        Ok(())
+    }
+
+    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>> {
+        check_repo(repo)?;
+        sha256_hex(digest)?;
+        let state = self.lock();
+        let Some((media_type, _)) = state.repos.get(repo).and_then(|r| r.manifests.get(digest))
+        else {
+            return Ok(None);
+        };
+        Ok(state.blobs.get(digest).map(|b| StoredManifest {
+            digest: digest.to_string(),
+            media_type: media_type.clone(),
+            bytes: b.bytes.clone(),
+        }))
+    }
+
+    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool> {
+        check_repo(repo)?;
+        sha256_hex(digest)?;
+        let mut state = self.lock();
+        let Some(r) = state.repos.get_mut(repo) else {
+            return Ok(false);
+        };
+        let existed = r.manifests.remove(digest).is_some();
+        if existed {
+            r.tags.retain(|_, target| target != digest);
+        }
+        Ok(existed)
+    }
+
+    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>> {
+        Ok(self
+            .manifest_links(repo)
+            .await?
+            .into_iter()
+            .map(|l| l.digest)
+            .collect())
+    }
+
+    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+        check_repo(repo)?;
+        let state = self.lock();
+        let mut links: Vec<LinkInfo> = state
+            .repos
+            .get(repo)
+            .map(|r| {
+                r.manifests
+                    .iter()
+                    .map(|(d, (_, t))| LinkInfo {
+                        digest: d.clone(),
+                        modified: Some(*t),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        links.sort_by(|a, b| a.digest.cmp(&b.digest));
+        Ok(links)
+    }
+
+    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()> {
+        check_repo(repo)?;
+        check_tag(tag)?;
+        sha256_hex(digest)?;
+        self.lock()
+            .repos
+            .entry(repo.to_string())
+            .or_default()
+            .tags
+            .insert(tag.to_string(), digest.to_string());
+        Ok(())
+    }
+
+    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>> {
+        check_repo(repo)?;
+        check_tag(tag)?;
+        Ok(self
+            .lock()
+            .repos
+            .get(repo)
+            .and_then(|r| r.tags.get(tag).cloned()))
+    }
+
+    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool> {
+        check_repo(repo)?;
+        check_tag(tag)?;
+        Ok(self
+            .lock()
+            .repos
+            .get_mut(repo)
+            .is_some_and(|r| r.tags.remove(tag).is_some()))
+    }
+
+    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>> {
+        check_repo(repo)?;
+        Ok(self
+            .lock()
+            .repos
+            .get(repo)
+            .map(|r| r.tags.keys().cloned().collect()))
+    }
+
+    async fn repo_list(&self) -> Result<Vec<String>> {
+        Ok(self.lock().repos.keys().cloned().collect())
+    }
+
+    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()> {
+        check_repo(repo)?;
+        sha256_hex(subject)?;
+        sha256_hex(referrer)?;
+        self.lock()
+            .repos
+            .entry(repo.to_string())
+            .or_default()
+            .referrers
+            .entry(subject.to_string())
+            .or_default()
+            .insert(referrer.to_string());
+        Ok(())
+    }
+
+    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>> {
+        check_repo(repo)?;
+        sha256_hex(subject)?;
+        let state = self.lock();
+        let Some(r) = state.repos.get(repo) else {
+            return Ok(Vec::new());
+        };
+        Ok(r.referrers
+            .get(subject)
+            .map(|set| {
+                set.iter()
+                    .filter(|d| r.manifests.contains_key(*d))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default())
+    }
+}
+
+/// Makes `bytes` the committed blob `digest` (already verified), or refreshes the time of
+/// an existing one so a concurrent collection keeps it.
+fn commit_blob(state: &mut State, digest: &str, bytes: Bytes) {
+    let now = SystemTime::now();
+    state
+        .blobs
+        .entry(digest.to_string())
+        .and_modify(|b| b.modified = now)
+        .or_insert(Blob {
+            bytes,
+            modified: now,
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::conformance;
+    use super::MemoryStorage;
+
+    #[tokio::test]
+    async fn conformance() {
+        conformance::run(&MemoryStorage::default()).await;
+    }
+
+    #[tokio::test]
+    async fn racing_appends() {
+        conformance::racing_appends(&MemoryStorage::default()).await;
+    }
+}

@@ -23,9 +23,14 @@ pub mod gc;
 pub mod memory;
 pub mod s3;
 
+#[cfg(test)]
+pub(crate) mod conformance;
+
 use std::fmt::Debug;
 use std::ops::Range;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -73,7 +78,9 @@ pub struct BlobRead {
 
 impl Debug for BlobRead {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlobRead").field("size", &self.size).finish()
+        f.debug_struct("BlobRead")
+            .field("size", &self.size)
+            .finish()
     }
 }
 
@@ -85,6 +92,127 @@ pub struct StoredManifest {
     /// Media type recorded at push time (the document's `mediaType`, else Content-Type).
     pub media_type: String,
     pub bytes: Bytes,
+}
+
+/// A committed blob as garbage collection sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobInfo {
+    /// `sha256:<hex>`.
+    pub digest: String,
+    pub size: u64,
+    /// When the blob was last written (committed, or re-committed by a later push).
+    pub modified: SystemTime,
+}
+
+/// A repository's link to a blob or manifest, as garbage collection sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// `sha256:<hex>` of the linked blob or manifest.
+    pub digest: String,
+    /// When the link was last written; `None` if the backend cannot tell.
+    pub modified: Option<SystemTime>,
+}
+
+impl LinkInfo {
+    fn undated(digest: String) -> LinkInfo {
+        LinkInfo {
+            digest,
+            modified: None,
+        }
+    }
+}
+
+/// Opens the backend `config` describes.
+pub async fn open(config: &StorageConfig) -> Result<Arc<dyn Storage>> {
+    Ok(match config {
+        StorageConfig::Filesystem { root } => {
+            let root = root.clone();
+            let fs = tokio::task::spawn_blocking(move || fs::FsStorage::open(&root))
+                .await
+                .map_err(|e| StorageError::Io(std::io::Error::other(e)))??;
+            Arc::new(fs)
+        }
+        StorageConfig::S3(s3) => Arc::new(s3::S3Storage::open(s3)?),
+        StorageConfig::Memory => Arc::new(memory::MemoryStorage::default()),
+    })
+}
+
+/// The hex part of a `sha256:<64 lowercase hex>` digest; anything else is refused (the
+/// hex part becomes a path component or object key, so it must be exactly that).
+pub(crate) fn sha256_hex(digest: &str) -> Result<&str> {
+    match digest.strip_prefix("sha256:") {
+        Some(hex) if is_lower_hex(hex, 64) => Ok(hex),
+        _ => Err(StorageError::Invalid(format!("digest {digest:?}"))),
+    }
+}
+
+fn is_lower_hex(s: &str, len: usize) -> bool {
+    s.len() == len
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// `sha256:<hex>` of a finished hash.
+pub(crate) fn digest_string(hasher: sha2::Sha256) -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(hasher.finalize()))
+}
+
+/// `sha256:<hex>` of `bytes`.
+pub(crate) fn digest_of(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
+}
+
+/// Length of an upload id: 128 random bits in lowercase hex.
+const UPLOAD_ID_LEN: usize = 32;
+
+/// A fresh upload session id (URL-safe, unguessable).
+pub(crate) fn new_upload_id() -> String {
+    hex::encode(rand::random::<[u8; UPLOAD_ID_LEN / 2]>())
+}
+
+/// Whether `id` could be one [`new_upload_id`] issued; anything else is an unknown
+/// session (and never reaches a path or key).
+pub(crate) fn valid_upload_id(id: &str) -> bool {
+    is_lower_hex(id, UPLOAD_ID_LEN)
+}
+
+/// Refuses repository names that are not `component(/component)*` with components of
+/// `[a-z0-9._-]` starting with a letter or digit: such a name could escape a backend's
+/// root (`..`), collide with its own bookkeeping (`_layers`) or not be a valid key.
+pub(crate) fn check_repo(repo: &str) -> Result<()> {
+    let ok = !repo.is_empty()
+        && repo.len() <= 255
+        && repo.split('/').all(|c| {
+            c.bytes()
+                .next()
+                .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+                && c.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+                })
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(StorageError::Invalid(format!("repository {repo:?}")))
+    }
+}
+
+/// Refuses tags outside `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}` (the distribution grammar), so
+/// a tag is always a single safe path component.
+pub(crate) fn check_tag(tag: &str) -> Result<()> {
+    let mut bytes = tag.bytes();
+    let ok = tag.len() <= 128
+        && bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(StorageError::Invalid(format!("tag {tag:?}")))
+    }
 }
 
 /// Where a storage backend lives; a section of the server's TOML config.
@@ -131,8 +259,9 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// this; the API deletes links.
     async fn blob_delete(&self, digest: &str) -> Result<bool>;
 
-    /// Every committed blob digest (for garbage collection).
-    async fn blob_list(&self) -> Result<Vec<String>>;
+    /// Every committed blob with its size and when it was last written (for garbage
+    /// collection, whose grace period protects young blobs).
+    async fn blob_list(&self) -> Result<Vec<BlobInfo>>;
 
     /// Store a whole blob from a stream, verifying it hashes to `digest`; at most `limit`
     /// bytes. Returns its size. Idempotent if the blob already exists.
@@ -140,8 +269,13 @@ pub trait Storage: Send + Sync + Debug + 'static {
 
     // ---- upload sessions ----
 
-    /// Start an upload session; returns its opaque id (URL-safe).
-    async fn upload_start(&self) -> Result<String>;
+    /// Start an upload session for `repo`; returns its opaque id (URL-safe). The session
+    /// belongs to that repository: the server refuses it under any other name, so push
+    /// rights on one repository never reach another repository's uploads.
+    async fn upload_start(&self, repo: &str) -> Result<String>;
+
+    /// The repository an upload session was started for, or `None` for an unknown session.
+    async fn upload_repo(&self, id: &str) -> Result<Option<String>>;
 
     /// Bytes received so far, or `None` for an unknown session.
     async fn upload_size(&self, id: &str) -> Result<Option<u64>>;
@@ -149,8 +283,13 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// Append `body` at `offset`, which must equal the current size (else
     /// [`StorageError::OutOfOrder`]); the session may hold at most `limit` bytes in total.
     /// Returns the new size.
-    async fn upload_append(&self, id: &str, offset: u64, body: ByteStream, limit: u64)
-    -> Result<u64>;
+    async fn upload_append(
+        &self,
+        id: &str,
+        offset: u64,
+        body: ByteStream,
+        limit: u64,
+    ) -> Result<u64>;
 
     /// Finish: verify the content hashes to `digest`, make it a committed blob atomically,
     /// and drop the session. On mismatch the session is dropped and nothing is committed.
@@ -177,6 +316,18 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// Every blob digest `repo` links (for garbage collection).
     async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>>;
 
+    /// Every blob link of `repo` with when it was last written (garbage collection never
+    /// removes a link younger than its grace period). The default reports no times, which
+    /// garbage collection treats as "too young to remove".
+    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+        Ok(self
+            .repo_blobs(repo)
+            .await?
+            .into_iter()
+            .map(LinkInfo::undated)
+            .collect())
+    }
+
     // ---- manifests and tags ----
 
     /// Store manifest bytes (as a blob) and link it into `repo` as a manifest.
@@ -191,6 +342,17 @@ pub trait Storage: Send + Sync + Debug + 'static {
 
     /// Every manifest digest linked into `repo`.
     async fn manifest_list(&self, repo: &str) -> Result<Vec<String>>;
+
+    /// Every manifest link of `repo` with when it was last written (see
+    /// [`Storage::repo_blob_links`]).
+    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+        Ok(self
+            .manifest_list(repo)
+            .await?
+            .into_iter()
+            .map(LinkInfo::undated)
+            .collect())
+    }
 
     /// Point `tag` of `repo` at manifest `digest` (atomic replace).
     async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()>;
