@@ -1,0 +1,567 @@
+//! Manifests: pull by tag or digest, push with validation, delete.
+//!
+//! A pushed manifest is only accepted if everything it references is already in the
+//! repository (config and layers linked, index children stored), so a tag can never point
+//! at an image that cannot be pulled. Foreign/non-distributable layers and layers with
+//! `urls` are exempt: by definition they live elsewhere.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::response::Response;
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderValue, Method, StatusCode, header};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use super::body::{check_declared_length, collect_bounded};
+use super::errors::{ApiError, ErrorCode};
+use super::routes::{is_digest_reference, validate_digest, validate_tag};
+use super::{DOCKER_CONTENT_DIGEST, Handled, OCI_SUBJECT, StateInner, header_value, read_only};
+use crate::auth::Actions;
+use crate::storage::StoredManifest;
+use ferry_oci::media;
+
+/// Media types a manifest PUT may declare as Content-Type without naming a format.
+const GENERIC_CONTENT_TYPES: &[&str] = &["", "application/json", "application/octet-stream"];
+
+/// The empty JSON blob `{}` OCI artifacts use as config; created on demand if a client
+/// references it without pushing it.
+const EMPTY_JSON_DIGEST: &str =
+    "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
+
+/// The fields of a manifest or index the registry looks at. Unknown fields are allowed
+/// (they are part of the content, which is stored byte for byte).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct ManifestDoc {
+    schema_version: Option<i64>,
+    media_type: Option<String>,
+    artifact_type: Option<String>,
+    config: Option<DescriptorDoc>,
+    layers: Option<Vec<DescriptorDoc>>,
+    manifests: Option<Vec<DescriptorDoc>>,
+    /// Deprecated OCI artifact manifests listed blobs here.
+    blobs: Option<Vec<DescriptorDoc>>,
+    subject: Option<DescriptorDoc>,
+    annotations: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct DescriptorDoc {
+    media_type: String,
+    digest: String,
+    size: i64,
+    #[serde(default)]
+    urls: Vec<String>,
+}
+
+/// A referrer as listed by the referrers API.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub(super) struct ReferrerDescriptor {
+    pub media_type: String,
+    pub digest: String,
+    pub size: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub artifact_type: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub annotations: Option<BTreeMap<String, String>>,
+}
+
+/// The referrers-API descriptor of a stored manifest (`None` if it does not parse).
+pub(super) fn referrer_descriptor(m: &StoredManifest) -> Option<ReferrerDescriptor> {
+    let doc: ManifestDoc = serde_json::from_slice(&m.bytes).ok()?;
+    let artifact_type = doc
+        .artifact_type
+        .or_else(|| doc.config.map(|c| c.media_type));
+    Some(ReferrerDescriptor {
+        media_type: m.media_type.clone(),
+        digest: m.digest.clone(),
+        size: m.bytes.len() as u64,
+        artifact_type,
+        annotations: doc.annotations.filter(|a| !a.is_empty()),
+    })
+}
+
+/// `GET`/`HEAD /v2/<name>/manifests/<reference>`.
+pub(super) async fn pull(st: &StateInner, parts: &Parts, name: &str, reference: &str) -> Handled {
+    st.authorize_repo(parts, name, Actions::PULL)?;
+    let by_digest = is_digest_reference(reference);
+    if by_digest {
+        validate_digest(reference)?;
+    } else {
+        validate_tag(reference)?;
+    }
+    let manifest: Arc<StoredManifest> = if let Some(pt) = st.upstream.as_deref() {
+        let m = pt
+            .manifest(name, reference)
+            .await
+            .map_err(|e| st.upstream_failure("manifest", e))?
+            .ok_or_else(|| ApiError::manifest_unknown(reference))?;
+        Arc::new(m)
+    } else {
+        let digest: Arc<str> = if by_digest {
+            reference.into()
+        } else {
+            st.resolve_tag(name, reference)
+                .await?
+                .ok_or_else(|| ApiError::manifest_unknown(reference))?
+        };
+        match st.manifest(name, &digest).await? {
+            Some(m) => m,
+            None => {
+                if !by_digest {
+                    st.tags.remove(name, reference);
+                }
+                return Err(ApiError::manifest_unknown(reference).into());
+            }
+        }
+    };
+    let etag = format!("\"{}\"", manifest.digest);
+    let not_modified = parts
+        .headers
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            v.split(',')
+                .any(|t| t.trim() == etag || t.trim() == manifest.digest || t.trim() == "*")
+        });
+    let head = parts.method == Method::HEAD;
+    let mut resp = if head || not_modified {
+        Response::new(Body::empty())
+    } else {
+        Response::new(Body::from(manifest.bytes.clone()))
+    };
+    if not_modified {
+        *resp.status_mut() = StatusCode::NOT_MODIFIED;
+    }
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, header_value(&manifest.media_type)?);
+    if !not_modified {
+        h.insert(
+            header::CONTENT_LENGTH,
+            HeaderValue::from(manifest.bytes.len()),
+        );
+    }
+    h.insert(DOCKER_CONTENT_DIGEST, header_value(&manifest.digest)?);
+    h.insert(header::ETAG, header_value(&etag)?);
+    Ok(resp)
+}
+
+/// What validation learned about a pushed manifest.
+struct Validated {
+    media_type: String,
+    /// Blobs to (re)link: config and layers.
+    blobs: Vec<(String, u64)>,
+    /// Index children (must be manifests in the repository).
+    children: Vec<(String, u64)>,
+    subject: Option<String>,
+}
+
+fn invalid(message: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorCode::ManifestInvalid, message)
+}
+
+/// `type/subtype[+suffix]` with token characters only.
+fn valid_media_type(mt: &str) -> bool {
+    let token = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$&^_.+-".contains(&b))
+    };
+    mt.len() <= 255
+        && mt
+            .split_once('/')
+            .is_some_and(|(t, s)| token(t) && token(s))
+}
+
+fn is_index_type(mt: &str) -> bool {
+    mt == media::OCI_INDEX || mt == media::DOCKER_MANIFEST_LIST
+}
+
+fn is_image_manifest_type(mt: &str) -> bool {
+    mt == media::OCI_MANIFEST || mt == media::DOCKER_MANIFEST
+}
+
+/// Layers that by definition are not stored in this registry.
+fn is_foreign_layer(d: &DescriptorDoc) -> bool {
+    !d.urls.is_empty()
+        || d.media_type.contains(".nondistributable.")
+        || d.media_type.contains(".foreign.")
+}
+
+fn check_descriptor(d: &DescriptorDoc, what: &str) -> Result<u64, ApiError> {
+    validate_digest(&d.digest).map_err(|_| {
+        invalid(format!("{what} has an invalid or unsupported digest"))
+            .with_detail(serde_json::json!({ "digest": d.digest }))
+    })?;
+    if !valid_media_type(&d.media_type) {
+        return Err(invalid(format!("{what} has an invalid mediaType")));
+    }
+    u64::try_from(d.size).map_err(|_| invalid(format!("{what} has a negative size")))
+}
+
+/// Parses and checks the document's shape and media type (no storage access).
+fn validate_document(bytes: &[u8], content_type: &str) -> Result<Validated, ApiError> {
+    if bytes.is_empty() {
+        return Err(invalid("empty manifest"));
+    }
+    let doc: ManifestDoc = serde_json::from_slice(bytes)
+        .map_err(|e| invalid(format!("manifest is not valid JSON: {e}")))?;
+    let declared_ct = content_type
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let generic_ct = GENERIC_CONTENT_TYPES.contains(&declared_ct.as_str());
+    if let Some(doc_mt) = doc.media_type.as_deref()
+        && !generic_ct
+        && doc_mt != declared_ct
+    {
+        return Err(invalid(format!(
+            "mediaType {doc_mt:?} does not match Content-Type {declared_ct:?}"
+        )));
+    }
+    let media_type = match (&doc.media_type, generic_ct) {
+        (Some(mt), _) => mt.clone(),
+        (None, false) => declared_ct,
+        (None, true) if doc.manifests.is_some() => media::OCI_INDEX.to_string(),
+        (None, true) if doc.config.is_some() => media::OCI_MANIFEST.to_string(),
+        (None, true) => return Err(invalid("cannot tell the manifest's media type")),
+    };
+    if !valid_media_type(&media_type) {
+        return Err(invalid("invalid mediaType"));
+    }
+    if media_type.starts_with("application/vnd.docker.distribution.manifest.v1") {
+        return Err(invalid("Docker schema 1 manifests are not supported"));
+    }
+    if (is_index_type(&media_type) || is_image_manifest_type(&media_type))
+        && doc.schema_version != Some(2)
+    {
+        return Err(invalid("schemaVersion must be 2"));
+    }
+    let looks_like_index = doc.manifests.is_some();
+    let looks_like_manifest = doc.config.is_some() || doc.layers.is_some() || doc.blobs.is_some();
+    if is_index_type(&media_type) && (!looks_like_index || doc.config.is_some()) {
+        return Err(invalid("an index needs a manifests list and no config"));
+    }
+    if is_image_manifest_type(&media_type) && (doc.config.is_none() || looks_like_index) {
+        return Err(invalid(
+            "an image manifest needs a config and no manifests list",
+        ));
+    }
+    if !looks_like_index && !looks_like_manifest {
+        return Err(invalid("neither a manifest nor an index"));
+    }
+    if let Some(at) = &doc.artifact_type
+        && !valid_media_type(at)
+    {
+        return Err(invalid("invalid artifactType"));
+    }
+
+    let mut blobs = Vec::new();
+    if let Some(config) = &doc.config {
+        let size = check_descriptor(config, "config")?;
+        blobs.push((config.digest.clone(), size));
+    }
+    for layer in doc
+        .layers
+        .iter()
+        .flatten()
+        .chain(doc.blobs.iter().flatten())
+    {
+        let size = check_descriptor(layer, "layer")?;
+        if !is_foreign_layer(layer) {
+            blobs.push((layer.digest.clone(), size));
+        }
+    }
+    let mut children = Vec::new();
+    for child in doc.manifests.iter().flatten() {
+        let size = check_descriptor(child, "index entry")?;
+        children.push((child.digest.clone(), size));
+    }
+    let subject = match &doc.subject {
+        Some(s) => {
+            check_descriptor(s, "subject")?;
+            Some(s.digest.clone())
+        }
+        None => None,
+    };
+    Ok(Validated {
+        media_type,
+        blobs,
+        children,
+        subject,
+    })
+}
+
+/// `PUT /v2/<name>/manifests/<reference>`.
+pub(super) async fn push(
+    st: &StateInner,
+    parts: &Parts,
+    body: Body,
+    name: &str,
+    reference: &str,
+) -> Handled {
+    st.authorize_repo(parts, name, Actions::PUSH)?;
+    if st.upstream.is_some() {
+        return Err(read_only());
+    }
+    let by_digest = is_digest_reference(reference);
+    if by_digest {
+        validate_digest(reference)?;
+    } else {
+        validate_tag(reference)?;
+    }
+    let limit = st.limits.max_manifest_bytes;
+    check_declared_length(&parts.headers, limit, ErrorCode::ManifestInvalid)?;
+    let bytes: Bytes = collect_bounded(
+        body,
+        limit,
+        st.idle(),
+        &st.metrics,
+        ErrorCode::ManifestInvalid,
+    )
+    .await?;
+    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
+    if by_digest && reference != digest {
+        return Err(ApiError::digest_invalid(
+            reference,
+            "manifest content does not match the digest in the URL",
+        )
+        .with_detail(serde_json::json!({ "expected": reference, "actual": digest }))
+        .into());
+    }
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let v = validate_document(&bytes, content_type)?;
+
+    // Everything referenced must already be in this repository.
+    let mut created_empty = false;
+    for (blob, declared) in &v.blobs {
+        match st.linked_blob_size(name, blob).await? {
+            Some(size) if size == *declared => {}
+            Some(size) => {
+                return Err(invalid("a descriptor's size does not match the blob")
+                    .with_detail(serde_json::json!({
+                        "digest": blob, "declared": declared, "actual": size
+                    }))
+                    .into());
+            }
+            None if blob == EMPTY_JSON_DIGEST && *declared == 2 => {
+                let body: crate::storage::ByteStream =
+                    Box::pin(futures_util::stream::once(async {
+                        Ok(Bytes::from_static(b"{}"))
+                    }));
+                st.storage
+                    .blob_put(EMPTY_JSON_DIGEST, body, 2)
+                    .await
+                    .map_err(|e| ApiError::from_storage(e, "storing the empty blob"))?;
+                created_empty = true;
+            }
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::ManifestBlobUnknown,
+                    "manifest references a blob unknown to this repository",
+                )
+                .with_detail(serde_json::json!({ "digest": blob }))
+                .into());
+            }
+        }
+    }
+    for (child, declared) in &v.children {
+        match st.manifest(name, child).await? {
+            Some(m) if m.bytes.len() as u64 == *declared => {}
+            Some(_) => {
+                return Err(invalid("an index entry's size does not match the manifest")
+                    .with_detail(serde_json::json!({ "digest": child }))
+                    .into());
+            }
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::ManifestUnknown,
+                    "index references a manifest unknown to this repository",
+                )
+                .with_detail(serde_json::json!({ "digest": child }))
+                .into());
+            }
+        }
+    }
+    if created_empty {
+        st.storage
+            .link_blob(name, EMPTY_JSON_DIGEST)
+            .await
+            .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
+    }
+
+    let stored = StoredManifest {
+        digest: digest.clone(),
+        media_type: v.media_type,
+        bytes,
+    };
+    st.storage
+        .manifest_put(name, &stored)
+        .await
+        .map_err(|e| ApiError::from_storage(e, "storing a manifest"))?;
+    if let Some(subject) = &v.subject {
+        st.storage
+            .referrer_add(name, subject, &digest)
+            .await
+            .map_err(|e| ApiError::from_storage(e, "recording a referrer"))?;
+    }
+    if !by_digest {
+        st.storage
+            .tag_set(name, reference, &digest)
+            .await
+            .map_err(|e| ApiError::from_storage(e, "setting a tag"))?;
+        st.tags.insert(name, reference, digest.as_str().into(), 0);
+    }
+    let weight = stored.bytes.len() as u64;
+    st.manifests.insert(name, &digest, Arc::new(stored), weight);
+
+    let mut resp = super::empty_response(StatusCode::CREATED);
+    let h = resp.headers_mut();
+    h.insert(
+        header::LOCATION,
+        header_value(&format!("/v2/{name}/manifests/{digest}"))?,
+    );
+    h.insert(DOCKER_CONTENT_DIGEST, header_value(&digest)?);
+    if let Some(subject) = &v.subject {
+        h.insert(OCI_SUBJECT, header_value(subject)?);
+    }
+    Ok(resp)
+}
+
+/// `DELETE /v2/<name>/manifests/<reference>`: by digest removes the manifest (and its
+/// tags); by tag removes just the tag.
+pub(super) async fn delete(st: &StateInner, parts: &Parts, name: &str, reference: &str) -> Handled {
+    st.authorize_repo(parts, name, Actions::DELETE)?;
+    if st.upstream.is_some() {
+        return Err(read_only());
+    }
+    let existed = if is_digest_reference(reference) {
+        validate_digest(reference)?;
+        let existed = st
+            .storage
+            .manifest_delete(name, reference)
+            .await
+            .map_err(|e| ApiError::from_storage(e, "deleting a manifest"))?;
+        st.manifests.remove(name, reference);
+        st.tags
+            .remove_where(|repo, _, d| repo == name && &**d == reference);
+        existed
+    } else {
+        validate_tag(reference)?;
+        let existed = st
+            .storage
+            .tag_delete(name, reference)
+            .await
+            .map_err(|e| ApiError::from_storage(e, "deleting a tag"))?;
+        st.tags.remove(name, reference);
+        existed
+    };
+    if !existed {
+        return Err(ApiError::manifest_unknown(reference).into());
+    }
+    Ok(super::empty_response(StatusCode::ACCEPTED))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(mt: &str, hex: char, size: i64) -> String {
+        format!(
+            r#"{{"mediaType":"{mt}","digest":"sha256:{}","size":{size}}}"#,
+            hex.to_string().repeat(64)
+        )
+    }
+
+    #[test]
+    fn shapes() {
+        let m = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","config":{},"layers":[{}]}}"#,
+            media::OCI_MANIFEST,
+            d(media::OCI_CONFIG, 'a', 10),
+            d(media::LAYER_TAR_GZIP, 'b', 20)
+        );
+        let v = validate_document(m.as_bytes(), media::OCI_MANIFEST).map_err(|e| e.message);
+        assert_eq!(v.as_ref().map(|v| v.blobs.len()), Ok(2));
+        // Content-Type disagreeing with mediaType.
+        assert!(validate_document(m.as_bytes(), media::OCI_INDEX).is_err());
+        // Generic Content-Type: taken from the document.
+        assert!(validate_document(m.as_bytes(), "application/json").is_ok());
+        // Schema version.
+        let bad = m.replace("\"schemaVersion\":2", "\"schemaVersion\":1");
+        assert!(validate_document(bad.as_bytes(), media::OCI_MANIFEST).is_err());
+        // Negative size and bad digests.
+        let bad = m.replace("\"size\":20", "\"size\":-1");
+        assert!(validate_document(bad.as_bytes(), media::OCI_MANIFEST).is_err());
+        let bad = m.replacen("sha256:", "md5:", 1);
+        assert!(validate_document(bad.as_bytes(), media::OCI_MANIFEST).is_err());
+        // Not JSON, empty.
+        assert!(validate_document(b"{", media::OCI_MANIFEST).is_err());
+        assert!(validate_document(b"", media::OCI_MANIFEST).is_err());
+        // An index needs manifests.
+        let idx = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","manifests":[{}]}}"#,
+            media::OCI_INDEX,
+            d(media::OCI_MANIFEST, 'c', 30)
+        );
+        let v = validate_document(idx.as_bytes(), media::OCI_INDEX).map_err(|e| e.message);
+        assert_eq!(v.as_ref().map(|v| v.children.len()), Ok(1));
+        assert!(validate_document(idx.as_bytes(), media::OCI_MANIFEST).is_err());
+        // Foreign layers are not required locally.
+        let foreign = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","config":{},"layers":[{}]}}"#,
+            media::DOCKER_MANIFEST,
+            d("application/vnd.docker.container.image.v1+json", 'a', 10),
+            d(
+                "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+                'b',
+                20
+            )
+        );
+        let v =
+            validate_document(foreign.as_bytes(), media::DOCKER_MANIFEST).map_err(|e| e.message);
+        assert_eq!(v.as_ref().map(|v| v.blobs.len()), Ok(1));
+        // Schema 1 refused.
+        assert!(
+            validate_document(
+                br#"{"schemaVersion":1,"name":"x"}"#,
+                "application/vnd.docker.distribution.manifest.v1+prettyjws"
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn referrer_descriptors() {
+        let m = StoredManifest {
+            digest: "sha256:x".into(),
+            media_type: media::OCI_MANIFEST.into(),
+            bytes: Bytes::from(format!(
+                r#"{{"schemaVersion":2,"config":{},"layers":[],"annotations":{{"k":"v"}}}}"#,
+                d("application/vnd.example.sig", 'a', 2)
+            )),
+        };
+        let r = referrer_descriptor(&m);
+        assert_eq!(
+            r.as_ref().and_then(|r| r.artifact_type.as_deref()),
+            Some("application/vnd.example.sig")
+        );
+        assert_eq!(
+            r.and_then(|r| r.annotations)
+                .and_then(|a| a.get("k").cloned()),
+            Some("v".to_string())
+        );
+    }
+}

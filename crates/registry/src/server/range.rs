@@ -1,0 +1,114 @@
+//! HTTP `Range` (blob reads) and `Content-Range` (chunked uploads) parsing.
+//!
+//! Only what registries need: one byte range per request. Multi-range requests are
+//! answered with the whole blob (allowed by RFC 9110), which every client handles.
+
+use std::ops::Range;
+
+/// The outcome of matching a `Range` header against a blob of known size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RangeRequest {
+    /// No usable range: send the whole blob with 200.
+    Full,
+    /// Send these bytes with 206.
+    Partial(Range<u64>),
+    /// Answer 416 with `Content-Range: bytes */size`.
+    Unsatisfiable,
+}
+
+/// Interprets a `Range` header value for a blob of `size` bytes.
+///
+/// Syntactically invalid headers and units other than `bytes` are ignored (full 200), as
+/// RFC 9110 requires; a valid range that starts past the end is unsatisfiable.
+pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
+    let Some(value) = header else {
+        return RangeRequest::Full;
+    };
+    let Some(spec) = value.trim().strip_prefix("bytes=") else {
+        return RangeRequest::Full;
+    };
+    if spec.contains(',') {
+        return RangeRequest::Full;
+    }
+    let Some((first, last)) = spec.trim().split_once('-') else {
+        return RangeRequest::Full;
+    };
+    let (first, last) = (first.trim(), last.trim());
+    if first.is_empty() {
+        // Suffix range: the last N bytes.
+        let Ok(n) = last.parse::<u64>() else {
+            return RangeRequest::Full;
+        };
+        if n == 0 || size == 0 {
+            return RangeRequest::Unsatisfiable;
+        }
+        return RangeRequest::Partial(size.saturating_sub(n)..size);
+    }
+    let Ok(start) = first.parse::<u64>() else {
+        return RangeRequest::Full;
+    };
+    let end_inclusive = if last.is_empty() {
+        None
+    } else {
+        match last.parse::<u64>() {
+            Ok(e) if e >= start => Some(e),
+            _ => return RangeRequest::Full,
+        }
+    };
+    if start >= size {
+        return RangeRequest::Unsatisfiable;
+    }
+    let end = end_inclusive.map_or(size, |e| e.saturating_add(1).min(size));
+    RangeRequest::Partial(start..end)
+}
+
+/// A chunk's `Content-Range` on `PATCH`: `<start>-<end>` inclusive (the spec's form), also
+/// accepting the RFC form `bytes <start>-<end>/<total|*>`.
+pub fn parse_content_range(value: &str) -> Option<(u64, u64)> {
+    let v = value.trim();
+    let v = v.strip_prefix("bytes ").unwrap_or(v).trim();
+    let v = v.split_once('/').map_or(v, |(r, _)| r);
+    let (a, b) = v.split_once('-')?;
+    let start: u64 = a.trim().parse().ok()?;
+    let end: u64 = b.trim().parse().ok()?;
+    (end >= start).then_some((start, end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges() {
+        use RangeRequest::*;
+        assert_eq!(parse_range(None, 10), Full);
+        assert_eq!(parse_range(Some("bytes=0-4"), 10), Partial(0..5));
+        assert_eq!(parse_range(Some("bytes=5-"), 10), Partial(5..10));
+        assert_eq!(parse_range(Some("bytes=-3"), 10), Partial(7..10));
+        assert_eq!(parse_range(Some("bytes=-30"), 10), Partial(0..10));
+        assert_eq!(parse_range(Some("bytes=8-100"), 10), Partial(8..10));
+        assert_eq!(parse_range(Some("bytes=9-9"), 10), Partial(9..10));
+        assert_eq!(parse_range(Some("bytes=10-"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=10-20"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=-0"), 10), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=0-"), 0), Unsatisfiable);
+        assert_eq!(parse_range(Some("bytes=5-2"), 10), Full);
+        assert_eq!(parse_range(Some("bytes=0-1,4-5"), 10), Full);
+        assert_eq!(parse_range(Some("items=0-1"), 10), Full);
+        assert_eq!(parse_range(Some("bytes=x-1"), 10), Full);
+        assert_eq!(
+            parse_range(Some("bytes=18446744073709551615-"), 10),
+            Unsatisfiable
+        );
+    }
+
+    #[test]
+    fn content_ranges() {
+        assert_eq!(parse_content_range("0-99"), Some((0, 99)));
+        assert_eq!(parse_content_range("bytes 100-199/*"), Some((100, 199)));
+        assert_eq!(parse_content_range("bytes 100-199/500"), Some((100, 199)));
+        assert_eq!(parse_content_range("5-4"), None);
+        assert_eq!(parse_content_range("abc"), None);
+        assert_eq!(parse_content_range("-4"), None);
+    }
+}

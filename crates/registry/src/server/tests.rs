@@ -1,0 +1,1549 @@
+//! End-to-end tests of the HTTP API, driven in process (`tower::ServiceExt::oneshot`) over
+//! [`MemoryStorage`], plus real-listener tests over HTTP/1.1, h2c and the filesystem
+//! backend.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use sha2::{Digest as _, Sha256};
+use tower::ServiceExt;
+
+use super::*;
+use crate::auth::{AuthConfig, Authenticator};
+use crate::storage::memory::MemoryStorage;
+use ferry_oci::media;
+
+struct Resp {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Resp {
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or("")
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+
+    fn error_code(&self) -> String {
+        self.json()["errors"][0]["code"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+}
+
+fn digest_of(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+struct TestApp {
+    router: Router,
+    state: AppState,
+}
+
+fn app_with(limits: Limits, cache: MemoryCacheConfig) -> TestApp {
+    let storage: Arc<dyn Storage> = Arc::new(MemoryStorage::default());
+    let auth = Arc::new(Authenticator::new(&AuthConfig::default()).unwrap());
+    let state = AppState::new(storage, auth, None, Metrics::new(), limits, &cache);
+    TestApp {
+        router: router(state.clone()),
+        state,
+    }
+}
+
+fn app() -> TestApp {
+    app_with(Limits::default(), MemoryCacheConfig::default())
+}
+
+/// No in-memory caching at all: every read goes to storage (the streaming paths).
+fn uncached_app() -> TestApp {
+    app_with(
+        Limits::default(),
+        MemoryCacheConfig {
+            entries: 0,
+            small_blob_bytes: 0,
+            ..MemoryCacheConfig::default()
+        },
+    )
+}
+
+impl TestApp {
+    async fn send(
+        &self,
+        method: Method,
+        uri: &str,
+        headers: &[(&str, &str)],
+        body: impl Into<Body>,
+    ) -> Resp {
+        let mut req = Request::builder().method(method).uri(uri);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let resp = self
+            .router
+            .clone()
+            .oneshot(req.body(body.into()).unwrap())
+            .await
+            .unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        Resp {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    async fn get(&self, uri: &str) -> Resp {
+        self.send(Method::GET, uri, &[], Body::empty()).await
+    }
+
+    async fn push_blob(&self, repo: &str, data: &[u8]) -> String {
+        let digest = digest_of(data);
+        let r = self
+            .send(
+                Method::POST,
+                &format!("/v2/{repo}/blobs/uploads/?digest={digest}"),
+                &[("content-length", &data.len().to_string())],
+                data.to_vec(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+        digest
+    }
+
+    async fn put_manifest(
+        &self,
+        repo: &str,
+        reference: &str,
+        media_type: &str,
+        doc: &[u8],
+    ) -> Resp {
+        self.send(
+            Method::PUT,
+            &format!("/v2/{repo}/manifests/{reference}"),
+            &[("content-type", media_type)],
+            doc.to_vec(),
+        )
+        .await
+    }
+
+    /// Pushes a config and one layer and an image manifest tagged `tag`; returns the
+    /// manifest digest and bytes.
+    async fn push_image(&self, repo: &str, tag: &str, layer: &[u8]) -> (String, Vec<u8>) {
+        let config = br#"{"architecture":"amd64","os":"linux"}"#;
+        let cd = self.push_blob(repo, config).await;
+        let ld = self.push_blob(repo, layer).await;
+        let doc = image_manifest(
+            media::OCI_CONFIG,
+            &cd,
+            config.len(),
+            &[(ld.as_str(), layer.len())],
+            None,
+            None,
+        );
+        let r = self
+            .put_manifest(repo, tag, media::OCI_MANIFEST, &doc)
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+        (digest_of(&doc), doc)
+    }
+}
+
+fn image_manifest(
+    config_type: &str,
+    config_digest: &str,
+    config_size: usize,
+    layers: &[(&str, usize)],
+    subject: Option<(&str, usize)>,
+    artifact_type: Option<&str>,
+) -> Vec<u8> {
+    let layers: Vec<_> = layers
+        .iter()
+        .map(|(d, s)| serde_json::json!({"mediaType": media::LAYER_TAR_GZIP, "digest": d, "size": s}))
+        .collect();
+    let mut doc = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": media::OCI_MANIFEST,
+        "config": {"mediaType": config_type, "digest": config_digest, "size": config_size},
+        "layers": layers,
+    });
+    if let Some((d, s)) = subject {
+        doc["subject"] =
+            serde_json::json!({"mediaType": media::OCI_MANIFEST, "digest": d, "size": s});
+    }
+    if let Some(at) = artifact_type {
+        doc["artifactType"] = serde_json::json!(at);
+        doc["annotations"] = serde_json::json!({"org.example.kind": at});
+    }
+    serde_json::to_vec(&doc).unwrap()
+}
+
+// ---------------------------------------------------------------- base, routing, names
+
+#[tokio::test]
+async fn base_endpoint() {
+    let t = app();
+    let r = t.get("/v2/").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], b"{}");
+    assert_eq!(r.header("docker-distribution-api-version"), "registry/2.0");
+    let r = t.send(Method::HEAD, "/v2/", &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.body.is_empty());
+    let r = t.send(Method::POST, "/v2/", &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.error_code(), "UNSUPPORTED");
+    assert_eq!(r.header("allow"), "GET, HEAD");
+}
+
+#[tokio::test]
+async fn unknown_routes_are_json_404() {
+    let t = app();
+    for uri in ["/nope", "/v2/x/whatever/y", "/v3/", "/v2/x"] {
+        let r = t.get(uri).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{uri}");
+        assert_eq!(r.header("content-type"), "application/json");
+        assert!(!r.error_code().is_empty());
+    }
+    let r = t
+        .send(Method::PATCH, "/v2/x/manifests/latest", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.error_code(), "UNSUPPORTED");
+}
+
+#[tokio::test]
+async fn path_tricks_are_name_invalid() {
+    let t = app();
+    for uri in [
+        "/v2/../etc/manifests/latest",
+        "/v2/a/../b/manifests/latest",
+        "/v2/a/%2e%2e/b/manifests/latest",
+        "/v2/%2e%2e/blobs/uploads/",
+        "/v2/a//b/tags/list",
+        "/v2/Upper/tags/list",
+        "/v2/a..b/tags/list",
+        "/v2/./tags/list",
+        "/v2//manifests/latest",
+    ] {
+        let r = t.get(uri).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(r.error_code(), "NAME_INVALID", "{uri}");
+    }
+    let r = t
+        .send(
+            Method::POST,
+            "/v2/a/%2e%2e/blobs/uploads/",
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.error_code(), "NAME_INVALID");
+    // Nothing was created.
+    let r = t.get("/v2/_catalog").await;
+    assert_eq!(r.json()["repositories"], serde_json::json!([]));
+}
+
+#[tokio::test]
+async fn bad_digests() {
+    let t = app();
+    let sha512 = format!("sha512:{}", "a".repeat(128));
+    for d in ["sha256:zz", "nope", sha512.as_str(), "sha256:ABC"] {
+        let r = t.get(&format!("/v2/r/blobs/{d}")).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{d}");
+        assert_eq!(r.error_code(), "DIGEST_INVALID", "{d}");
+    }
+    let r = t
+        .send(
+            Method::POST,
+            "/v2/r/blobs/uploads/?digest=sha256:1234",
+            &[],
+            "x",
+        )
+        .await;
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+}
+
+// ---------------------------------------------------------------- blobs
+
+#[tokio::test]
+async fn monolithic_push_and_pull() {
+    for t in [app(), uncached_app()] {
+        let data = b"hello layer";
+        let digest = t.push_blob("lib/app", data).await;
+        let r = t.get(&format!("/v2/lib/app/blobs/{digest}")).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], data);
+        assert_eq!(r.header("docker-content-digest"), digest);
+        assert_eq!(r.header("content-length"), data.len().to_string());
+        assert_eq!(r.header("accept-ranges"), "bytes");
+        let r = t
+            .send(
+                Method::HEAD,
+                &format!("/v2/lib/app/blobs/{digest}"),
+                &[],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(r.body.is_empty());
+        assert_eq!(r.header("content-length"), data.len().to_string());
+        // Another repository does not link it: not served there.
+        let r = t.get(&format!("/v2/other/blobs/{digest}")).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert_eq!(r.error_code(), "BLOB_UNKNOWN");
+        // Unknown blob.
+        let r = t
+            .get(&format!("/v2/lib/app/blobs/{}", digest_of(b"nope")))
+            .await;
+        assert_eq!(r.error_code(), "BLOB_UNKNOWN");
+    }
+}
+
+#[tokio::test]
+async fn monolithic_push_with_wrong_digest_stores_nothing() {
+    let t = app();
+    let wrong = digest_of(b"something else");
+    let r = t
+        .send(
+            Method::POST,
+            &format!("/v2/r/blobs/uploads/?digest={wrong}"),
+            &[],
+            "actual content",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+    assert_eq!(t.state.storage().blob_size(&wrong).await.unwrap(), None);
+    let actual = digest_of(b"actual content");
+    assert_eq!(t.state.storage().blob_size(&actual).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn ranges() {
+    for t in [app(), uncached_app()] {
+        let data: Vec<u8> = (0..100u8).collect();
+        let digest = t.push_blob("r", &data).await;
+        let uri = format!("/v2/r/blobs/{digest}");
+        let get = |range: &'static str| {
+            let t = &t;
+            let uri = uri.clone();
+            async move {
+                t.send(Method::GET, &uri, &[("range", range)], Body::empty())
+                    .await
+            }
+        };
+        let r = get("bytes=0-3").await;
+        assert_eq!(r.status, StatusCode::PARTIAL_CONTENT);
+        assert_eq!(&r.body[..], &data[0..4]);
+        assert_eq!(r.header("content-range"), "bytes 0-3/100");
+        assert_eq!(r.header("content-length"), "4");
+        let r = get("bytes=90-").await;
+        assert_eq!(r.status, StatusCode::PARTIAL_CONTENT);
+        assert_eq!(&r.body[..], &data[90..]);
+        assert_eq!(r.header("content-range"), "bytes 90-99/100");
+        let r = get("bytes=-5").await;
+        assert_eq!(&r.body[..], &data[95..]);
+        assert_eq!(r.header("content-range"), "bytes 95-99/100");
+        let r = get("bytes=50-1000").await;
+        assert_eq!(&r.body[..], &data[50..]);
+        let r = get("bytes=100-").await;
+        assert_eq!(r.status, StatusCode::RANGE_NOT_SATISFIABLE);
+        assert_eq!(r.header("content-range"), "bytes */100");
+        let r = get("bytes=0-1,5-6").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], &data[..]);
+        let r = t
+            .send(
+                Method::HEAD,
+                &uri,
+                &[("range", "bytes=10-19")],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::PARTIAL_CONTENT);
+        assert_eq!(r.header("content-length"), "10");
+        assert!(r.body.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn chunked_upload_in_order_and_out_of_order() {
+    let t = app();
+    let r = t
+        .send(Method::POST, "/v2/c/blobs/uploads/", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    assert_eq!(r.header("range"), "0-0");
+    let location = r.header("location").to_string();
+    let id = r.header("docker-upload-uuid").to_string();
+    assert_eq!(location, format!("/v2/c/blobs/uploads/{id}"));
+
+    let r = t
+        .send(
+            Method::PATCH,
+            &location,
+            &[("content-range", "0-4"), ("content-length", "5")],
+            "01234",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    assert_eq!(r.header("range"), "0-4");
+    assert_eq!(r.header("location"), location);
+
+    // A chunk that skips ahead is refused with the current range.
+    let r = t
+        .send(
+            Method::PATCH,
+            &location,
+            &[("content-range", "10-14")],
+            "abcde",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::RANGE_NOT_SATISFIABLE);
+    assert_eq!(r.header("range"), "0-4");
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_INVALID");
+    // So is one that repeats.
+    let r = t
+        .send(
+            Method::PATCH,
+            &location,
+            &[("content-range", "0-4")],
+            "01234",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::RANGE_NOT_SATISFIABLE);
+    // Content-Length disagreeing with Content-Range.
+    let r = t
+        .send(
+            Method::PATCH,
+            &location,
+            &[("content-range", "5-9"), ("content-length", "3")],
+            "567",
+        )
+        .await;
+    assert_eq!(r.error_code(), "SIZE_INVALID");
+
+    let r = t
+        .send(
+            Method::PATCH,
+            &location,
+            &[("content-range", "5-9")],
+            "56789",
+        )
+        .await;
+    assert_eq!(r.header("range"), "0-9");
+
+    let r = t.get(&location).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(r.header("range"), "0-9");
+
+    // Final chunk with the PUT.
+    let digest = digest_of(b"0123456789XYZ");
+    let r = t
+        .send(
+            Method::PUT,
+            &format!("{location}?digest={digest}"),
+            &[("content-range", "10-12")],
+            "XYZ",
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    assert_eq!(r.header("docker-content-digest"), digest);
+    assert_eq!(r.header("location"), format!("/v2/c/blobs/{digest}"));
+    let r = t.get(&format!("/v2/c/blobs/{digest}")).await;
+    assert_eq!(&r.body[..], b"0123456789XYZ");
+    // The session is gone.
+    let r = t.get(&location).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
+}
+
+#[tokio::test]
+async fn streamed_upload_then_empty_put() {
+    let t = app();
+    let r = t
+        .send(Method::POST, "/v2/s/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let r = t.send(Method::PATCH, &location, &[], "streamed ").await;
+    assert_eq!(r.header("range"), "0-8");
+    let r = t.send(Method::PATCH, &location, &[], "body").await;
+    assert_eq!(r.header("range"), "0-12");
+    let digest = digest_of(b"streamed body");
+    let r = t
+        .send(
+            Method::PUT,
+            &format!("{location}?digest={digest}"),
+            &[("content-length", "0")],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = t.get(&format!("/v2/s/blobs/{digest}")).await;
+    assert_eq!(&r.body[..], b"streamed body");
+}
+
+#[tokio::test]
+async fn put_with_wrong_digest_fails_and_drops_session() {
+    let t = app();
+    let r = t
+        .send(Method::POST, "/v2/w/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    t.send(Method::PATCH, &location, &[], "data").await;
+    let wrong = digest_of(b"other");
+    let r = t
+        .send(
+            Method::PUT,
+            &format!("{location}?digest={wrong}"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+    let r = t.get(&format!("/v2/w/blobs/{wrong}")).await;
+    assert_eq!(r.error_code(), "BLOB_UNKNOWN");
+    // Missing digest parameter.
+    let r = t
+        .send(Method::POST, "/v2/w/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let r = t.send(Method::PUT, &location, &[], Body::empty()).await;
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+}
+
+#[tokio::test]
+async fn cancel_and_unknown_uploads() {
+    let t = app();
+    let r = t
+        .send(Method::POST, "/v2/x/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let r = t.send(Method::DELETE, &location, &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let r = t.send(Method::DELETE, &location, &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
+    for id in ["0123456789abcdef0123456789abcdef", "not-an-id"] {
+        let r = t
+            .send(
+                Method::PATCH,
+                &format!("/v2/x/blobs/uploads/{id}"),
+                &[],
+                "z",
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{id}");
+        assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
+    }
+}
+
+#[tokio::test]
+async fn upload_sessions_belong_to_their_repository() {
+    let t = app();
+    let r = t
+        .send(Method::POST, "/v2/team/a/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let id = location.rsplit('/').next().unwrap().to_string();
+    let elsewhere = format!("/v2/team/b/blobs/uploads/{id}");
+    for method in [Method::GET, Method::PATCH, Method::PUT, Method::DELETE] {
+        let r = t.send(method.clone(), &elsewhere, &[], "z").await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{method}");
+        assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN", "{method}");
+    }
+    // The owner's session is untouched by those attempts.
+    let r = t.send(Method::GET, &location, &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    assert_eq!(r.header("range"), "0-0");
+}
+
+#[tokio::test]
+async fn cross_repository_mount() {
+    let t = app();
+    let digest = t.push_blob("src", b"shared layer").await;
+    let r = t
+        .send(
+            Method::POST,
+            &format!("/v2/dst/blobs/uploads/?mount={digest}&from=src"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(r.header("location"), format!("/v2/dst/blobs/{digest}"));
+    assert_eq!(r.header("docker-content-digest"), digest);
+    let r = t.get(&format!("/v2/dst/blobs/{digest}")).await;
+    assert_eq!(&r.body[..], b"shared layer");
+
+    // Source does not link it: fall back to an upload session.
+    let unknown = digest_of(b"never pushed");
+    for uri in [
+        format!("/v2/dst2/blobs/uploads/?mount={digest}&from=elsewhere"),
+        format!("/v2/dst2/blobs/uploads/?mount={unknown}&from=src"),
+        format!("/v2/dst2/blobs/uploads/?mount={digest}"),
+        format!("/v2/dst2/blobs/uploads/?mount={digest}&from=BAD..name"),
+    ] {
+        let r = t.send(Method::POST, &uri, &[], Body::empty()).await;
+        assert_eq!(r.status, StatusCode::ACCEPTED, "{uri}");
+        assert!(r.header("location").starts_with("/v2/dst2/blobs/uploads/"));
+    }
+    let r = t.get(&format!("/v2/dst2/blobs/{digest}")).await;
+    assert_eq!(r.error_code(), "BLOB_UNKNOWN");
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_refused() {
+    let limits = Limits {
+        max_blob_bytes: 16,
+        max_manifest_bytes: 64,
+        ..Limits::default()
+    };
+    let t = app_with(limits, MemoryCacheConfig::default());
+    let big = vec![7u8; 17];
+    let digest = digest_of(&big);
+    // Declared too large: refused before reading.
+    let r = t
+        .send(
+            Method::POST,
+            &format!("/v2/o/blobs/uploads/?digest={digest}"),
+            &[("content-length", "17")],
+            big.clone(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.error_code(), "SIZE_INVALID");
+    // Streamed without a length: refused by the storage bound.
+    let stream =
+        futures_util::stream::iter(vec![Ok::<_, std::io::Error>(Bytes::from(big.clone()))]);
+    let r = t
+        .send(
+            Method::POST,
+            &format!("/v2/o/blobs/uploads/?digest={digest}"),
+            &[],
+            Body::from_stream(stream),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    // Chunked: the session may not grow past the limit, and is cleaned up.
+    let r = t
+        .send(Method::POST, "/v2/o/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let r = t.send(Method::PATCH, &location, &[], vec![1u8; 10]).await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    let r = t.send(Method::PATCH, &location, &[], vec![1u8; 10]).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let r = t.get(&location).await;
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
+    // Manifests over their own limit.
+    let doc = vec![b' '; 65];
+    let r = t
+        .put_manifest("o", "latest", media::OCI_MANIFEST, &doc)
+        .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.error_code(), "MANIFEST_INVALID");
+    assert_eq!(t.state.storage().tag_list("o").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn stalled_upload_body_times_out_and_is_cancelled() {
+    let limits = Limits {
+        body_idle_timeout: Duration::from_millis(100),
+        ..Limits::default()
+    };
+    let t = app_with(limits, MemoryCacheConfig::default());
+    let r = t
+        .send(Method::POST, "/v2/slow/blobs/uploads/", &[], Body::empty())
+        .await;
+    let location = r.header("location").to_string();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(1);
+    tx.send(Ok(Bytes::from_static(b"first bytes")))
+        .await
+        .unwrap();
+    let stream = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    // The sender stays alive but sends nothing more: the body stalls.
+    let r = t
+        .send(Method::PATCH, &location, &[], Body::from_stream(stream))
+        .await;
+    assert_eq!(r.status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_INVALID");
+    let r = t.get(&location).await;
+    assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
+    drop(tx);
+}
+
+// ---------------------------------------------------------------- manifests
+
+#[tokio::test]
+async fn manifest_push_pull_by_tag_and_digest() {
+    for t in [app(), uncached_app()] {
+        let (digest, doc) = t.push_image("lib/img", "v1", b"layer-bytes").await;
+        for reference in ["v1", digest.as_str()] {
+            let r = t.get(&format!("/v2/lib/img/manifests/{reference}")).await;
+            assert_eq!(r.status, StatusCode::OK);
+            assert_eq!(&r.body[..], &doc[..]);
+            assert_eq!(r.header("content-type"), media::OCI_MANIFEST);
+            assert_eq!(r.header("docker-content-digest"), digest);
+            assert_eq!(r.header("etag"), format!("\"{digest}\""));
+            let r = t
+                .send(
+                    Method::HEAD,
+                    &format!("/v2/lib/img/manifests/{reference}"),
+                    &[],
+                    Body::empty(),
+                )
+                .await;
+            assert_eq!(r.status, StatusCode::OK);
+            assert!(r.body.is_empty());
+            assert_eq!(r.header("content-length"), doc.len().to_string());
+        }
+        let etag = format!("\"{digest}\"");
+        let r = t
+            .send(
+                Method::GET,
+                "/v2/lib/img/manifests/v1",
+                &[("if-none-match", &etag)],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::NOT_MODIFIED);
+        let r = t.get("/v2/lib/img/manifests/v2").await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert_eq!(r.error_code(), "MANIFEST_UNKNOWN");
+        let r = t.get("/v2/lib/img/manifests/.bad").await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST);
+        // Not pullable through a repository that does not hold it.
+        let r = t.get(&format!("/v2/other/manifests/{digest}")).await;
+        assert_eq!(r.error_code(), "MANIFEST_UNKNOWN");
+    }
+}
+
+#[tokio::test]
+async fn manifest_put_response_headers() {
+    let t = app();
+    let config = b"{}";
+    let cd = t.push_blob("h", config).await;
+    let doc = image_manifest(media::OCI_CONFIG, &cd, 2, &[], None, None);
+    let digest = digest_of(&doc);
+    let r = t
+        .put_manifest("h", &digest, media::OCI_MANIFEST, &doc)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(r.header("location"), format!("/v2/h/manifests/{digest}"));
+    assert_eq!(r.header("docker-content-digest"), digest);
+    assert_eq!(r.header("oci-subject"), "");
+}
+
+#[tokio::test]
+async fn manifest_validation() {
+    let t = app();
+    let config = br#"{"os":"linux"}"#;
+    let cd = t.push_blob("v", config).await;
+    let missing = digest_of(b"missing layer");
+    // Layer not in the repository.
+    let doc = image_manifest(
+        media::OCI_CONFIG,
+        &cd,
+        config.len(),
+        &[(&missing, 13)],
+        None,
+        None,
+    );
+    let r = t.put_manifest("v", "t", media::OCI_MANIFEST, &doc).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "MANIFEST_BLOB_UNKNOWN");
+    // Config pushed to another repository only.
+    let other_cfg = t.push_blob("elsewhere", b"{\"x\":1}").await;
+    let doc = image_manifest(media::OCI_CONFIG, &other_cfg, 7, &[], None, None);
+    let r = t.put_manifest("v", "t", media::OCI_MANIFEST, &doc).await;
+    assert_eq!(r.error_code(), "MANIFEST_BLOB_UNKNOWN");
+    // Wrong size for a known blob.
+    let doc = image_manifest(media::OCI_CONFIG, &cd, config.len() + 1, &[], None, None);
+    let r = t.put_manifest("v", "t", media::OCI_MANIFEST, &doc).await;
+    assert_eq!(r.error_code(), "MANIFEST_INVALID");
+    // Content-Type disagreeing with mediaType.
+    let doc = image_manifest(media::OCI_CONFIG, &cd, config.len(), &[], None, None);
+    let r = t.put_manifest("v", "t", media::OCI_INDEX, &doc).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(r.error_code(), "MANIFEST_INVALID");
+    // Not JSON.
+    let r = t
+        .put_manifest("v", "t", media::OCI_MANIFEST, b"{not json")
+        .await;
+    assert_eq!(r.error_code(), "MANIFEST_INVALID");
+    // PUT by a digest that is not the content's.
+    let r = t
+        .put_manifest("v", &digest_of(b"other"), media::OCI_MANIFEST, &doc)
+        .await;
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+    // Invalid tag.
+    let r = t.put_manifest("v", "-bad", media::OCI_MANIFEST, &doc).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // Nothing above was stored.
+    assert!(
+        t.state
+            .storage()
+            .manifest_list("v")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // Non-distributable layers need not be present.
+    let mut v: serde_json::Value = serde_json::from_slice(&doc).unwrap();
+    v["layers"] = serde_json::json!([{
+        "mediaType": "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
+        "digest": missing, "size": 13, "urls": ["https://example.com/layer"]
+    }]);
+    let doc2 = serde_json::to_vec(&v).unwrap();
+    let r = t
+        .put_manifest("v", "foreign", media::OCI_MANIFEST, &doc2)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    // The well-known empty config is created on demand.
+    let empty = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
+    let doc3 = image_manifest(
+        media::OCI_EMPTY,
+        empty,
+        2,
+        &[],
+        None,
+        Some("application/vnd.example"),
+    );
+    let r = t
+        .put_manifest("v", "artifact", media::OCI_MANIFEST, &doc3)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let r = t.get(&format!("/v2/v/blobs/{empty}")).await;
+    assert_eq!(&r.body[..], b"{}");
+}
+
+#[tokio::test]
+async fn image_index_children_must_exist() {
+    let t = app();
+    let (child, doc) = t.push_image("idx", "amd64", b"l1").await;
+    let index = |d: &str, size: usize| {
+        serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": media::OCI_INDEX,
+            "manifests": [{"mediaType": media::OCI_MANIFEST, "digest": d, "size": size,
+                           "platform": {"architecture": "amd64", "os": "linux"}}],
+        }))
+        .unwrap()
+    };
+    let unknown = digest_of(b"no such manifest");
+    let r = t
+        .put_manifest("idx", "multi", media::OCI_INDEX, &index(&unknown, 10))
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "MANIFEST_UNKNOWN");
+    let good = index(&child, doc.len());
+    let r = t
+        .put_manifest("idx", "multi", media::OCI_INDEX, &good)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = t.get("/v2/idx/manifests/multi").await;
+    assert_eq!(r.header("content-type"), media::OCI_INDEX);
+    assert_eq!(&r.body[..], &good[..]);
+    // A child in another repository does not count.
+    let r = t
+        .put_manifest("idx2", "multi", media::OCI_INDEX, &good)
+        .await;
+    assert_eq!(r.error_code(), "MANIFEST_UNKNOWN");
+}
+
+#[tokio::test]
+async fn deletes() {
+    let t = app();
+    let (digest, _) = t.push_image("d", "v1", b"layer").await;
+    let r = t
+        .send(
+            Method::PUT,
+            "/v2/d/manifests/v2",
+            &[("content-type", media::OCI_MANIFEST)],
+            t.get("/v2/d/manifests/v1").await.body,
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    // Delete a tag: the other tag and the manifest stay.
+    let r = t
+        .send(Method::DELETE, "/v2/d/manifests/v1", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    assert_eq!(
+        t.get("/v2/d/manifests/v1").await.error_code(),
+        "MANIFEST_UNKNOWN"
+    );
+    assert_eq!(t.get("/v2/d/manifests/v2").await.status, StatusCode::OK);
+    let r = t
+        .send(Method::DELETE, "/v2/d/manifests/v1", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // Delete by digest: the manifest and its remaining tag go.
+    let r = t
+        .send(
+            Method::DELETE,
+            &format!("/v2/d/manifests/{digest}"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    assert_eq!(
+        t.get(&format!("/v2/d/manifests/{digest}")).await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        t.get("/v2/d/manifests/v2").await.status,
+        StatusCode::NOT_FOUND
+    );
+    // Delete a blob link.
+    let layer = digest_of(b"layer");
+    assert_eq!(
+        t.get(&format!("/v2/d/blobs/{layer}")).await.status,
+        StatusCode::OK
+    );
+    let r = t
+        .send(
+            Method::DELETE,
+            &format!("/v2/d/blobs/{layer}"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    assert_eq!(
+        t.get(&format!("/v2/d/blobs/{layer}")).await.error_code(),
+        "BLOB_UNKNOWN"
+    );
+    let r = t
+        .send(
+            Method::DELETE,
+            &format!("/v2/d/blobs/{layer}"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+}
+
+// ---------------------------------------------------------------- discovery
+
+#[tokio::test]
+async fn tag_list_pagination() {
+    let t = app();
+    let (_, doc) = t.push_image("p", "t0", b"x").await;
+    for tag in ["t1", "t2", "t3", "t4"] {
+        let r = t.put_manifest("p", tag, media::OCI_MANIFEST, &doc).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+    }
+    let r = t.get("/v2/p/tags/list").await;
+    assert_eq!(r.json()["name"], "p");
+    assert_eq!(
+        r.json()["tags"],
+        serde_json::json!(["t0", "t1", "t2", "t3", "t4"])
+    );
+    assert_eq!(r.header("link"), "");
+    let r = t.get("/v2/p/tags/list?n=2").await;
+    assert_eq!(r.json()["tags"], serde_json::json!(["t0", "t1"]));
+    assert_eq!(
+        r.header("link"),
+        "</v2/p/tags/list?n=2&last=t1>; rel=\"next\""
+    );
+    let r = t.get("/v2/p/tags/list?n=2&last=t1").await;
+    assert_eq!(r.json()["tags"], serde_json::json!(["t2", "t3"]));
+    let r = t.get("/v2/p/tags/list?n=2&last=t3").await;
+    assert_eq!(r.json()["tags"], serde_json::json!(["t4"]));
+    assert_eq!(r.header("link"), "");
+    let r = t.get("/v2/p/tags/list?n=0").await;
+    assert_eq!(r.json()["tags"], serde_json::json!([]));
+    let r = t.get("/v2/p/tags/list?n=abc").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = t.get("/v2/nope/tags/list").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.error_code(), "NAME_UNKNOWN");
+}
+
+#[tokio::test]
+async fn catalog_pagination() {
+    let t = app();
+    for repo in ["a", "b/c", "d"] {
+        t.push_blob(repo, repo.as_bytes()).await;
+    }
+    let r = t.get("/v2/_catalog").await;
+    assert_eq!(
+        r.json()["repositories"],
+        serde_json::json!(["a", "b/c", "d"])
+    );
+    let r = t.get("/v2/_catalog?n=2").await;
+    assert_eq!(r.json()["repositories"], serde_json::json!(["a", "b/c"]));
+    assert_eq!(
+        r.header("link"),
+        "</v2/_catalog?n=2&last=b%2Fc>; rel=\"next\""
+    );
+    let r = t.get("/v2/_catalog?n=2&last=b%2Fc").await;
+    assert_eq!(r.json()["repositories"], serde_json::json!(["d"]));
+    assert_eq!(r.header("link"), "");
+}
+
+#[tokio::test]
+async fn referrers_api() {
+    let t = app();
+    let (subject, subject_doc) = t.push_image("ref", "v1", b"base layer").await;
+    let empty = "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
+    // An artifact with an explicit artifactType.
+    let sig = image_manifest(
+        media::OCI_EMPTY,
+        empty,
+        2,
+        &[],
+        Some((&subject, subject_doc.len())),
+        Some("application/vnd.example.signature"),
+    );
+    let sig_digest = digest_of(&sig);
+    let r = t
+        .put_manifest("ref", &sig_digest, media::OCI_MANIFEST, &sig)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    assert_eq!(r.header("oci-subject"), subject);
+    // One whose type comes from its config media type.
+    let cfg = t.push_blob("ref", b"{\"sbom\":1}").await;
+    let sbom = image_manifest(
+        "application/vnd.example.sbom",
+        &cfg,
+        10,
+        &[],
+        Some((&subject, subject_doc.len())),
+        None,
+    );
+    let r = t
+        .put_manifest("ref", "sbom", media::OCI_MANIFEST, &sbom)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+
+    let r = t.get(&format!("/v2/ref/referrers/{subject}")).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("content-type"), media::OCI_INDEX);
+    let v = r.json();
+    assert_eq!(v["schemaVersion"], 2);
+    assert_eq!(v["mediaType"], media::OCI_INDEX);
+    let mut types: Vec<String> = v["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["artifactType"].as_str().unwrap().to_string())
+        .collect();
+    types.sort();
+    assert_eq!(
+        types,
+        [
+            "application/vnd.example.sbom",
+            "application/vnd.example.signature"
+        ]
+    );
+    let entry = v["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["digest"] == sig_digest.as_str())
+        .unwrap()
+        .clone();
+    assert_eq!(entry["size"], sig.len());
+    assert_eq!(entry["mediaType"], media::OCI_MANIFEST);
+    assert_eq!(
+        entry["annotations"]["org.example.kind"],
+        "application/vnd.example.signature"
+    );
+
+    let r = t
+        .get(&format!(
+            "/v2/ref/referrers/{subject}?artifactType=application%2Fvnd.example.sbom"
+        ))
+        .await;
+    assert_eq!(r.header("oci-filters-applied"), "artifactType");
+    let m = r.json()["manifests"].as_array().unwrap().clone();
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0]["artifactType"], "application/vnd.example.sbom");
+
+    // No referrers: an empty index, not a 404.
+    let r = t
+        .get(&format!("/v2/ref/referrers/{}", digest_of(b"x")))
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["manifests"], serde_json::json!([]));
+    let r = t.get("/v2/ref/referrers/sha256:nothex").await;
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
+
+    // A deleted referrer disappears from the list.
+    let r = t
+        .send(
+            Method::DELETE,
+            &format!("/v2/ref/manifests/{sig_digest}"),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    let r = t.get(&format!("/v2/ref/referrers/{subject}")).await;
+    assert_eq!(r.json()["manifests"].as_array().unwrap().len(), 1);
+}
+
+// ---------------------------------------------------------------- metrics, pull-through
+
+#[tokio::test]
+async fn metrics_endpoint_counts_layer_requests() {
+    let t = app();
+    let digest = t.push_blob("m", b"abc").await;
+    for _ in 0..3 {
+        t.get(&format!("/v2/m/blobs/{digest}")).await;
+    }
+    t.get("/v2/m/manifests/nope").await;
+    let r = t.get("/metrics").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let text = std::str::from_utf8(&r.body).unwrap();
+    assert!(
+        text.contains("ferry_registry_layer_requests_total 3"),
+        "{text}"
+    );
+    assert!(
+        text.contains("route=\"manifest_pull\",status=\"404\""),
+        "{text}"
+    );
+    assert!(text.contains("ferry_registry_response_bytes_total{route=\"blob_pull\"} 9"));
+    assert!(text.contains("ferry_registry_cache_hits_total{kind=\"memory_link\"}"));
+    assert_eq!(t.state.metrics().layer_requests(), 3);
+}
+
+#[tokio::test]
+async fn pull_through_mode_is_read_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Metrics::new();
+    let up =
+        crate::cache::UpstreamConfig::new("http://127.0.0.1:9").with_default_cache_dir(dir.path());
+    let pt = crate::cache::PullThrough::new(&up, metrics.clone())
+        .await
+        .unwrap();
+    let state = AppState::new(
+        Arc::new(MemoryStorage::default()),
+        Arc::new(Authenticator::new(&AuthConfig::default()).unwrap()),
+        Some(Arc::new(pt)),
+        metrics,
+        Limits::default(),
+        &MemoryCacheConfig::default(),
+    );
+    let t = TestApp {
+        router: router(state.clone()),
+        state,
+    };
+    let d = digest_of(b"x");
+    for (method, uri) in [
+        (Method::POST, "/v2/r/blobs/uploads/".to_string()),
+        (Method::PUT, "/v2/r/manifests/latest".to_string()),
+        (Method::DELETE, "/v2/r/manifests/latest".to_string()),
+        (Method::DELETE, format!("/v2/r/blobs/{d}")),
+        (Method::GET, "/v2/_catalog".to_string()),
+    ] {
+        let r = t.send(method.clone(), &uri, &[], Body::empty()).await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {uri}");
+        assert_eq!(r.error_code(), "UNSUPPORTED");
+    }
+}
+
+// ---------------------------------------------------------------- real listeners
+
+async fn start_server(
+    config: Config,
+) -> (
+    SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let server = Server::bind(&config).await.unwrap();
+    let addr = server.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        server
+            .run(async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+    });
+    (addr, tx, task)
+}
+
+use std::net::SocketAddr;
+
+#[tokio::test]
+async fn filesystem_backend_over_a_real_listener() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        ..Config::default()
+    };
+    config.set_root(dir.path().join("data"));
+    let (addr, stop, task) = start_server(config).await;
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::builder().build().unwrap();
+
+    let r = http.get(format!("{base}/v2/")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    // Chunked push of a layer bigger than the small-blob cache.
+    let layer: Vec<u8> = (0..600_000u32).map(|i| (i % 251) as u8).collect();
+    let ld = digest_of(&layer);
+    let r = http
+        .post(format!("{base}/v2/fs/img/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let r = http
+        .patch(format!("{base}{location}"))
+        .header("content-range", format!("0-{}", 300_000 - 1))
+        .body(layer[..300_000].to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    assert_eq!(r.headers()["range"], "0-299999");
+    let r = http
+        .put(format!("{base}{location}?digest={ld}"))
+        .body(layer[300_000..].to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+
+    let config_blob = br#"{"os":"linux"}"#.to_vec();
+    let cd = digest_of(&config_blob);
+    let r = http
+        .post(format!("{base}/v2/fs/img/blobs/uploads/?digest={cd}"))
+        .body(config_blob.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let doc = image_manifest(
+        media::OCI_CONFIG,
+        &cd,
+        config_blob.len(),
+        &[(&ld, layer.len())],
+        None,
+        None,
+    );
+    let r = http
+        .put(format!("{base}/v2/fs/img/manifests/latest"))
+        .header("content-type", media::OCI_MANIFEST)
+        .body(doc.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+
+    let r = http
+        .get(format!("{base}/v2/fs/img/manifests/latest"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.headers()["docker-content-digest"],
+        digest_of(&doc).as_str()
+    );
+    assert_eq!(&r.bytes().await.unwrap()[..], &doc[..]);
+
+    let r = http
+        .get(format!("{base}/v2/fs/img/blobs/{ld}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(&r.bytes().await.unwrap()[..], &layer[..]);
+    let r = http
+        .head(format!("{base}/v2/fs/img/blobs/{ld}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.headers()["content-length"],
+        layer.len().to_string().as_str()
+    );
+    let r = http
+        .get(format!("{base}/v2/fs/img/blobs/{ld}"))
+        .header("range", "bytes=-10")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 206);
+    assert_eq!(&r.bytes().await.unwrap()[..], &layer[layer.len() - 10..]);
+
+    // HTTP/2 without TLS (prior knowledge) on the same port.
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let r = h2
+        .get(format!("{base}/v2/fs/img/blobs/{cd}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(&r.bytes().await.unwrap()[..], &config_blob[..]);
+
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    // Shut down: the port no longer answers.
+    assert!(http.get(format!("{base}/v2/")).send().await.is_err());
+
+    // Everything is still there for the next process.
+    let mut config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        ..Config::default()
+    };
+    config.set_root(dir.path().join("data"));
+    let (addr, stop, task) = start_server(config).await;
+    let r = http
+        .get(format!("http://{addr}/v2/fs/img/blobs/{ld}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.bytes().await.unwrap().len(), layer.len());
+    stop.send(()).unwrap();
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn slow_headers_are_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        storage: crate::storage::StorageConfig::Memory,
+        ..Config::default()
+    };
+    config.limits.header_read_timeout = Duration::from_millis(200);
+    let (addr, stop, task) = start_server(config).await;
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /v2/ HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // Never finish the headers: the server must close the connection.
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), conn.read_to_end(&mut buf)).await;
+    assert!(read.is_ok(), "connection was not closed");
+    stop.send(()).unwrap();
+    task.await.unwrap();
+}
+
+// ---------------------------------------------------------------- auth
+
+fn auth_app(dir: &std::path::Path, mode: crate::auth::AuthMode) -> TestApp {
+    let htpasswd = dir.join("htpasswd");
+    let lines = [
+        crate::auth::htpasswd_line("alice", "wonderland", 4).unwrap(),
+        crate::auth::htpasswd_line("bob", "builder", 4).unwrap(),
+    ];
+    std::fs::write(&htpasswd, lines.join("\n") + "\n").unwrap();
+    let cfg = AuthConfig {
+        enabled: Some(true),
+        htpasswd: Some(htpasswd),
+        secret: Some("0123456789abcdef0123456789abcdef".into()),
+        mode,
+        rules: vec![
+            crate::auth::AccessRule {
+                repository: "team/**".into(),
+                users: vec!["alice".into()],
+                actions: vec!["*".into()],
+            },
+            crate::auth::AccessRule {
+                repository: "team/**".into(),
+                users: vec!["bob".into()],
+                actions: vec!["pull".into()],
+            },
+        ],
+        ..AuthConfig::default()
+    };
+    let auth = Arc::new(Authenticator::new(&cfg).unwrap());
+    let state = AppState::new(
+        Arc::new(MemoryStorage::default()),
+        auth,
+        None,
+        Metrics::new(),
+        Limits::default(),
+        &MemoryCacheConfig::default(),
+    );
+    TestApp {
+        router: router(state.clone()),
+        state,
+    }
+}
+
+fn basic(user: &str, password: &str) -> String {
+    use base64::Engine as _;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+#[tokio::test]
+async fn basic_auth_scopes_every_route() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = auth_app(dir.path(), crate::auth::AuthMode::Basic);
+    let alice = basic("alice", "wonderland");
+    let bob = basic("bob", "builder");
+
+    let r = t.get("/v2/").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(r.header("www-authenticate").starts_with("Basic"));
+    assert_eq!(r.error_code(), "UNAUTHORIZED");
+    let r = t
+        .send(
+            Method::GET,
+            "/v2/",
+            &[("authorization", &basic("alice", "nope"))],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = t
+        .send(
+            Method::GET,
+            "/v2/",
+            &[("authorization", &alice)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+
+    // Push: alice may, bob may not.
+    let data = b"secret layer";
+    let digest = digest_of(data);
+    let uri = format!("/v2/team/app/blobs/uploads/?digest={digest}");
+    let r = t
+        .send(
+            Method::POST,
+            &uri,
+            &[("authorization", &bob)],
+            data.to_vec(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.error_code(), "DENIED");
+    let r = t
+        .send(
+            Method::POST,
+            &uri,
+            &[("authorization", &alice)],
+            data.to_vec(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    // Pull: both; anonymous not.
+    let blob = format!("/v2/team/app/blobs/{digest}");
+    for who in [&alice, &bob] {
+        let r = t
+            .send(Method::GET, &blob, &[("authorization", who)], Body::empty())
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    assert_eq!(t.get(&blob).await.status, StatusCode::UNAUTHORIZED);
+    // Delete: bob may not.
+    let r = t
+        .send(
+            Method::DELETE,
+            &blob,
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // Outside the rules nobody may push.
+    let r = t
+        .send(
+            Method::POST,
+            "/v2/other/blobs/uploads/",
+            &[("authorization", &alice)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // Mount from a repository the caller cannot read falls back to an upload session.
+    let r = t
+        .send(
+            Method::POST,
+            &format!("/v2/team/b/blobs/uploads/?mount={digest}&from=other"),
+            &[("authorization", &alice)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+}
+
+#[tokio::test]
+async fn token_auth_through_the_merged_token_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = auth_app(dir.path(), crate::auth::AuthMode::Token);
+    let r = t.get("/v2/team/app/tags/list").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let challenge = r.header("www-authenticate").to_string();
+    assert!(challenge.starts_with("Bearer "), "{challenge}");
+    assert!(
+        challenge.contains("scope=\"repository:team/app:pull\""),
+        "{challenge}"
+    );
+    let r = t
+        .send(
+            Method::GET,
+            "/token?service=ferry-registry&scope=repository:team/app:pull,push",
+            &[("authorization", &basic("alice", "wonderland"))],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    let token = r.json()["token"].as_str().unwrap().to_string();
+    let bearer = format!("Bearer {token}");
+    let r = t
+        .send(
+            Method::POST,
+            "/v2/team/app/blobs/uploads/",
+            &[("authorization", &bearer)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::ACCEPTED);
+    // The token does not cover another repository.
+    let r = t
+        .send(
+            Method::GET,
+            "/v2/team/other/tags/list",
+            &[("authorization", &bearer)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = t.get("/metrics").await;
+    assert!(
+        std::str::from_utf8(&r.body)
+            .unwrap()
+            .contains("route=\"token\",status=\"200\"")
+    );
+}
