@@ -1,1 +1,1599 @@
-//! (being written)
+//! # The registry client every ferry piece uses
+//!
+//! `ferry copy`, the pull-through cache, the load tester and the lazy filesystem all talk
+//! to registries through [`Client`]. It is written on `reqwest` rather than on an existing
+//! OCI client crate because the lazy filesystem needs things those crates keep private:
+//! token state shared between async pulls and a *synchronous* [`HttpRangeSource`] called
+//! from FUSE threads, bearer tokens refreshed in the middle of a long pull (and re-fetched
+//! once when the registry refuses one anyway), pull mirrors with fallback, and HTTP Range
+//! reads with parallel chunked downloads. One `reqwest::Client` (keep-alive pool, HTTP/2
+//! where offered) serves every request of a `Client` and its clones.
+//!
+//! What it guarantees:
+//! - Manifests are digest-verified (against the requested digest or the registry's
+//!   `Docker-Content-Digest`) and bounded to [`ferry_oci::MAX_MANIFEST_BYTES`].
+//! - Credentials go only to the host they belong to: redirects (blob GETs to S3/CDN) are
+//!   followed by hand, and the `Authorization` header is dropped when the host changes.
+//! - Transient failures (connect errors, 429, 5xx) are retried with exponential backoff
+//!   and jitter, honouring `Retry-After`; other 4xx are not.
+//! - Registries on loopback are tried over HTTPS first and, when they do not speak TLS,
+//!   over plain HTTP (remembered), as docker and containerd do; `plain_http` in the
+//!   registry's config uses HTTP directly anywhere.
+
+pub mod auth;
+pub mod config;
+pub mod copy;
+mod credentials;
+pub mod download;
+pub mod range_source;
+mod retry;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use reqwest::Method;
+use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+pub use config::{ClientConfig, Credentials, RegistryConfig};
+pub use copy::{CopyOptions, CopyProgress, CopyReport, ImageLocation, NoProgress, copy_image};
+pub use download::DownloadOptions;
+pub use range_source::{HttpRangeSource, RangeRuntime};
+
+use crate::storage::ByteStream;
+use auth::{AuthState, HostSecret};
+use ferry_oci::media;
+
+/// A repository in a registry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Repo {
+    /// `host[:port]` as the user names it (`docker.io` is reached at `registry-1.docker.io`).
+    pub registry: String,
+    /// Repository path, e.g. `library/debian`.
+    pub repository: String,
+}
+
+impl Repo {
+    /// A repository of a registry.
+    pub fn new(registry: impl Into<String>, repository: impl Into<String>) -> Self {
+        Repo {
+            registry: registry.into(),
+            repository: repository.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Repo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.registry, self.repository)
+    }
+}
+
+/// A manifest (or index) document as fetched, digest-verified.
+#[derive(Debug, Clone)]
+pub struct Manifest {
+    /// `sha256:<hex>` of `bytes`.
+    pub digest: String,
+    /// The media type (the document's `mediaType`, else Content-Type).
+    pub media_type: String,
+    pub bytes: Bytes,
+}
+
+/// What a HEAD of a manifest says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestHead {
+    pub digest: String,
+    pub media_type: String,
+    pub size: u64,
+}
+
+/// A blob (or a byte range of it) being received.
+pub struct BlobStream {
+    /// Total size of the blob, when the server said.
+    pub size: Option<u64>,
+    /// The requested bytes (exactly the range asked for; a short body is an error item).
+    pub body: ByteStream,
+}
+
+impl std::fmt::Debug for BlobStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobStream")
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// Errors talking to a registry. Messages say what to do next where there is something.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{what} not found")]
+    NotFound { what: String },
+    #[error("unauthorized at {registry}: {message}")]
+    Unauthorized { registry: String, message: String },
+    #[error("access denied at {registry}: {message}")]
+    Denied { registry: String, message: String },
+    #[error("{registry} answered {status} to {method} {path}: {message}")]
+    Status {
+        registry: String,
+        method: String,
+        path: String,
+        status: u16,
+        message: String,
+    },
+    #[error("cannot reach {registry}: {message}")]
+    Transport { registry: String, message: String },
+    #[error("content of {expected} hashes to {actual}")]
+    DigestMismatch { expected: String, actual: String },
+    #[error("{what} is larger than the {limit} bytes allowed")]
+    TooLarge { what: String, limit: u64 },
+    #[error("invalid {what}: {reason}")]
+    Invalid { what: String, reason: String },
+    #[error("{0}")]
+    Config(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// An OCI layout could not be read or written.
+    #[error(transparent)]
+    Layout(#[from] ferry_oci::Error),
+}
+
+impl ClientError {
+    /// Whether trying again might succeed (transport failures, 429, 5xx).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Transport { .. } => true,
+            ClientError::Status { status, .. } => *status == 429 || *status >= 500,
+            _ => false,
+        }
+    }
+
+    /// The HTTP status behind this error, when there was one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::NotFound { .. } => Some(404),
+            ClientError::Unauthorized { .. } => Some(401),
+            ClientError::Denied { .. } => Some(403),
+            ClientError::Status { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// Every manifest type ferry understands, for `Accept`.
+pub const MANIFEST_TYPES: [&str; 4] = [
+    media::OCI_MANIFEST,
+    media::OCI_INDEX,
+    media::DOCKER_MANIFEST,
+    media::DOCKER_MANIFEST_LIST,
+];
+
+const MAX_ERROR_BODY: u64 = 64 << 10;
+const MAX_REDIRECTS: usize = 10;
+const MAX_PAGES: usize = 10_000;
+
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = inner.source();
+    }
+    s
+}
+
+/// Reads a response body of at most `limit` bytes.
+pub(crate) async fn read_body_bounded(
+    mut resp: reqwest::Response,
+    limit: u64,
+    registry: &str,
+    what: &str,
+) -> Result<Bytes, ClientError> {
+    if resp.content_length().is_some_and(|n| n > limit) {
+        return Err(ClientError::TooLarge {
+            what: what.to_string(),
+            limit,
+        });
+    }
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => {
+                if (buf.len() + chunk.len()) as u64 > limit {
+                    return Err(ClientError::TooLarge {
+                        what: what.to_string(),
+                        limit,
+                    });
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(buf.freeze()),
+            Err(e) => {
+                return Err(ClientError::Transport {
+                    registry: registry.to_string(),
+                    message: format!("reading {what}: {}", error_chain(&e)),
+                });
+            }
+        }
+    }
+}
+
+/// The distribution error body (`{"errors":[{"code","message"}]}`) as one line.
+async fn error_message(resp: reqwest::Response) -> String {
+    let status = resp.status();
+    let Ok(body) = read_body_bounded(resp, MAX_ERROR_BODY, "", "error body").await else {
+        return status.to_string();
+    };
+    #[derive(serde::Deserialize)]
+    struct Errors {
+        errors: Vec<ErrorEntry>,
+    }
+    #[derive(serde::Deserialize)]
+    struct ErrorEntry {
+        #[serde(default)]
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+    if let Ok(e) = serde_json::from_slice::<Errors>(&body)
+        && !e.errors.is_empty()
+    {
+        return e
+            .errors
+            .iter()
+            .map(|e| format!("{} {}", e.code, e.message).trim().to_string())
+            .collect::<Vec<_>>()
+            .join("; ");
+    }
+    let text = String::from_utf8_lossy(&body);
+    let text: String = text.trim().chars().take(200).collect();
+    if text.is_empty() {
+        status.to_string()
+    } else {
+        text
+    }
+}
+
+fn sha256_hex_digest(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
+}
+
+fn check_digest(d: &str) -> Result<(), ClientError> {
+    ferry_oci::digest::parse_sha256(d)
+        .map(|_| ())
+        .map_err(|e| ClientError::Invalid {
+            what: "digest".into(),
+            reason: e.to_string(),
+        })
+}
+
+fn check_reference(reference: &str) -> Result<(), ClientError> {
+    if reference.starts_with("sha256:") {
+        return check_digest(reference);
+    }
+    ferry_oci::reference::validate_tag(reference).map_err(|reason| ClientError::Invalid {
+        what: format!("tag {reference:?}"),
+        reason,
+    })
+}
+
+fn check_repo(r: &Repo) -> Result<(), ClientError> {
+    ferry_oci::reference::validate_repository(&r.repository).map_err(|reason| {
+        ClientError::Invalid {
+            what: "repository".into(),
+            reason,
+        }
+    })?;
+    if r.registry.is_empty()
+        || r.registry
+            .bytes()
+            .any(|b| b == b'/' || b == b'@' || b.is_ascii_whitespace() || b.is_ascii_control())
+    {
+        return Err(ClientError::Invalid {
+            what: "registry".into(),
+            reason: format!("{:?} is not host[:port]", r.registry),
+        });
+    }
+    Ok(())
+}
+
+/// Whether `host[:port]` names this machine (reached over plain HTTP when it has no TLS).
+pub fn is_loopback(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        host.rsplit_once(':')
+            .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+            .map(|(h, _)| h)
+            .unwrap_or(host)
+    };
+    name == "localhost"
+        || name == "::1"
+        || name
+            .parse::<std::net::Ipv4Addr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// `host:port` of a URL (port made explicit), for same-host checks.
+fn origin_of(url: &url::Url) -> String {
+    format!(
+        "{}:{}",
+        url.host_str().unwrap_or(""),
+        url.port_or_known_default().unwrap_or(0)
+    )
+}
+
+/// Where a request may go: a pull mirror or the registry itself.
+#[derive(Debug, Clone)]
+struct Endpoint {
+    /// `host[:port]` on the wire.
+    host: String,
+    /// Scheme fixed by config (`http://` mirror, `plain_http`); `None` = https, with the
+    /// loopback fallback.
+    scheme: Option<&'static str>,
+    skip_tls_verify: bool,
+    mirror: bool,
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone)]
+enum Target {
+    /// A path (with query) under the endpoint, e.g. `/v2/a/b/manifests/x`.
+    Path(String),
+    /// An absolute URL the registry handed out (upload Location, Link next).
+    Url(url::Url),
+}
+
+/// One logical request, replayable (retries, re-auth, redirects).
+#[derive(Debug, Clone)]
+struct Call {
+    method: Method,
+    target: Target,
+    headers: HeaderMap,
+    body: Option<Bytes>,
+    /// Needs push access (else pull).
+    push: bool,
+    /// Another repository this call needs pull access to (cross-repository mount).
+    mount_from: Option<String>,
+    /// May be served by a pull mirror.
+    use_mirrors: bool,
+    /// For NotFound messages.
+    what: String,
+}
+
+impl Call {
+    fn new(method: Method, path: String, what: String) -> Self {
+        let read = method == Method::GET || method == Method::HEAD;
+        Call {
+            method,
+            target: Target::Path(path),
+            headers: HeaderMap::new(),
+            body: None,
+            push: !read,
+            mount_from: None,
+            use_mirrors: read,
+            what,
+        }
+    }
+
+    fn header(mut self, name: HeaderName, value: &str) -> Result<Self, ClientError> {
+        let v = HeaderValue::from_str(value).map_err(|e| ClientError::Invalid {
+            what: format!("header {name}"),
+            reason: e.to_string(),
+        })?;
+        self.headers.insert(name, v);
+        Ok(self)
+    }
+
+    fn scope(&self, repo: &Repo) -> String {
+        let actions = if self.push { "pull,push" } else { "pull" };
+        let mut s = format!("repository:{}:{actions}", repo.repository);
+        if let Some(from) = &self.mount_from {
+            s.push_str(&format!(" repository:{from}:pull"));
+        }
+        s
+    }
+}
+
+#[derive(Debug)]
+struct Inner {
+    cfg: ClientConfig,
+    http: reqwest::Client,
+    http_insecure: reqwest::Client,
+    auth: AuthState,
+    /// Scheme learned per host (`http` after a loopback registry refused TLS).
+    schemes: Mutex<HashMap<String, &'static str>>,
+    /// Credentials resolved per (host, repository).
+    secrets: tokio::sync::Mutex<HashMap<(String, String), HostSecret>>,
+}
+
+/// A registry client: cheap to clone; clones share the connection pool and token cache.
+#[derive(Debug, Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+/// Result of a manifest PUT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutManifest {
+    pub digest: String,
+    /// The registry said it indexed the manifest's `subject` (`OCI-Subject` header), so
+    /// the referrers tag fallback need not be maintained.
+    pub subject_indexed: bool,
+}
+
+impl Client {
+    /// Builds a client (no network traffic yet).
+    pub fn new(cfg: ClientConfig) -> Result<Client, ClientError> {
+        let build = |insecure: bool| {
+            reqwest::Client::builder()
+                .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
+                .connect_timeout(cfg.connect_timeout)
+                .read_timeout(cfg.idle_timeout)
+                .pool_idle_timeout(std::time::Duration::from_secs(90))
+                .redirect(reqwest::redirect::Policy::none())
+                .danger_accept_invalid_certs(insecure)
+                .build()
+                .map_err(|e| ClientError::Config(format!("HTTP client: {}", error_chain(&e))))
+        };
+        if cfg.max_attempts == 0 || cfg.chunk_size == 0 || cfg.max_concurrent_downloads == 0 {
+            return Err(ClientError::Config(
+                "client config: max_attempts, chunk_size and max_concurrent_downloads must be at least 1"
+                    .into(),
+            ));
+        }
+        Ok(Client {
+            inner: Arc::new(Inner {
+                http: build(false)?,
+                http_insecure: build(true)?,
+                cfg,
+                auth: AuthState::default(),
+                schemes: Mutex::new(HashMap::new()),
+                secrets: tokio::sync::Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The configuration this client was built with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.cfg
+    }
+
+    /// How many bearer tokens this client has fetched (diagnostics, tests).
+    pub fn tokens_fetched(&self) -> u64 {
+        self.inner
+            .auth
+            .fetched
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn registry_config(&self, registry: &str) -> RegistryConfig {
+        self.inner
+            .cfg
+            .registry
+            .get(registry)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn endpoints(&self, registry: &str, use_mirrors: bool) -> Vec<Endpoint> {
+        let rc = self.registry_config(registry);
+        let mut out = Vec::new();
+        if use_mirrors {
+            for m in &rc.mirrors {
+                let (scheme, rest) = if let Some(r) = m.strip_prefix("http://") {
+                    (Some("http"), r)
+                } else if let Some(r) = m.strip_prefix("https://") {
+                    (Some("https"), r)
+                } else {
+                    (None, m.as_str())
+                };
+                let host = rest.trim_end_matches('/').to_string();
+                if host.is_empty() || host.contains('/') {
+                    tracing::warn!(mirror = %m, "ignoring a mirror that is not [scheme://]host[:port]");
+                    continue;
+                }
+                let mc = self.registry_config(&host);
+                out.push(Endpoint {
+                    scheme: scheme.or(mc.plain_http.then_some("http")),
+                    skip_tls_verify: mc.skip_tls_verify,
+                    host,
+                    mirror: true,
+                });
+            }
+        }
+        let host = if registry == "docker.io" || registry == "index.docker.io" {
+            "registry-1.docker.io".to_string()
+        } else {
+            registry.to_string()
+        };
+        out.push(Endpoint {
+            host,
+            scheme: rc.plain_http.then_some("http"),
+            skip_tls_verify: rc.skip_tls_verify,
+            mirror: false,
+        });
+        out
+    }
+
+    fn scheme_of(&self, ep: &Endpoint) -> &'static str {
+        ep.scheme
+            .or_else(|| lock(&self.inner.schemes).get(&ep.host).copied())
+            .unwrap_or("https")
+    }
+
+    /// After a transport error over https to a loopback host that has not been seen to
+    /// speak TLS, switch it to http. Returns whether it switched.
+    fn fall_back_to_http(&self, ep: &Endpoint) -> bool {
+        if ep.scheme.is_some() || !is_loopback(&ep.host) {
+            return false;
+        }
+        let mut schemes = lock(&self.inner.schemes);
+        if schemes.contains_key(&ep.host) {
+            return false;
+        }
+        tracing::debug!(host = %ep.host, "no TLS on loopback registry; using plain HTTP");
+        schemes.insert(ep.host.clone(), "http");
+        true
+    }
+
+    fn remember_scheme(&self, ep: &Endpoint, scheme: &'static str) {
+        if ep.scheme.is_none() {
+            lock(&self.inner.schemes)
+                .entry(ep.host.clone())
+                .or_insert(scheme);
+        }
+    }
+
+    fn http_for(&self, ep: &Endpoint) -> &reqwest::Client {
+        if ep.skip_tls_verify {
+            &self.inner.http_insecure
+        } else {
+            &self.inner.http
+        }
+    }
+
+    /// Credentials for a host (explicit config first, then docker/podman auth files).
+    async fn secret_for(&self, ep: &Endpoint, repo: &Repo) -> HostSecret {
+        let name = if ep.mirror { &ep.host } else { &repo.registry };
+        let key = (name.clone(), repo.repository.clone());
+        let mut cache = self.inner.secrets.lock().await;
+        if let Some(s) = cache.get(&key) {
+            return s.clone();
+        }
+        let explicit = self.registry_config(name).credentials;
+        let secret = match explicit {
+            Some(c) => HostSecret {
+                basic: Some(c),
+                identity_token: None,
+            },
+            None if self.inner.cfg.use_auth_files => {
+                credentials::lookup(name, &repo.repository).await
+            }
+            None => HostSecret::default(),
+        };
+        cache.insert(key, secret.clone());
+        secret
+    }
+
+    fn url_for(&self, ep: &Endpoint, target: &Target) -> Result<url::Url, ClientError> {
+        let s = match target {
+            Target::Url(u) => return Ok(u.clone()),
+            Target::Path(p) => format!("{}://{}{}", self.scheme_of(ep), ep.host, p),
+        };
+        url::Url::parse(&s).map_err(|e| ClientError::Invalid {
+            what: format!("URL {s}"),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Sends one request, following redirects by hand: the Authorization header is kept
+    /// only while the host stays the same.
+    async fn send_following_redirects(
+        &self,
+        ep: &Endpoint,
+        mut url: url::Url,
+        call: &Call,
+        mut auth: Option<String>,
+    ) -> Result<reqwest::Response, reqwest::Error> {
+        let origin = origin_of(&url);
+        let mut method = call.method.clone();
+        let mut body = call.body.clone();
+        let mut hops = 0;
+        loop {
+            if origin_of(&url) != origin {
+                auth = None;
+            }
+            let mut req = self.http_for(ep).request(method.clone(), url.clone());
+            req = req.headers(call.headers.clone());
+            if let Some(a) = &auth {
+                req = req.header(header::AUTHORIZATION, a);
+            }
+            if let Some(b) = &body {
+                req = req.body(b.clone());
+            } else if method == Method::PUT || method == Method::POST || method == Method::PATCH {
+                req = req.header(header::CONTENT_LENGTH, "0");
+            }
+            let resp = req.send().await?;
+            let status = resp.status().as_u16();
+            let location = resp
+                .headers()
+                .get(header::LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|l| resp.url().join(l).ok());
+            match (status, location) {
+                (301 | 302 | 303 | 307 | 308, Some(next)) if hops < MAX_REDIRECTS => {
+                    if !matches!(next.scheme(), "http" | "https") {
+                        return Ok(resp);
+                    }
+                    hops += 1;
+                    if status == 303 || ((status == 301 || status == 302) && method == Method::POST)
+                    {
+                        method = Method::GET;
+                        body = None;
+                    }
+                    url = next;
+                }
+                _ => return Ok(resp),
+            }
+        }
+    }
+
+    /// Runs a call against mirrors (reads) then the registry.
+    async fn execute(&self, repo: &Repo, call: &Call) -> Result<reqwest::Response, ClientError> {
+        check_repo(repo)?;
+        let use_mirrors = call.use_mirrors && matches!(call.target, Target::Path(_));
+        let endpoints = self.endpoints(&repo.registry, use_mirrors);
+        for ep in &endpoints {
+            match self.execute_on(ep, repo, call).await {
+                Ok(resp) => return Ok(resp),
+                Err(e) if ep.mirror => {
+                    tracing::info!(mirror = %ep.host, error = %e, "mirror failed; trying the next");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(ClientError::Config(format!(
+            "no endpoint for {}",
+            repo.registry
+        )))
+    }
+
+    /// Runs a call against one endpoint: auth challenges, retries, loopback http fallback.
+    async fn execute_on(
+        &self,
+        ep: &Endpoint,
+        repo: &Repo,
+        call: &Call,
+    ) -> Result<reqwest::Response, ClientError> {
+        let scope = call.scope(repo);
+        let secret = self.secret_for(ep, repo).await;
+        let max_attempts = self.inner.cfg.max_attempts.max(1);
+        let mut attempt = 1u32;
+        let mut reauthenticated = false;
+        let mut force_token = false;
+        loop {
+            let url = self.url_for(ep, &call.target)?;
+            let same_host = match &call.target {
+                Target::Path(_) => true,
+                Target::Url(u) => u.host_str().is_some_and(|h| {
+                    let hp = match u.port() {
+                        Some(p) => format!("{h}:{p}"),
+                        None => h.to_string(),
+                    };
+                    hp == ep.host
+                }),
+            };
+            let auth = if same_host {
+                self.inner
+                    .auth
+                    .authorize(self.http_for(ep), &ep.host, &scope, &secret, force_token)
+                    .await?
+            } else {
+                None
+            };
+            force_token = false;
+            let scheme = if url.scheme() == "http" {
+                "http"
+            } else {
+                "https"
+            };
+            let result = self.send_following_redirects(ep, url, call, auth).await;
+            let resp = match result {
+                Ok(resp) => {
+                    if matches!(call.target, Target::Path(_)) {
+                        self.remember_scheme(ep, scheme);
+                    }
+                    resp
+                }
+                Err(e) => {
+                    if matches!(call.target, Target::Path(_))
+                        && scheme == "https"
+                        && self.fall_back_to_http(ep)
+                    {
+                        continue;
+                    }
+                    let err = ClientError::Transport {
+                        registry: ep.host.clone(),
+                        message: error_chain(&e),
+                    };
+                    if attempt < max_attempts {
+                        retry::sleep(&self.inner.cfg, attempt, None).await;
+                        attempt += 1;
+                        continue;
+                    }
+                    return Err(err);
+                }
+            };
+            let status = resp.status().as_u16();
+            if resp.status().is_success() {
+                return Ok(resp);
+            }
+            match status {
+                401 => {
+                    let challenges: Vec<_> = resp
+                        .headers()
+                        .get_all(header::WWW_AUTHENTICATE)
+                        .iter()
+                        .filter_map(|v| v.to_str().ok())
+                        .flat_map(auth::parse_challenges)
+                        .collect();
+                    if !reauthenticated
+                        && same_host
+                        && self
+                            .inner
+                            .auth
+                            .remember_challenge(&ep.host, &challenges)
+                            .is_some()
+                    {
+                        reauthenticated = true;
+                        force_token = true;
+                        self.inner.auth.invalidate(&ep.host, &scope);
+                        continue;
+                    }
+                    let msg = error_message(resp).await;
+                    let why = if secret.is_anonymous() {
+                        format!("{msg} (no credentials were found for {})", ep.host)
+                    } else {
+                        format!("{msg} (credentials were refused)")
+                    };
+                    return Err(auth::unauthorized(&ep.host, &why));
+                }
+                403 => {
+                    let msg = error_message(resp).await;
+                    return Err(ClientError::Denied {
+                        registry: ep.host.clone(),
+                        message: format!(
+                            "{msg}; the account has no {} access to {}",
+                            if call.push { "push" } else { "pull" },
+                            repo.repository
+                        ),
+                    });
+                }
+                404 => {
+                    return Err(ClientError::NotFound {
+                        what: format!("{} at {}", call.what, ep.host),
+                    });
+                }
+                429 | 500..=599 if attempt < max_attempts => {
+                    let wait = retry::retry_after(resp.headers());
+                    retry::sleep(&self.inner.cfg, attempt, wait).await;
+                    attempt += 1;
+                    continue;
+                }
+                _ => {
+                    let path = resp.url().path().to_string();
+                    let message = error_message(resp).await;
+                    return Err(ClientError::Status {
+                        registry: ep.host.clone(),
+                        method: call.method.to_string(),
+                        path,
+                        status,
+                        message,
+                    });
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------ manifests
+
+    /// GETs a manifest by tag or digest; verifies its digest (the requested one, else the
+    /// registry's `Docker-Content-Digest`). `accept` empty means every manifest type.
+    pub async fn get_manifest(
+        &self,
+        r: &Repo,
+        reference: &str,
+        accept: &[&str],
+    ) -> Result<Manifest, ClientError> {
+        check_reference(reference)?;
+        let accept = if accept.is_empty() {
+            MANIFEST_TYPES.join(", ")
+        } else {
+            accept.join(", ")
+        };
+        let call = Call::new(
+            Method::GET,
+            format!("/v2/{}/manifests/{reference}", r.repository),
+            format!("manifest {r}:{reference}"),
+        )
+        .header(header::ACCEPT, &accept)?;
+        let resp = self.execute(r, &call).await?;
+        let header_digest = resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let content_type = content_type(resp.headers());
+        let bytes = read_body_bounded(
+            resp,
+            ferry_oci::MAX_MANIFEST_BYTES,
+            &r.registry,
+            &format!("manifest {r}:{reference}"),
+        )
+        .await?;
+        let digest = sha256_hex_digest(&bytes);
+        let expected = if reference.starts_with("sha256:") {
+            Some(reference.to_string())
+        } else {
+            header_digest.filter(|d| d.starts_with("sha256:"))
+        };
+        if let Some(expected) = expected
+            && expected != digest
+        {
+            return Err(ClientError::DigestMismatch {
+                expected,
+                actual: digest,
+            });
+        }
+        let media_type = document_media_type(&bytes).unwrap_or(content_type);
+        Ok(Manifest {
+            digest,
+            media_type,
+            bytes,
+        })
+    }
+
+    /// HEADs a manifest: its digest, media type and size, or `None` if absent.
+    pub async fn head_manifest(
+        &self,
+        r: &Repo,
+        reference: &str,
+        accept: &[&str],
+    ) -> Result<Option<ManifestHead>, ClientError> {
+        check_reference(reference)?;
+        let accept = if accept.is_empty() {
+            MANIFEST_TYPES.join(", ")
+        } else {
+            accept.join(", ")
+        };
+        let call = Call::new(
+            Method::HEAD,
+            format!("/v2/{}/manifests/{reference}", r.repository),
+            format!("manifest {r}:{reference}"),
+        )
+        .header(header::ACCEPT, &accept)?;
+        let resp = match self.execute(r, &call).await {
+            Ok(resp) => resp,
+            Err(ClientError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let header_digest = resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .filter(|d| check_digest(d).is_ok())
+            .map(str::to_string);
+        let size = resp
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let media_type = content_type(resp.headers());
+        match (header_digest, size) {
+            (Some(digest), Some(size)) => Ok(Some(ManifestHead {
+                digest,
+                media_type,
+                size,
+            })),
+            // The registry did not say: fetch the document to learn it.
+            _ => {
+                let m = self.get_manifest(r, reference, &[&accept]).await?;
+                Ok(Some(ManifestHead {
+                    digest: m.digest,
+                    media_type: m.media_type,
+                    size: m.bytes.len() as u64,
+                }))
+            }
+        }
+    }
+
+    /// PUTs a manifest under a tag or its digest; returns its digest.
+    pub async fn put_manifest(
+        &self,
+        r: &Repo,
+        reference: &str,
+        media_type: &str,
+        bytes: Bytes,
+    ) -> Result<String, ClientError> {
+        Ok(self
+            .put_manifest_detailed(r, reference, media_type, bytes)
+            .await?
+            .digest)
+    }
+
+    /// [`Client::put_manifest`], also reporting whether the registry indexed the subject.
+    pub async fn put_manifest_detailed(
+        &self,
+        r: &Repo,
+        reference: &str,
+        media_type: &str,
+        bytes: Bytes,
+    ) -> Result<PutManifest, ClientError> {
+        check_reference(reference)?;
+        if bytes.len() as u64 > ferry_oci::MAX_MANIFEST_BYTES {
+            return Err(ClientError::TooLarge {
+                what: "manifest".into(),
+                limit: ferry_oci::MAX_MANIFEST_BYTES,
+            });
+        }
+        let digest = sha256_hex_digest(&bytes);
+        if reference.starts_with("sha256:") && reference != digest {
+            return Err(ClientError::DigestMismatch {
+                expected: reference.to_string(),
+                actual: digest,
+            });
+        }
+        let mut call = Call::new(
+            Method::PUT,
+            format!("/v2/{}/manifests/{reference}", r.repository),
+            format!("repository {r}"),
+        )
+        .header(header::CONTENT_TYPE, media_type)?;
+        call.body = Some(bytes);
+        let resp = self.execute(r, &call).await?;
+        if let Some(d) = resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            && d.starts_with("sha256:")
+            && d != digest
+        {
+            return Err(ClientError::DigestMismatch {
+                expected: digest,
+                actual: d.to_string(),
+            });
+        }
+        let subject_indexed = resp.headers().contains_key("oci-subject");
+        Ok(PutManifest {
+            digest,
+            subject_indexed,
+        })
+    }
+
+    // ------------------------------------------------------------------ blobs
+
+    /// Size of a blob (HEAD), or `None` if the repository does not have it.
+    pub async fn blob_size(&self, r: &Repo, digest: &str) -> Result<Option<u64>, ClientError> {
+        check_digest(digest)?;
+        let call = Call::new(
+            Method::HEAD,
+            format!("/v2/{}/blobs/{digest}", r.repository),
+            format!("blob {digest} in {r}"),
+        );
+        match self.execute(r, &call).await {
+            Ok(resp) => Ok(resp
+                .headers()
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())),
+            Err(ClientError::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Streams a blob, or the byte `range` of it. When a server ignores the Range header
+    /// (200 instead of 206) the stream skips to the start itself, so the caller still gets
+    /// exactly the range.
+    pub async fn blob_stream(
+        &self,
+        r: &Repo,
+        digest: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<BlobStream, ClientError> {
+        Ok(self.open_blob(r, digest, range).await?.0)
+    }
+
+    /// [`Client::blob_stream`], also saying whether the server honoured the range.
+    pub(crate) async fn open_blob(
+        &self,
+        r: &Repo,
+        digest: &str,
+        range: Option<Range<u64>>,
+    ) -> Result<(BlobStream, bool), ClientError> {
+        check_digest(digest)?;
+        if let Some(rg) = &range {
+            if rg.start > rg.end {
+                return Err(ClientError::Invalid {
+                    what: "range".into(),
+                    reason: format!("{}..{} is backwards", rg.start, rg.end),
+                });
+            }
+            if rg.start == rg.end {
+                let empty: ByteStream = Box::pin(futures_util::stream::empty());
+                return Ok((
+                    BlobStream {
+                        size: None,
+                        body: empty,
+                    },
+                    true,
+                ));
+            }
+        }
+        let mut call = Call::new(
+            Method::GET,
+            format!("/v2/{}/blobs/{digest}", r.repository),
+            format!("blob {digest} in {r}"),
+        );
+        if let Some(rg) = &range {
+            call = call.header(header::RANGE, &format!("bytes={}-{}", rg.start, rg.end - 1))?;
+        }
+        let resp = match self.execute(r, &call).await {
+            Err(ClientError::Status {
+                status: 416,
+                registry,
+                ..
+            }) => {
+                return Err(ClientError::Invalid {
+                    what: format!("range of blob {digest} at {registry}"),
+                    reason: "past the end of the blob (416)".into(),
+                });
+            }
+            other => other?,
+        };
+        let status = resp.status().as_u16();
+        let content_length = resp.content_length();
+        let registry = r.registry.clone();
+        match (range, status) {
+            (Some(rg), 206) => {
+                let (start, end, total) = resp
+                    .headers()
+                    .get(header::CONTENT_RANGE)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(parse_content_range)
+                    .ok_or_else(|| ClientError::Invalid {
+                        what: format!("response for blob {digest}"),
+                        reason: "206 without a usable Content-Range".into(),
+                    })?;
+                if start != rg.start || end + 1 > rg.end {
+                    return Err(ClientError::Invalid {
+                        what: format!("response for blob {digest}"),
+                        reason: format!(
+                            "asked for bytes {}..{}, got {}..{}",
+                            rg.start,
+                            rg.end,
+                            start,
+                            end + 1
+                        ),
+                    });
+                }
+                if end + 1 < rg.end {
+                    return Err(ClientError::Invalid {
+                        what: format!("range of blob {digest}"),
+                        reason: format!(
+                            "{}..{} reaches past the end of the blob ({} bytes)",
+                            rg.start,
+                            rg.end,
+                            total.map_or("?".into(), |t| t.to_string())
+                        ),
+                    });
+                }
+                let body = exact_stream(byte_stream(resp, registry), 0, rg.end - rg.start);
+                Ok((BlobStream { size: total, body }, true))
+            }
+            (Some(rg), _) => {
+                tracing::debug!(%digest, "server ignored the Range header; skipping to the offset");
+                if let Some(len) = content_length
+                    && rg.end > len
+                {
+                    return Err(ClientError::Invalid {
+                        what: format!("range of blob {digest}"),
+                        reason: format!(
+                            "{}..{} reaches past the end of the blob ({len} bytes)",
+                            rg.start, rg.end
+                        ),
+                    });
+                }
+                let body = exact_stream(byte_stream(resp, registry), rg.start, rg.end - rg.start);
+                Ok((
+                    BlobStream {
+                        size: content_length,
+                        body,
+                    },
+                    false,
+                ))
+            }
+            (None, _) => {
+                let raw = byte_stream(resp, registry);
+                let body = match content_length {
+                    Some(len) => exact_stream(raw, 0, len),
+                    None => raw,
+                };
+                Ok((
+                    BlobStream {
+                        size: content_length,
+                        body,
+                    },
+                    true,
+                ))
+            }
+        }
+    }
+
+    /// Starts an upload session; returns its absolute Location.
+    async fn start_upload(
+        &self,
+        r: &Repo,
+        query: &str,
+        mount_from: Option<&str>,
+    ) -> Result<(u16, Option<url::Url>), ClientError> {
+        let mut call = Call::new(
+            Method::POST,
+            format!("/v2/{}/blobs/uploads/{query}", r.repository),
+            format!("repository {r}"),
+        );
+        call.mount_from = mount_from.map(str::to_string);
+        let resp = self.execute(r, &call).await?;
+        let status = resp.status().as_u16();
+        let location = resp
+            .headers()
+            .get(header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|l| resp.url().join(l).ok());
+        Ok((status, location))
+    }
+
+    /// Tries a cross-repository mount of `digest` from `from` (same registry). Returns
+    /// whether the registry mounted it; `false` means push it.
+    pub async fn mount_blob(
+        &self,
+        r: &Repo,
+        digest: &str,
+        from: &str,
+    ) -> Result<bool, ClientError> {
+        check_digest(digest)?;
+        ferry_oci::reference::validate_repository(from).map_err(|reason| ClientError::Invalid {
+            what: "repository".into(),
+            reason,
+        })?;
+        let query = format!("?mount={digest}&from={from}");
+        let (status, location) = self.start_upload(r, &query, Some(from)).await?;
+        if status == 201 {
+            return Ok(true);
+        }
+        // 202: the registry opened an ordinary upload instead; cancel it.
+        if let Some(loc) = location {
+            let mut cancel = Call::new(Method::DELETE, String::new(), format!("upload in {r}"));
+            cancel.target = Target::Url(loc);
+            cancel.push = true;
+            if let Err(e) = self.execute(r, &cancel).await {
+                tracing::debug!(error = %e, "could not cancel an unused upload session");
+            }
+        }
+        Ok(false)
+    }
+
+    /// Uploads a blob of `size` bytes whose content hashes to `digest`: one streaming PUT
+    /// up to `monolithic_push_limit`, chunked PATCHes of `chunk_size` above it.
+    pub async fn push_blob(
+        &self,
+        r: &Repo,
+        digest: &str,
+        size: u64,
+        body: ByteStream,
+    ) -> Result<(), ClientError> {
+        check_digest(digest)?;
+        let (_, location) = self.start_upload(r, "", None).await?;
+        let location = location.ok_or_else(|| ClientError::Invalid {
+            what: format!("upload response from {}", r.registry),
+            reason: "202 without a Location".into(),
+        })?;
+        if size > self.inner.cfg.monolithic_push_limit {
+            return self.push_chunked(r, digest, size, body, location).await;
+        }
+        let mut url = location;
+        url.query_pairs_mut().append_pair("digest", digest);
+        let ep = self
+            .endpoints(&r.registry, false)
+            .pop()
+            .ok_or_else(|| ClientError::Config("no endpoint".into()))?;
+        let same_host = url.host_str().is_some_and(|h| {
+            let hp = match url.port() {
+                Some(p) => format!("{h}:{p}"),
+                None => h.to_string(),
+            };
+            hp == ep.host
+        });
+        let mut req = self
+            .http_for(&ep)
+            .put(url)
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .header(header::CONTENT_LENGTH, size.to_string())
+            .body(reqwest::Body::wrap_stream(exact_stream(body, 0, size)));
+        if same_host {
+            let secret = self.secret_for(&ep, r).await;
+            let scope = format!("repository:{}:pull,push", r.repository);
+            if let Some(a) = self
+                .inner
+                .auth
+                .authorize(self.http_for(&ep), &ep.host, &scope, &secret, false)
+                .await?
+            {
+                req = req.header(header::AUTHORIZATION, a);
+            }
+        }
+        let resp = req.send().await.map_err(|e| ClientError::Transport {
+            registry: r.registry.clone(),
+            message: format!("uploading {digest}: {}", error_chain(&e)),
+        })?;
+        let status = resp.status().as_u16();
+        if resp.status().is_success() {
+            return Ok(());
+        }
+        let message = error_message(resp).await;
+        if message.contains("DIGEST_INVALID") {
+            return Err(ClientError::DigestMismatch {
+                expected: digest.to_string(),
+                actual: format!("something else (registry: {message})"),
+            });
+        }
+        Err(match status {
+            401 => auth::unauthorized(&r.registry, &message),
+            403 => ClientError::Denied {
+                registry: r.registry.clone(),
+                message,
+            },
+            _ => ClientError::Status {
+                registry: r.registry.clone(),
+                method: "PUT".into(),
+                path: format!("/v2/{}/blobs/uploads/…", r.repository),
+                status,
+                message,
+            },
+        })
+    }
+
+    async fn push_chunked(
+        &self,
+        r: &Repo,
+        digest: &str,
+        size: u64,
+        body: ByteStream,
+        mut location: url::Url,
+    ) -> Result<(), ClientError> {
+        let chunk = usize::try_from(self.inner.cfg.chunk_size.min(256 << 20)).unwrap_or(16 << 20);
+        let mut body = exact_stream(body, 0, size);
+        let mut offset = 0u64;
+        let mut buf = bytes::BytesMut::with_capacity(chunk);
+        loop {
+            let item = body.next().await;
+            let done = item.is_none();
+            if let Some(item) = item {
+                let bytes = item.map_err(|e| ClientError::Io {
+                    path: format!("blob {digest}"),
+                    source: e,
+                })?;
+                buf.extend_from_slice(&bytes);
+            }
+            while buf.len() >= chunk || (done && !buf.is_empty()) {
+                let n = buf.len().min(chunk);
+                let piece = buf.split_to(n).freeze();
+                let end = offset + piece.len() as u64;
+                let mut call = Call::new(Method::PATCH, String::new(), format!("upload in {r}"))
+                    .header(header::CONTENT_TYPE, "application/octet-stream")?
+                    .header(header::CONTENT_RANGE, &format!("{offset}-{}", end - 1))?;
+                call.target = Target::Url(location.clone());
+                call.body = Some(piece);
+                let resp = self.execute(r, &call).await?;
+                location = resp
+                    .headers()
+                    .get(header::LOCATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|l| resp.url().join(l).ok())
+                    .unwrap_or(location);
+                offset = end;
+            }
+            if done {
+                break;
+            }
+        }
+        let mut url = location;
+        url.query_pairs_mut().append_pair("digest", digest);
+        let mut call = Call::new(Method::PUT, String::new(), format!("upload in {r}"));
+        call.target = Target::Url(url);
+        self.execute(r, &call).await?;
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------ listing
+
+    /// Referrers of `subject` (optionally of one artifact type): the referrers API, else
+    /// the `sha256-<hex>` tag fallback; an empty index when there are none.
+    pub async fn referrers(
+        &self,
+        r: &Repo,
+        subject: &str,
+        artifact_type: Option<&str>,
+    ) -> Result<oci_spec::image::ImageIndex, ClientError> {
+        check_digest(subject)?;
+        let mut path = format!("/v2/{}/referrers/{subject}", r.repository);
+        if let Some(t) = artifact_type {
+            let q: String = url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("artifactType", t)
+                .finish();
+            path.push('?');
+            path.push_str(&q);
+        }
+        let mut descriptors: Vec<oci_spec::image::Descriptor> = Vec::new();
+        let mut call = Call::new(Method::GET, path, format!("referrers of {subject} in {r}"))
+            .header(header::ACCEPT, media::OCI_INDEX)?;
+        let mut api = true;
+        for _ in 0..MAX_PAGES {
+            let resp = match self.execute(r, &call).await {
+                Ok(resp) => resp,
+                Err(ClientError::NotFound { .. }) if descriptors.is_empty() => {
+                    api = false;
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            let next = next_link(resp.headers(), resp.url());
+            let body = read_body_bounded(
+                resp,
+                ferry_oci::MAX_MANIFEST_BYTES,
+                &r.registry,
+                "referrers index",
+            )
+            .await?;
+            let index: oci_spec::image::ImageIndex =
+                serde_json::from_slice(&body).map_err(|e| ClientError::Invalid {
+                    what: format!("referrers of {subject} from {}", r.registry),
+                    reason: e.to_string(),
+                })?;
+            descriptors.extend(index.manifests().iter().cloned());
+            match next {
+                Some(url) => call.target = Target::Url(url),
+                None => break,
+            }
+        }
+        if !api {
+            let tag = format!("sha256-{}", subject.trim_start_matches("sha256:"));
+            match self.get_manifest(r, &tag, &[media::OCI_INDEX]).await {
+                Ok(m) => {
+                    let index: oci_spec::image::ImageIndex = serde_json::from_slice(&m.bytes)
+                        .map_err(|e| ClientError::Invalid {
+                            what: format!("referrers tag {tag} in {r}"),
+                            reason: e.to_string(),
+                        })?;
+                    descriptors = index.manifests().clone();
+                }
+                Err(ClientError::NotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if let Some(t) = artifact_type {
+            descriptors.retain(|d| {
+                d.artifact_type()
+                    .as_ref()
+                    .is_some_and(|a| a.to_string() == t)
+            });
+        }
+        Ok(index_of(descriptors))
+    }
+
+    /// Pushes a referrer manifest (by digest) and, when the registry does not index
+    /// subjects itself, adds it to the `sha256-<subject hex>` fallback tag index.
+    pub async fn push_referrer(
+        &self,
+        r: &Repo,
+        subject: &str,
+        referrer: &oci_spec::image::Descriptor,
+        bytes: Bytes,
+    ) -> Result<(), ClientError> {
+        check_digest(subject)?;
+        let digest = referrer.digest().to_string();
+        let put = self
+            .put_manifest_detailed(r, &digest, referrer.media_type().as_ref(), bytes)
+            .await?;
+        if put.subject_indexed {
+            return Ok(());
+        }
+        let tag = format!("sha256-{}", subject.trim_start_matches("sha256:"));
+        let mut list = match self.get_manifest(r, &tag, &[media::OCI_INDEX]).await {
+            Ok(m) => serde_json::from_slice::<oci_spec::image::ImageIndex>(&m.bytes)
+                .map(|i| i.manifests().clone())
+                .unwrap_or_default(),
+            Err(ClientError::NotFound { .. }) => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        if list.iter().any(|d| d.digest() == referrer.digest()) {
+            return Ok(());
+        }
+        list.push(referrer.clone());
+        let doc = ferry_oci::layout::canonical_json(&index_of(list))?;
+        self.put_manifest(r, &tag, media::OCI_INDEX, Bytes::from(doc))
+            .await?;
+        Ok(())
+    }
+
+    /// Every tag of a repository (following `Link` pagination).
+    pub async fn tags(&self, r: &Repo) -> Result<Vec<String>, ClientError> {
+        #[derive(serde::Deserialize)]
+        struct TagList {
+            #[serde(default)]
+            tags: Option<Vec<String>>,
+        }
+        let mut out = Vec::new();
+        let mut call = Call::new(
+            Method::GET,
+            format!("/v2/{}/tags/list?n=1000", r.repository),
+            format!("repository {r}"),
+        );
+        for _ in 0..MAX_PAGES {
+            let resp = self.execute(r, &call).await?;
+            let next = next_link(resp.headers(), resp.url());
+            let body = read_body_bounded(resp, 16 << 20, &r.registry, "tag list").await?;
+            let page: TagList =
+                serde_json::from_slice(&body).map_err(|e| ClientError::Invalid {
+                    what: format!("tag list of {r}"),
+                    reason: e.to_string(),
+                })?;
+            out.extend(page.tags.unwrap_or_default());
+            match next {
+                Some(url) => call.target = Target::Url(url),
+                None => return Ok(out),
+            }
+        }
+        Err(ClientError::TooLarge {
+            what: format!("tag list of {r}"),
+            limit: MAX_PAGES as u64,
+        })
+    }
+}
+
+fn index_of(manifests: Vec<oci_spec::image::Descriptor>) -> oci_spec::image::ImageIndex {
+    let mut index = oci_spec::image::ImageIndex::default();
+    index.set_media_type(Some(oci_spec::image::MediaType::ImageIndex));
+    index.set_manifests(manifests);
+    index
+}
+
+fn content_type(h: &HeaderMap) -> String {
+    h.get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The `mediaType` field of a manifest document, when it has one.
+fn document_media_type(bytes: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Doc {
+        #[serde(rename = "mediaType")]
+        media_type: Option<String>,
+    }
+    serde_json::from_slice::<Doc>(bytes)
+        .ok()?
+        .media_type
+        .filter(|m| !m.is_empty())
+}
+
+/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`).
+fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let rest = v.trim().strip_prefix("bytes")?.trim_start();
+    let (span, total) = rest.split_once('/')?;
+    let (a, b) = span.split_once('-')?;
+    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    if b < a {
+        return None;
+    }
+    let total = match total.trim() {
+        "*" => None,
+        t => Some(t.parse().ok()?),
+    };
+    Some((a, b, total))
+}
+
+/// The `rel="next"` target of a `Link` header, resolved against the request URL.
+fn next_link(h: &HeaderMap, base: &url::Url) -> Option<url::Url> {
+    for v in h
+        .get_all(header::LINK)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+    {
+        for part in v.split(',') {
+            let part = part.trim();
+            let (Some(open), Some(close)) = (part.find('<'), part.find('>')) else {
+                continue;
+            };
+            if close <= open {
+                continue;
+            }
+            let params = &part[close + 1..];
+            let is_next = params.split(';').any(|p| {
+                let p = p.trim().replace(' ', "");
+                p == "rel=\"next\"" || p == "rel=next"
+            });
+            if is_next {
+                return base.join(&part[open + 1..close]).ok();
+            }
+        }
+    }
+    None
+}
+
+fn byte_stream(resp: reqwest::Response, registry: String) -> ByteStream {
+    Box::pin(resp.bytes_stream().map(move |item| {
+        item.map_err(|e| {
+            std::io::Error::other(format!("reading from {registry}: {}", error_chain(&e)))
+        })
+    }))
+}
+
+/// Skips `skip` bytes, then yields exactly `take` bytes; ending early is an
+/// `UnexpectedEof` error item, extra bytes are dropped.
+pub(crate) fn exact_stream(body: ByteStream, skip: u64, take: u64) -> ByteStream {
+    Box::pin(futures_util::stream::unfold(
+        (Some(body), skip, take),
+        |(body, mut skip, mut take)| async move {
+            let mut body = body?;
+            loop {
+                if take == 0 {
+                    return None;
+                }
+                match body.next().await {
+                    None => {
+                        let e = std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!("blob body ended {take} bytes early"),
+                        );
+                        return Some((Err(e), (None, 0, 0)));
+                    }
+                    Some(Err(e)) => return Some((Err(e), (None, 0, 0))),
+                    Some(Ok(mut b)) => {
+                        let len = b.len() as u64;
+                        if skip >= len {
+                            skip -= len;
+                            continue;
+                        }
+                        let _ = b.split_to(skip as usize);
+                        skip = 0;
+                        if b.len() as u64 > take {
+                            b.truncate(take as usize);
+                        }
+                        take -= b.len() as u64;
+                        if b.is_empty() {
+                            continue;
+                        }
+                        return Some((Ok(b), (Some(body), skip, take)));
+                    }
+                }
+            }
+        },
+    ))
+}

@@ -1,0 +1,281 @@
+//! [`HttpRangeSource`]: the synchronous [`RangeSource`] the lazy reader pulls a remote
+//! layer through, one blob per source, sharing the [`Client`]'s connections and tokens.
+//!
+//! The reader runs on plain threads (FUSE workers, rayon), so the source hands each read
+//! to a tokio runtime and blocks for the answer. That runtime is either one the source
+//! was given a [`tokio::runtime::Handle`] of, or a [`RangeRuntime`]: a runtime on a
+//! dedicated thread, safe to create and drop anywhere. Calling a source from inside an
+//! async task would block a runtime worker, so it is refused with an error instead.
+
+use std::io;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ferry_index::source::RangeSource;
+use futures_util::StreamExt;
+
+use super::{Client, ClientError, Repo};
+
+/// A tokio runtime running on its own thread, for synchronous callers. Cloning shares it;
+/// the thread stops when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct RangeRuntime {
+    handle: tokio::runtime::Handle,
+    _stop: Arc<StopOnDrop>,
+}
+
+#[derive(Debug)]
+struct StopOnDrop(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl RangeRuntime {
+    /// Starts the runtime thread.
+    pub fn new() -> Result<Self, ClientError> {
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("ferry-range-io".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .thread_name("ferry-range-io")
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = handle_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = handle_tx.send(Ok(rt.handle().clone()));
+                rt.block_on(async {
+                    let _ = stop_rx.await;
+                });
+            })
+            .map_err(|e| ClientError::Config(format!("cannot start the range I/O thread: {e}")))?;
+        let handle = handle_rx
+            .recv()
+            .map_err(|_| ClientError::Config("range I/O thread died".into()))?
+            .map_err(|e| ClientError::Config(format!("cannot build the range runtime: {e}")))?;
+        Ok(RangeRuntime {
+            handle,
+            _stop: Arc::new(StopOnDrop(Some(stop_tx))),
+        })
+    }
+
+    /// The runtime's handle.
+    pub fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+/// One remote blob as a synchronous [`RangeSource`].
+#[derive(Debug, Clone)]
+pub struct HttpRangeSource {
+    client: Client,
+    repo: Repo,
+    digest: String,
+    size: u64,
+    handle: tokio::runtime::Handle,
+    /// Keeps an owned runtime alive as long as the source.
+    _runtime: Option<RangeRuntime>,
+}
+
+fn to_io(e: ClientError) -> io::Error {
+    let kind = match &e {
+        ClientError::NotFound { .. } => io::ErrorKind::NotFound,
+        ClientError::Unauthorized { .. } | ClientError::Denied { .. } => {
+            io::ErrorKind::PermissionDenied
+        }
+        ClientError::DigestMismatch { .. } | ClientError::Invalid { .. } => {
+            io::ErrorKind::InvalidData
+        }
+        _ => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e)
+}
+
+impl HttpRangeSource {
+    /// A source for blob `digest` of known `size`, running its requests on `handle`.
+    pub fn new(
+        client: Client,
+        repo: Repo,
+        digest: &str,
+        size: u64,
+        handle: tokio::runtime::Handle,
+    ) -> Result<Self, ClientError> {
+        super::check_digest(digest)?;
+        Ok(HttpRangeSource {
+            client,
+            repo,
+            digest: digest.to_string(),
+            size,
+            handle,
+            _runtime: None,
+        })
+    }
+
+    /// A source on a [`RangeRuntime`] (kept alive by the source).
+    pub fn with_runtime(
+        client: Client,
+        repo: Repo,
+        digest: &str,
+        size: u64,
+        runtime: &RangeRuntime,
+    ) -> Result<Self, ClientError> {
+        let mut s = Self::new(client, repo, digest, size, runtime.handle().clone())?;
+        s._runtime = Some(runtime.clone());
+        Ok(s)
+    }
+
+    /// A source whose size is asked of the registry (HEAD). Synchronous: not from
+    /// inside an async context.
+    pub fn open(
+        client: Client,
+        repo: Repo,
+        digest: &str,
+        runtime: &RangeRuntime,
+    ) -> Result<Self, ClientError> {
+        super::check_digest(digest)?;
+        let (c, r, d) = (client.clone(), repo.clone(), digest.to_string());
+        let size = run_on(runtime.handle(), async move { c.blob_size(&r, &d).await })
+            .map_err(|e| ClientError::Config(e.to_string()))??
+            .ok_or_else(|| ClientError::NotFound {
+                what: format!("blob {digest} in {repo}"),
+            })?;
+        Self::with_runtime(client, repo, digest, size, runtime)
+    }
+
+    /// The blob's digest.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    async fn fetch(
+        client: Client,
+        repo: Repo,
+        digest: String,
+        rg: Range<u64>,
+    ) -> io::Result<Vec<u8>> {
+        let len = usize::try_from(rg.end - rg.start)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "range too large"))?;
+        let max = client.inner.cfg.max_attempts.max(1);
+        let mut attempt = 1;
+        loop {
+            let result: Result<Vec<u8>, ClientError> = async {
+                let stream = client.blob_stream(&repo, &digest, Some(rg.clone())).await?;
+                let mut buf = Vec::with_capacity(len);
+                let mut body = stream.body;
+                while let Some(piece) = body.next().await {
+                    let piece = piece.map_err(|e| ClientError::Transport {
+                        registry: repo.registry.clone(),
+                        message: e.to_string(),
+                    })?;
+                    buf.extend_from_slice(&piece);
+                }
+                Ok(buf)
+            }
+            .await;
+            match result {
+                Err(e) if e.is_retryable() && attempt < max => {
+                    super::retry::sleep(&client.inner.cfg, attempt, None).await;
+                    attempt += 1;
+                }
+                other => return other.map_err(to_io),
+            }
+        }
+    }
+
+    fn check(&self, rg: &Range<u64>) -> io::Result<()> {
+        if rg.start > rg.end || rg.end > self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!(
+                    "range {}..{} is outside blob {} of {} bytes",
+                    rg.start, rg.end, self.digest, self.size
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Runs `fut` on `handle` and blocks the calling (non-async) thread for its result.
+fn run_on<T: Send + 'static>(
+    handle: &tokio::runtime::Handle,
+    fut: impl std::future::Future<Output = T> + Send + 'static,
+) -> io::Result<T> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(io::Error::other(
+            "HttpRangeSource was called from inside an async task; call it from a plain thread or tokio::task::spawn_blocking",
+        ));
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv()
+        .map_err(|_| io::Error::other("the range runtime shut down before answering"))
+}
+
+impl RangeSource for HttpRangeSource {
+    fn len(&self) -> u64 {
+        self.size
+    }
+
+    fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
+        self.check(&range)?;
+        if range.start == range.end {
+            return Ok(Vec::new());
+        }
+        let fut = Self::fetch(
+            self.client.clone(),
+            self.repo.clone(),
+            self.digest.clone(),
+            range,
+        );
+        run_on(&self.handle, fut)?
+    }
+
+    /// Issues the ranges concurrently (up to the client's download concurrency); results
+    /// come back in the order asked.
+    fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
+        for r in ranges {
+            self.check(r)?;
+        }
+        let concurrency = self.client.inner.cfg.max_concurrent_downloads.max(1);
+        let jobs: Vec<_> = ranges
+            .iter()
+            .map(|rg| {
+                let (c, r, d, rg) = (
+                    self.client.clone(),
+                    self.repo.clone(),
+                    self.digest.clone(),
+                    rg.clone(),
+                );
+                async move {
+                    if rg.start == rg.end {
+                        Ok(Vec::new())
+                    } else {
+                        Self::fetch(c, r, d, rg).await
+                    }
+                }
+            })
+            .collect();
+        let fut = async move {
+            futures_util::stream::iter(jobs)
+                .buffered(concurrency)
+                .collect::<Vec<io::Result<Vec<u8>>>>()
+                .await
+        };
+        run_on(&self.handle, fut)?.into_iter().collect()
+    }
+}
