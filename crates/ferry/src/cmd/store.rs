@@ -1,0 +1,305 @@
+//! `ferry store ls|du|gc|verify`: inspect and maintain the node's chunk store offline.
+//!
+//! The store itself lives in `ferry_store`; this file only picks its location, opens it
+//! without changing its bound, and prints. The store is opened exclusively, so these
+//! commands refuse to run while the daemon has it open (the daemon's status shows the
+//! same numbers live).
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, Result, bail};
+use ferry_store::{Store, StoreConfig, StoreOptions};
+
+use super::human;
+
+/// Arguments of `ferry store`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Store directory; default: $FERRY_STORE, else /var/lib/ferry/store for root, else
+    /// $XDG_CACHE_HOME/ferry/store.
+    #[arg(long, value_name = "PATH", global = true)]
+    store: Option<PathBuf>,
+    #[command(subcommand)]
+    command: StoreCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum StoreCommand {
+    /// List entries, least recently used (next to be evicted) first.
+    Ls {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show bytes and entries stored against the bound.
+    Du {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evict least recently used unpinned entries down to a size.
+    Gc {
+        /// Target size (e.g. 0, 500M, 20G; K/M/G/T are powers of 1024). Default: the
+        /// store's bound.
+        #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+        to: Option<u64>,
+        /// Also release every persisted pin first (for a node whose mounts are gone).
+        #[arg(long)]
+        release_pins: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-hash every entry, drop the ones that do not match their key, and report them.
+    Verify {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs `ferry store`.
+pub fn run(args: Args) -> Result<()> {
+    let path = match args.store {
+        Some(p) => p,
+        None => StoreConfig::default().resolve_path(),
+    };
+    let options = StoreOptions {
+        // Keep the bound the daemon configured; maintenance never shrinks the store.
+        max_bytes: None,
+        flush_interval: None,
+        ..StoreOptions::default()
+    };
+    let store = Store::open_with(&path, options)
+        .with_context(|| format!("opening the chunk store at {}", path.display()))?;
+    let opened = store.open_report();
+    if opened.removed_temp_files + opened.dropped_entries + opened.adopted_files > 0
+        || opened.metadata_rebuilt
+    {
+        eprintln!(
+            "ferry: store repaired at open: {} temp files removed, {} damaged entries dropped, {} files adopted{}",
+            opened.removed_temp_files,
+            opened.dropped_entries,
+            opened.adopted_files,
+            if opened.metadata_rebuilt {
+                ", metadata rebuilt"
+            } else {
+                ""
+            }
+        );
+    }
+    match args.command {
+        StoreCommand::Ls { json } => ls(&store, json)?,
+        StoreCommand::Du { json } => du(&store, json)?,
+        StoreCommand::Gc {
+            to,
+            release_pins,
+            json,
+        } => gc(&store, to, release_pins, json)?,
+        StoreCommand::Verify { json } => verify(&store, json)?,
+    }
+    store.close().context("closing the chunk store")
+}
+
+fn ls(store: &Store, json: bool) -> Result<()> {
+    let entries = store.list();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&entries)?);
+        return Ok(());
+    }
+    let now = now_ms();
+    println!("{:<71}  {:>10}  {:>12}  PINS", "KEY", "SIZE", "LAST ACCESS");
+    for e in &entries {
+        println!(
+            "{:<71}  {:>10}  {:>12}  {}",
+            e.key.to_string(),
+            human(e.size),
+            age(now, e.last_access_ms),
+            e.pins
+        );
+    }
+    Ok(())
+}
+
+fn du(store: &Store, json: bool) -> Result<()> {
+    let s = store.stats();
+    if json {
+        let doc = serde_json::json!({
+            "path": store.root(),
+            "entries": s.entries,
+            "bytes": s.bytes,
+            "max_bytes": s.max_bytes,
+            "pinned_bytes": s.pinned_bytes,
+            "pinned_entries": s.pinned_entries,
+            "pin_owners": s.pin_owners,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    let percent = if s.max_bytes == 0 {
+        0.0
+    } else {
+        s.bytes as f64 * 100.0 / s.max_bytes as f64
+    };
+    println!("store    {}", store.root().display());
+    println!(
+        "used     {} of {} ({percent:.1}%)",
+        human(s.bytes),
+        human(s.max_bytes)
+    );
+    println!("entries  {}", s.entries);
+    println!(
+        "pinned   {} in {} entries, by {} owners",
+        human(s.pinned_bytes),
+        s.pinned_entries,
+        s.pin_owners
+    );
+    Ok(())
+}
+
+fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<()> {
+    let mut released = 0;
+    if release_pins {
+        for owner in store.owners() {
+            released += store
+                .unpin_owner(&owner.owner)
+                .with_context(|| format!("releasing the pins of {}", owner.owner))?;
+        }
+    }
+    let target = to.unwrap_or(store.max_bytes());
+    let r = store.gc_to(target)?;
+    if json {
+        let doc = serde_json::json!({
+            "target_bytes": target,
+            "released_pins": released,
+            "evicted_entries": r.evicted_entries,
+            "freed_bytes": r.freed_bytes,
+            "bytes": r.bytes,
+            "pinned_bytes": r.pinned_bytes,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    if release_pins {
+        println!("released {released} pins");
+    }
+    println!(
+        "evicted {} entries ({}); {} stored, {} of it pinned",
+        r.evicted_entries,
+        human(r.freed_bytes),
+        human(r.bytes),
+        human(r.pinned_bytes)
+    );
+    if r.bytes > target {
+        println!(
+            "note: still above the target of {}: the rest is pinned (see --release-pins)",
+            human(target)
+        );
+    }
+    Ok(())
+}
+
+fn verify(store: &Store, json: bool) -> Result<()> {
+    let r = store.verify_all()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!(
+            "{} entries good ({} hashed), {} dropped",
+            r.good_entries,
+            human(r.checked_bytes),
+            r.dropped.len()
+        );
+        for k in &r.dropped {
+            println!("dropped {k}");
+        }
+    }
+    if !r.dropped.is_empty() {
+        bail!(
+            "{} damaged entries were dropped (they will be fetched again)",
+            r.dropped.len()
+        );
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// "5m ago" style age of a timestamp; "unknown" for 0.
+fn age(now_ms: u64, then_ms: u64) -> String {
+    if then_ms == 0 {
+        return "unknown".into();
+    }
+    let secs = Duration::from_millis(now_ms.saturating_sub(then_ms)).as_secs();
+    match secs {
+        0..60 => format!("{secs}s ago"),
+        60..3600 => format!("{}m ago", secs / 60),
+        3600..86400 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86400),
+    }
+}
+
+/// Parses a byte count: digits with an optional K, M, G or T (powers of 1024), optionally
+/// followed by `B` or `iB`.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (digits, shift) = match t.chars().last() {
+        Some(c @ ('K' | 'k' | 'M' | 'm' | 'G' | 'g' | 'T' | 't')) => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                _ => 40,
+            };
+            (&t[..t.len() - 1], shift)
+        }
+        _ => (t, 0),
+    };
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 0, 500M, 20G)"))?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("123"), Ok(123));
+        assert_eq!(parse_size("2K"), Ok(2048));
+        assert_eq!(parse_size("500M"), Ok(500 << 20));
+        assert_eq!(parse_size("20G"), Ok(20 << 30));
+        assert_eq!(parse_size("20GiB"), Ok(20 << 30));
+        assert_eq!(
+            parse_size("1tb"),
+            Err("\"1tb\" is not a size (e.g. 0, 500M, 20G)".into())
+        );
+        assert_eq!(parse_size("1TB"), Ok(1 << 40));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn ages_read_naturally() {
+        assert_eq!(age(10_000, 0), "unknown");
+        assert_eq!(age(70_000, 10_000), "1m ago");
+        assert_eq!(age(10_000, 20_000), "0s ago");
+        assert_eq!(age(3 * 86_400_000, 1), "2d ago");
+    }
+}

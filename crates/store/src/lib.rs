@@ -1,0 +1,48 @@
+//! # ferry-store: the node's chunk store
+//!
+//! Owns the durable, verified chunk bytes on one node: content-addressed (an entry's key
+//! is the SHA-256 of its bytes, so the same bytes are stored once and shared by every
+//! layer and image), bounded by `max_bytes` with least-recently-used eviction of entries
+//! no live mount pins, crash-safe (entries are committed by temp file + fsync + atomic
+//! rename; after a kill -9 at any moment nothing corrupt is ever served: a damaged entry
+//! is dropped and reads as a miss), and reused across daemon restarts. Metadata (sizes,
+//! recency, pins) lives in a redb file beside the chunks and is rebuilt from the chunk
+//! files if it is lost.
+//!
+//! It must not fetch anything (no network: the filesystem and p2p crates fetch and then
+//! `put`) and must not know any format (tar, gzip, indexes): a chunk is opaque bytes and
+//! a key. The only bytes it parses are its own metadata, which it treats as possibly
+//! damaged: bad records are dropped, never a panic.
+//!
+//! Pins: a mount pins its hot set with [`Store::pin`] and releases it with
+//! [`Store::unpin_owner`]. Pins are persisted; after a restart they stay in force for
+//! [`StoreOptions::pin_grace`] so a daemon that re-registers its mounts (calling `pin`
+//! again, e.g. after reading [`Store::pinned_keys`]) loses nothing, while pins of mounts
+//! that did not come back are dropped once the grace period ends.
+//!
+//! Trust: an entry is hashed on its first read after the store is opened by a process,
+//! and trusted for the rest of that process's life (entries it wrote itself are trusted
+//! from the start). [`Store::verify_all`] re-hashes everything.
+
+mod clock;
+mod config;
+mod error;
+mod key;
+mod meta;
+mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use config::{DEFAULT_MAX_BYTES, STORE_ENV, SYSTEM_STORE_PATH, StoreConfig};
+pub use error::{Error, Result};
+pub use key::ChunkKey;
+pub use store::{
+    ChunkFile, EntryInfo, GcReport, OpenReport, OwnerInfo, PutOutcome, Store, StoreOptions,
+    StoreStats, VerifyReport,
+};
+
+/// Longest pin owner name, in bytes.
+pub const MAX_OWNER_LEN: usize = 256;
+
+pub(crate) fn valid_owner(owner: &str) -> bool {
+    !owner.is_empty() && owner.len() <= MAX_OWNER_LEN
+}
