@@ -247,7 +247,8 @@ EOF
     docker-registry serve "$d/config.yml" >"$E2E_TMP/registry.log" 2>&1 &
     REGISTRY_PID=$!
     REGISTRY=127.0.0.1:$port
-    export REGISTRY_STORAGE=$d/data
+    # Not exported: docker-registry reads REGISTRY_* variables as config overrides.
+    REGISTRY_DATA_DIR=$d/data
     if ! wait_for 30 "registry" curl -fsS --noproxy '*' "http://$REGISTRY/v2/"; then
         tail -30 "$E2E_TMP/registry.log" >&2
         e2e_die "docker-registry did not come up on $REGISTRY"
@@ -336,4 +337,141 @@ find_ferry() {
         FERRY=$FERRY_ROOT/target/debug/ferry
     fi
     export FERRY
+}
+
+# ------------------------------------------------------------------ registries under test
+# (used by registry_clients.sh / registry_badinput.sh)
+#
+#   make_htpasswd FILE USER PASS [USER PASS]...   bcrypt htpasswd file ($2y$/$2b$, cost 5):
+#                            `htpasswd -B` (apache2-utils) if present, else python3
+#                            (bcrypt module, else the stdlib crypt module)
+#   start_ferry_registry NAME CONFIG    `$FERRY registry serve --config CONFIG --addr
+#                            127.0.0.1:<free port> --root $E2E_TMP/NAME/data`
+#   start_docker_registry NAME [HTPASSWD]   a further Debian docker-registry instance
+#                            (optionally with htpasswd auth), for checking the checks
+#   Both set REG_ADDR (host:port), REG_PID, REG_DATA (storage dir), REG_LOG, return
+#   non-zero (after printing the log tail) if the server does not answer /v2/ within
+#   30 s, and are stopped by the EXIT trap.
+#   http_req METHOD URL [CURL_ARGS...]   curl --path-as-is; sets HTTP_CODE (000 on a
+#                            transport error); body in $HTTP_BODY, headers in $HTTP_HDRS
+#   http_header NAME         value of header NAME in the last http_req (case-insensitive)
+
+make_htpasswd() {
+    local f=$1 u p line
+    shift
+    : >"$f"
+    while (($# >= 2)); do
+        u=$1 p=$2
+        shift 2
+        if command -v htpasswd >/dev/null 2>&1; then
+            line=$(htpasswd -nbB -C 5 "$u" "$p" | head -1)
+        else
+            line=$(python3 -W ignore - "$u" "$p" <<'PY'
+import sys
+user, pw = sys.argv[1], sys.argv[2]
+try:
+    import bcrypt
+    h = bcrypt.hashpw(pw.encode(), bcrypt.gensalt(5)).decode()
+except ImportError:
+    import crypt  # stdlib up to Python 3.12; libxcrypt does bcrypt
+    h = crypt.crypt(pw, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=1 << 5))
+if not h or not h.startswith("$2"):
+    sys.exit("no bcrypt implementation (install apache2-utils or python3-bcrypt)")
+print(f"{user}:{h}")
+PY
+            ) || return 1
+        fi
+        echo "$line" >>"$f"
+    done
+}
+
+# _wait_registry_up NAME: wait until http://$REG_ADDR/v2/ answers any HTTP status
+_wait_registry_up() {
+    local code deadline=$((SECONDS + 30))
+    while :; do
+        code=$(curl -s --noproxy '*' -o /dev/null -w '%{http_code}' --max-time 2 "http://$REG_ADDR/v2/" 2>/dev/null) || true
+        [[ $code != 000 && -n $code ]] && break
+        if ! kill -0 "$REG_PID" 2>/dev/null || ((SECONDS >= deadline)); then
+            e2e_log "$1 did not come up on $REG_ADDR (log $REG_LOG):"
+            tail -20 "$REG_LOG" >&2 || true
+            return 1
+        fi
+        sleep 0.2
+    done
+    e2e_log "$1 pid $REG_PID on http://$REG_ADDR (data $REG_DATA)"
+}
+
+start_ferry_registry() {
+    local name=$1 config=$2 port
+    e2e_init
+    find_ferry
+    [[ -x $FERRY ]] || { e2e_log "ferry binary not found: $FERRY"; return 1; }
+    port=$(free_port)
+    REG_ADDR=127.0.0.1:$port
+    REG_DATA=$E2E_TMP/$name/data
+    REG_LOG=$E2E_TMP/$name.log
+    mkdir -p "$REG_DATA"
+    "$FERRY" registry serve --config "$config" --addr "$REG_ADDR" --root "$REG_DATA" >"$REG_LOG" 2>&1 &
+    REG_PID=$!
+    E2E_PIDS+=("$REG_PID")
+    _wait_registry_up "ferry registry $name"
+}
+
+start_docker_registry() {
+    local name=$1 htpasswd=${2:-} port d
+    need_cmd docker-registry
+    e2e_init
+    port=$(free_port)
+    d=$E2E_TMP/$name
+    REG_ADDR=127.0.0.1:$port
+    REG_DATA=$d/data
+    REG_LOG=$E2E_TMP/$name.log
+    mkdir -p "$REG_DATA"
+    {
+        cat <<YML
+version: 0.1
+log:
+  level: warn
+  accesslog:
+    disabled: true
+storage:
+  filesystem:
+    rootdirectory: $REG_DATA
+  delete:
+    enabled: true
+  maintenance:
+    uploadpurging:
+      enabled: false
+http:
+  addr: $REG_ADDR
+  secret: ferry-e2e-not-secret
+YML
+        if [[ -n $htpasswd ]]; then
+            printf 'auth:\n  htpasswd:\n    realm: ferry-e2e\n    path: %s\n' "$htpasswd"
+        fi
+    } >"$d/config.yml"
+    docker-registry serve "$d/config.yml" >"$REG_LOG" 2>&1 &
+    REG_PID=$!
+    E2E_PIDS+=("$REG_PID")
+    _wait_registry_up "docker-registry $name"
+}
+
+http_req() {
+    local m=$1 u=$2
+    shift 2
+    e2e_init
+    HTTP_BODY=$E2E_TMP/http.body
+    HTTP_HDRS=$E2E_TMP/http.hdrs
+    : >"$HTTP_BODY"
+    : >"$HTTP_HDRS"
+    local how=(-X "$m")
+    [[ $m == HEAD ]] && how=(--head)
+    HTTP_CODE=$(curl -sS --noproxy '*' --path-as-is --max-time "${HTTP_TIMEOUT:-30}" "${how[@]}" \
+        -o "$HTTP_BODY" -D "$HTTP_HDRS" -w '%{http_code}' "$@" "$u" 2>"$E2E_TMP/http.err") || true
+    [[ -n $HTTP_CODE ]] || HTTP_CODE=000
+}
+
+http_header() {
+    tr -d '\r' <"$HTTP_HDRS" | awk -v n="$1" 'BEGIN { n = tolower(n) }
+        { i = index($0, ":"); if (i > 0 && tolower(substr($0, 1, i - 1)) == n) { v = substr($0, i + 1); sub(/^[ \t]+/, "", v); print v } }' | tail -1
 }
