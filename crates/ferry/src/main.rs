@@ -46,6 +46,12 @@ enum Command {
     /// The main job end to end on an embedded default: pack a directory of this machine
     /// into an image, index it, read files from it lazily and report the bytes read.
     Demo(cmd::demo::Args),
+    /// Copy an image, with its ferry index artifacts, between registries and OCI layouts.
+    Copy(cmd::copy::Args),
+    /// Run or maintain an OCI registry (and pull-through cache).
+    Registry(cmd::registry::Args),
+    /// Inspect and maintain the node's chunk store.
+    Store(cmd::store::Args),
     /// Measurements driven by the scripts under bench/.
     Bench(cmd::bench::Args),
 }
@@ -60,6 +66,9 @@ fn main() -> ExitCode {
         Command::Pack(a) => cmd::pack::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Copy(a) => cmd::copy::run(a),
+        Command::Registry(a) => cmd::registry::run(a),
+        Command::Store(a) => cmd::store::run(a),
         Command::Bench(a) => cmd::bench::run(a),
     };
     match result {

@@ -1,12 +1,16 @@
-//! `ferry bench …` — measurements that the scripts under `bench/` drive.
+//! `ferry bench …` — measurements that the scripts under `bench/` drive. `read` is local
+//! (lazy reads through the index); `registry` is the registry load tester, whose engine
+//! lives in `ferry_registry::loadtest` (this file only maps flags onto it).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ferry_index::entry::EntryKind;
 use ferry_index::image::open_layout_image;
+use ferry_oci::ImageRef;
+use ferry_registry::loadtest::{self, Credentials, LayerMode, LoadTestConfig};
 
 use super::{cat::counter, layout_ref};
 
@@ -23,6 +27,52 @@ pub enum What {
     /// Random reads of files through the image's indexes: latency percentiles and
     /// compressed bytes fetched per read, from local blobs.
     Read(ReadArgs),
+    /// Replay a fleet's node starts against a registry (token, manifest, config, layer
+    /// requests) at a given concurrency: LPM (layer requests per minute), requests/s and
+    /// latency percentiles per request kind, errors by kind and status.
+    Registry(RegistryArgs),
+}
+
+/// Arguments of `ferry bench registry`.
+#[derive(Debug, clap::Args)]
+pub struct RegistryArgs {
+    /// The image whose start to replay, `HOST[:PORT]/REPO[:TAG|@DIGEST]` (plain HTTP).
+    pub image: String,
+    /// Virtual nodes, each with its own keep-alive connection (at most 10,000).
+    #[arg(long, default_value_t = 256)]
+    pub connections: usize,
+    /// Measured duration (`30s`, `2m`; at most 1h).
+    #[arg(long, default_value = "30s", value_parser = loadtest::parse_duration)]
+    pub duration: Duration,
+    /// Load before measuring, so connections and tokens are warm.
+    #[arg(long, default_value = "5s", value_parser = loadtest::parse_duration)]
+    pub warmup: Duration,
+    /// How layers are requested: `get` (one GET of `--range` bytes), `head`, or
+    /// `redirect` (GET following 3xx, e.g. to presigned object-store URLs).
+    #[arg(long, default_value = "get")]
+    pub layer_mode: LayerMode,
+    /// Bytes asked of each layer GET (`Range: bytes=0-N-1`); 0 = whole blobs.
+    #[arg(long, default_value_t = 4096)]
+    pub range: u64,
+    /// `USER:PASSWORD` (Basic, or for bearer tokens, as the registry's challenge asks).
+    #[arg(long, env = "FERRY_BENCH_CREDS", hide_env_values = true)]
+    pub creds: Option<Credentials>,
+    /// Another host that token realms or redirects may name (repeatable); the registry
+    /// and loopback are always allowed, nothing else is contacted.
+    #[arg(long = "allow-host")]
+    pub allow_hosts: Vec<String>,
+    /// Time limit of one request, body included.
+    #[arg(long, default_value = "10s", value_parser = loadtest::parse_duration)]
+    pub timeout: Duration,
+    /// `OS/ARCH` picked when the tag names an index (default: this machine's).
+    #[arg(long)]
+    pub platform: Option<String>,
+    /// Runtime worker threads (default: one per CPU).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Arguments of `ferry bench read`.
@@ -47,7 +97,58 @@ pub struct ReadArgs {
 pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Read(a) => read(a),
+        What::Registry(a) => registry(a),
     }
+}
+
+fn registry(args: RegistryArgs) -> Result<()> {
+    let ImageRef::Registry {
+        registry,
+        repository,
+        tag,
+        digest,
+    } = ImageRef::parse(&args.image)?
+    else {
+        bail!(
+            "{} is an OCI layout; ferry bench registry needs HOST[:PORT]/REPO[:TAG]",
+            args.image
+        );
+    };
+    let reference = digest.or(tag).unwrap_or_else(|| "latest".to_string());
+    let cfg = LoadTestConfig {
+        registry,
+        repository,
+        reference,
+        connections: args.connections,
+        duration: args.duration,
+        warmup: args.warmup,
+        layer_mode: args.layer_mode,
+        range_bytes: (args.range > 0).then_some(args.range),
+        credentials: args.creds,
+        allowed_hosts: args.allow_hosts,
+        request_timeout: args.timeout,
+        platform: args.platform.unwrap_or_else(loadtest::default_platform),
+    };
+    cfg.validate()?;
+    let threads = match args.threads {
+        Some(0) => bail!("--threads must be at least 1"),
+        Some(n) => n.min(1024),
+        None => std::thread::available_parallelism().map_or(2, |n| n.get()),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    let report = runtime
+        .block_on(loadtest::run(&cfg))
+        .with_context(|| format!("benchmarking {}", args.image))?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(())
 }
 
 fn read(args: ReadArgs) -> Result<()> {

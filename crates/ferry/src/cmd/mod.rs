@@ -3,10 +3,13 @@
 pub mod bench;
 pub mod cat;
 pub mod convert;
+pub mod copy;
 pub mod demo;
 pub mod index;
 pub mod inspect;
 pub mod pack;
+pub mod registry;
+pub mod store;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,535 @@
+//! The transport layer: the inode tree and the layer readers served over FUSE.
+//!
+//! The image never changes, so the kernel is told to cache everything for long: entry
+//! and attribute TTLs of a day, `keep_cache` on open (page cache survives close), cached
+//! directories and symlinks, readdirplus. Writes are refused with EROFS (the mount is
+//! also read-only). Reads that cannot be served (fetch failed, timed out or did not
+//! verify) fail with EIO; nothing is retried forever here, the device layer bounds it.
+
+use std::ffi::OsStr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fuser::{
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags,
+    ReplyAttr, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyStatfs, ReplyXattr, Request, SessionACL,
+};
+
+use crate::error::{Error, Result};
+use crate::image::MountedImage;
+use crate::stats::MountStats;
+use crate::tree::{Ino, Node, NodeKind};
+
+/// How long the kernel may cache entries and attributes: the image is immutable.
+const TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Largest single read served (the kernel asks for at most max_pages of 4 KiB).
+const MAX_READ: u32 = 4 << 20;
+
+/// The FUSE filesystem of one mounted image.
+#[derive(Debug, Clone)]
+pub struct FerryFs {
+    image: Arc<MountedImage>,
+}
+
+impl FerryFs {
+    /// Serves `image`.
+    pub fn new(image: Arc<MountedImage>) -> FerryFs {
+        FerryFs { image }
+    }
+
+    /// The mounted image (tree, layers, counters).
+    pub fn image(&self) -> &Arc<MountedImage> {
+        &self.image
+    }
+
+    fn node(&self, ino: INodeNo) -> std::result::Result<&Node, Errno> {
+        self.image.tree.get(ino.0).ok_or(Errno::ENOENT)
+    }
+
+    /// The attributes of inode `ino`.
+    pub fn attr(&self, ino: Ino, node: &Node) -> FileAttr {
+        let mtime = system_time(node.mtime, node.mtime_nsec);
+        FileAttr {
+            ino: INodeNo(ino),
+            size: node.size,
+            blocks: node.size.div_ceil(512),
+            atime: mtime,
+            mtime,
+            ctime: mtime,
+            crtime: mtime,
+            kind: file_type(node.kind),
+            perm: (node.mode & 0o7777) as u16,
+            nlink: node.nlink,
+            uid: node.uid,
+            gid: node.gid,
+            rdev: encode_dev(node.rdev.0, node.rdev.1),
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+
+    /// Reads `[offset, offset + size)` of regular file `ino`.
+    pub fn read_file(&self, ino: Ino, offset: u64, size: u32) -> std::result::Result<Vec<u8>, Errno> {
+        let node = self.image.tree.get(ino).ok_or(Errno::ENOENT)?;
+        if node.kind != NodeKind::File {
+            return Err(Errno::EISDIR);
+        }
+        if offset >= node.size || size == 0 {
+            return Ok(Vec::new());
+        }
+        let Some(loc) = node.data else {
+            return Ok(Vec::new());
+        };
+        let len = (node.size - offset).min(u64::from(size.min(MAX_READ))) as usize;
+        let mut buf = vec![0u8; len];
+        let layer = self.image.image.layers().get(loc.layer).ok_or(Errno::EIO)?;
+        match layer.read_at(loc.entry, offset, &mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                MountStats::add(&self.image.stats.bytes_served, n as u64);
+                Ok(buf)
+            }
+            Err(e) => {
+                tracing::warn!(ino, offset, size, error = %e, "read failed; EIO");
+                Err(Errno::EIO)
+            }
+        }
+    }
+}
+
+fn file_type(kind: NodeKind) -> FileType {
+    match kind {
+        NodeKind::Dir => FileType::Directory,
+        NodeKind::File => FileType::RegularFile,
+        NodeKind::Symlink => FileType::Symlink,
+        NodeKind::Char => FileType::CharDevice,
+        NodeKind::Block => FileType::BlockDevice,
+        NodeKind::Fifo => FileType::NamedPipe,
+    }
+}
+
+/// The kernel's 32-bit device number encoding (`new_encode_dev`), which FUSE uses.
+pub fn encode_dev(major: u32, minor: u32) -> u32 {
+    (minor & 0xff) | ((major & 0xfff) << 8) | ((minor & !0xff) << 12)
+}
+
+fn name_str(name: &OsStr) -> std::result::Result<&str, Errno> {
+    // Every name in the tree is UTF-8 (tar paths are decoded as such); others cannot match.
+    name.to_str().ok_or(Errno::ENOENT)
+}
+
+/// Answers an xattr request of `size` bytes with `value`: its size when `size` is 0,
+/// ERANGE when it does not fit.
+fn reply_xattr(reply: ReplyXattr, size: u32, value: &[u8]) {
+    if size == 0 {
+        reply.size(value.len() as u32);
+    } else if value.len() > size as usize {
+        reply.error(Errno::ERANGE);
+    } else {
+        reply.data(value);
+    }
+}
+
+impl Filesystem for FerryFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let wanted = InitFlags::FUSE_DO_READDIRPLUS
+            | InitFlags::FUSE_READDIRPLUS_AUTO
+            | InitFlags::FUSE_CACHE_SYMLINKS
+            | InitFlags::FUSE_PARALLEL_DIROPS;
+        let supported = config.capabilities() & wanted;
+        let _ = config.add_capabilities(supported);
+        let _ = config.set_max_readahead(1 << 20);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let found = name_str(name)
+            .ok()
+            .and_then(|n| self.image.tree.lookup(parent.0, n));
+        match found.and_then(|ino| self.image.tree.get(ino).map(|n| (ino, n))) {
+            Some((ino, node)) => reply.entry(&TTL, &self.attr(ino, node), Generation(0)),
+            None => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match self.node(ino) {
+            Ok(node) => reply.attr(&TTL, &self.attr(ino.0, node)),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        match self.node(ino) {
+            Ok(node) if node.kind == NodeKind::Symlink => reply.data(node.link_target.as_bytes()),
+            Ok(_) => reply.error(Errno::EINVAL),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        match self.node(ino) {
+            Ok(node) if node.kind == NodeKind::Dir => reply.error(Errno::EISDIR),
+            Ok(_) if flags.acc_mode() != OpenAccMode::O_RDONLY => reply.error(Errno::EROFS),
+            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        match self.read_file(ino.0, offset, size) {
+            Ok(data) => reply.data(&data),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.node(ino) {
+            Ok(node) if node.kind == NodeKind::Dir => {
+                reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR)
+            }
+            Ok(_) => reply.error(Errno::ENOTDIR),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        let Some(items) = self.image.tree.readdir(ino.0, offset) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        for item in items {
+            let kind = self
+                .image
+                .tree
+                .get(item.ino)
+                .map(|n| file_type(n.kind))
+                .unwrap_or(FileType::RegularFile);
+            if reply.add(INodeNo(item.ino), item.next_offset, kind, item.name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let Some(items) = self.image.tree.readdir(ino.0, offset) else {
+            return reply.error(Errno::ENOTDIR);
+        };
+        for item in items {
+            let Some(node) = self.image.tree.get(item.ino) else {
+                continue;
+            };
+            let attr = self.attr(item.ino, node);
+            if reply.add(INodeNo(item.ino), item.next_offset, item.name, &TTL, &attr, Generation(0)) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let total = self.image.stats.snapshot().bytes_total;
+        let files = self.image.tree.len() as u64;
+        reply.statfs(total.div_ceil(4096), 0, 0, files, 0, 4096, 255, 4096);
+    }
+
+    fn getxattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, size: u32, reply: ReplyXattr) {
+        let node = match self.node(ino) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        match name.to_str().and_then(|n| node.xattr(n)) {
+            Some(value) => reply_xattr(reply, size, value),
+            None => reply.error(Errno::NO_XATTR),
+        }
+    }
+
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: ReplyXattr) {
+        let node = match self.node(ino) {
+            Ok(n) => n,
+            Err(e) => return reply.error(e),
+        };
+        let mut list = Vec::new();
+        for (name, _) in &node.xattrs {
+            list.extend_from_slice(name.as_bytes());
+            list.push(0);
+        }
+        reply_xattr(reply, size, &list);
+    }
+
+    fn access(&self, _req: &Request, ino: INodeNo, mask: AccessFlags, reply: ReplyEmpty) {
+        match self.node(ino) {
+            Ok(_) if mask.contains(AccessFlags::W_OK) => reply.error(Errno::EROFS),
+            Ok(_) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(Errno::EROFS);
+    }
+
+    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(Errno::EROFS);
+    }
+}
+
+/// How to mount.
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    /// FUSE worker threads (each with its own cloned /dev/fuse descriptor when > 1).
+    pub threads: usize,
+    /// Let every user (not only the mounting one) use the mount, the kernel checking
+    /// permissions as on any filesystem; what containers need.
+    pub allow_other: bool,
+    /// Name shown in /proc/mounts.
+    pub fsname: String,
+}
+
+impl Default for MountOptions {
+    fn default() -> Self {
+        MountOptions {
+            threads: 4,
+            allow_other: true,
+            fsname: "ferry".into(),
+        }
+    }
+}
+
+fn config(opts: &MountOptions) -> fuser::Config {
+    let mut cfg = fuser::Config::default();
+    cfg.mount_options = vec![
+        MountOption::FSName(opts.fsname.clone()),
+        MountOption::Subtype("ferry".into()),
+        MountOption::RO,
+        MountOption::DefaultPermissions,
+        MountOption::Dev,
+        MountOption::Suid,
+        MountOption::Exec,
+        MountOption::NoAtime,
+    ];
+    cfg.acl = if opts.allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    cfg.n_threads = Some(opts.threads.max(1));
+    cfg.clone_fd = opts.threads > 1;
+    cfg
+}
+
+/// Mounts `fs` at `mountpoint`, served by background threads; dropping the session (or
+/// [`fuser::BackgroundSession::umount_and_join`]) unmounts.
+pub fn mount(fs: FerryFs, mountpoint: &Path, opts: &MountOptions) -> Result<fuser::BackgroundSession> {
+    fuser::spawn_mount(fs, mountpoint, &config(opts))
+        .map_err(|e| Error::io(format!("mounting at {}", mountpoint.display()), e))
+}
+
+/// Blocks SIGINT and SIGTERM in the calling thread and every thread it starts later, so
+/// that [`mount_foreground`] can wait for them. Call first thing, before any thread.
+pub fn block_stop_signals() -> Result<()> {
+    // SAFETY: sigset_t is plain data initialised by sigemptyset before use; the calls
+    // only read and write that local set and this thread's signal mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            return Err(Error::io("blocking SIGINT/SIGTERM", std::io::Error::from_raw_os_error(rc)));
+        }
+    }
+    Ok(())
+}
+
+/// Waits up to `timeout` for SIGINT or SIGTERM (blocked by [`block_stop_signals`]);
+/// returns the signal number when one arrived.
+fn wait_stop_signal(timeout: Duration) -> Option<i32> {
+    // SAFETY: as in block_stop_signals; sigtimedwait reads the set and the timespec and
+    // writes nothing else (null siginfo).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let ts = libc::timespec {
+            tv_sec: timeout.as_secs() as libc::time_t,
+            tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+        };
+        let sig = libc::sigtimedwait(&set, std::ptr::null_mut(), &ts);
+        (sig > 0).then_some(sig)
+    }
+}
+
+/// Mounts and serves until SIGINT/SIGTERM (then unmounts cleanly) or until the
+/// filesystem is unmounted from outside (`ferry umount`, `umount`). `ready` is called
+/// once the mount is in place, `tick` about every 200 ms while it is served (to publish
+/// counters). Call [`block_stop_signals`] before starting any thread.
+pub fn mount_foreground(
+    fs: FerryFs,
+    mountpoint: &Path,
+    opts: &MountOptions,
+    ready: impl FnOnce(),
+    mut tick: impl FnMut(),
+) -> Result<()> {
+    let session = mount(fs, mountpoint, opts)?;
+    ready();
+    loop {
+        tick();
+        if session.guard.is_finished() {
+            return session
+                .join()
+                .map_err(|e| Error::io("serving the mount", e));
+        }
+        if let Some(sig) = wait_stop_signal(Duration::from_millis(200)) {
+            tracing::info!(signal = sig, mountpoint = %mountpoint.display(), "unmounting");
+            let result = session
+                .umount_and_join()
+                .map_err(|e| Error::io(format!("unmounting {}", mountpoint.display()), e));
+            tick();
+            return result;
+        }
+    }
+}
+
+/// Makes the process `cmd` starts the leader of a new session, so it outlives the
+/// terminal and process group of the one starting it (a detached mount server).
+pub fn detach_on_spawn(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and only calls
+    // setsid, which is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// True when `mountpoint` (an absolute, canonical path) is a FUSE mount of ferry's, as
+/// /proc/self/mountinfo lists it.
+pub fn is_mounted(mountpoint: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = mountpoint.to_string_lossy();
+    info.lines().any(|line| {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(dash) = fields.iter().position(|f| *f == "-") else {
+            return false;
+        };
+        fields.get(4).is_some_and(|mp| unescape_mountinfo(mp) == want)
+            && fields.get(dash + 1).is_some_and(|t| *t == "fuse.ferry" || *t == "fuse")
+    })
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for a space and so on).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            let v = u32::from(b[i + 1] - b'0') * 64
+                + u32::from(b[i + 2] - b'0') * 8
+                + u32::from(b[i + 3] - b'0');
+            match u8::try_from(v) {
+                Ok(byte) => {
+                    out.push(byte);
+                    i += 4;
+                }
+                Err(_) => {
+                    out.push(b[i]);
+                    i += 1;
+                }
+            }
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Unmounts a ferry mount point: `umount2(2)` when privileged, else `fusermount3 -u`.
+pub fn unmount(mountpoint: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(mountpoint.as_os_str().as_bytes())
+        .map_err(|_| Error::Invalid(format!("{} contains a NUL byte", mountpoint.display())))?;
+    // SAFETY: path is a valid NUL-terminated string that outlives the call.
+    let rc = unsafe { libc::umount2(path.as_ptr(), 0) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EPERM) {
+        return Err(Error::io(format!("unmounting {}", mountpoint.display()), err));
+    }
+    let status = std::process::Command::new("fusermount3")
+        .arg("-u")
+        .arg(mountpoint)
+        .status()
+        .map_err(|e| Error::io("running fusermount3 -u", e))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "fusermount3 -u {} failed ({status})",
+            mountpoint.display()
+        )))
+    }
+}
+
+/// A tar mtime as a `SystemTime` (before the epoch too).
+fn system_time(secs: i64, nsec: u32) -> SystemTime {
+    if secs >= 0 {
+        UNIX_EPOCH + Duration::new(secs as u64, nsec.min(999_999_999))
+    } else {
+        UNIX_EPOCH
+            .checked_sub(Duration::from_secs(secs.unsigned_abs()))
+            .unwrap_or(UNIX_EPOCH)
+    }
+}

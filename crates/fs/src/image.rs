@@ -1,0 +1,463 @@
+//! The backend layer: where an image's manifest, indexes and layer bytes come from (an
+//! OCI layout on disk or a registry over HTTP Range), and how each layer's reader is
+//! wired to the device and cache layers.
+//!
+//! Per layer, the best way in: a ferry index referring to the image (found in a layout
+//! through the `sha256-<hex>` tag fallback, in a registry through the referrers API or
+//! its tag fallback) → span-by-span lazy reads through the chunk store; an eStargz TOC
+//! annotation → lazy reads of the members the TOC names; neither → the whole blob,
+//! fetched once (in parallel Range requests from a registry), verified against the
+//! layer digest, kept in the chunk store and served from there.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
+use ferry_index::merged::MergedImage;
+use ferry_index::reader::{LayerFormat, LayerReader};
+use ferry_index::source::{FileSource, RangeSource};
+use ferry_index::estargz::EstargzLayer;
+use ferry_oci::media::{
+    ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX,
+    layer_compression,
+};
+use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
+use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
+use ferry_store::{ChunkKey, Store};
+use futures_like::collect_body;
+
+use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
+use crate::error::{Error, Result};
+use crate::stats::MountStats;
+use crate::tree::InodeTree;
+
+/// Most bytes of a manifest or index document accepted.
+const MAX_DOCUMENT_BYTES: u64 = ferry_oci::MAX_MANIFEST_BYTES;
+
+/// One layer as the backend offers it.
+pub struct LayerSpec {
+    /// The manifest's descriptor of the layer.
+    pub descriptor: Descriptor,
+    /// Its ferry index, when one refers to the image.
+    pub index: Option<Arc<LayerIndex>>,
+    /// The layer blob's bytes.
+    pub source: Arc<dyn RangeSource>,
+    /// Set for registry layers: how to download the whole blob in parallel.
+    remote: Option<RemoteBlob>,
+}
+
+impl std::fmt::Debug for LayerSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerSpec")
+            .field("digest", &self.descriptor.digest().to_string())
+            .field("indexed", &self.index.is_some())
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+struct RemoteBlob {
+    client: Client,
+    repo: Repo,
+    runtime: RangeRuntime,
+}
+
+/// An image as the backend offers it: its layers, lowest first.
+#[derive(Debug)]
+pub struct ImageSource {
+    /// Digest of the image manifest.
+    pub manifest_digest: String,
+    /// The layers.
+    pub layers: Vec<LayerSpec>,
+}
+
+impl ImageSource {
+    /// Opens an image in an OCI layout (`reference` a tag or manifest digest).
+    pub fn from_layout(dir: &Path, reference: &str) -> Result<ImageSource> {
+        let layout = OciLayout::open(dir)?;
+        let (mdesc, manifest) = layout.image_manifest(reference)?;
+        let indexes = ferry_index::image::layout_indexes(&layout, &mdesc)?;
+        let mut layers = Vec::new();
+        for layer in manifest.layers() {
+            let path = layout.blob_path(layer.digest())?;
+            let file = FileSource::open(&path)
+                .map_err(|e| Error::io(format!("opening layer blob {}", path.display()), e))?;
+            if file.len() != layer.size() {
+                return Err(Error::Invalid(format!(
+                    "layer {} is {} bytes, the manifest says {}",
+                    layer.digest(),
+                    file.len(),
+                    layer.size()
+                )));
+            }
+            layers.push(LayerSpec {
+                descriptor: layer.clone(),
+                index: indexes.get(layer.digest().as_ref()).cloned(),
+                source: Arc::new(file),
+                remote: None,
+            });
+        }
+        Ok(ImageSource {
+            manifest_digest: mdesc.digest().to_string(),
+            layers,
+        })
+    }
+
+    /// Opens an image in a registry: the manifest (for an image index, the entry for
+    /// this machine's platform), the ferry index artifact referring to it (referrers API
+    /// or tag fallback), and an HTTP Range source per layer. Call from a thread that is
+    /// not inside a tokio runtime.
+    pub fn from_registry(
+        client: &Client,
+        repo: &Repo,
+        reference: &str,
+        runtime: &RangeRuntime,
+    ) -> Result<ImageSource> {
+        let rt = runtime.handle();
+        let mut doc = rt.block_on(client.get_manifest(repo, reference, &[]))?;
+        if is_index(&doc.bytes) {
+            let index: ImageIndex = serde_json::from_slice(&doc.bytes)
+                .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
+            let pick = pick_platform(&index).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "image index {} has no manifest for linux/{}",
+                    doc.digest,
+                    oci_arch()
+                ))
+            })?;
+            doc = rt.block_on(client.get_manifest(repo, &pick, &[]))?;
+        }
+        let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
+            .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
+        let indexes = registry_indexes(client, repo, &doc.digest, runtime)?;
+        let mut layers = Vec::new();
+        for layer in manifest.layers() {
+            let digest = layer.digest().to_string();
+            let source = HttpRangeSource::with_runtime(
+                client.clone(),
+                repo.clone(),
+                &digest,
+                layer.size(),
+                runtime,
+            )?;
+            layers.push(LayerSpec {
+                descriptor: layer.clone(),
+                index: indexes.get(&digest).cloned(),
+                source: Arc::new(source),
+                remote: Some(RemoteBlob {
+                    client: client.clone(),
+                    repo: repo.clone(),
+                    runtime: runtime.clone(),
+                }),
+            });
+        }
+        Ok(ImageSource {
+            manifest_digest: doc.digest,
+            layers,
+        })
+    }
+
+    /// Opens `image` (`oci:DIR[:TAG]` or a registry reference) with `client` for
+    /// registries.
+    pub fn open(image: &str, client: &Client, runtime: &RangeRuntime) -> Result<ImageSource> {
+        match ImageRef::parse(image)? {
+            ImageRef::Layout { dir, reference } => Self::from_layout(&dir, &reference),
+            ImageRef::Registry {
+                registry,
+                repository,
+                tag,
+                digest,
+            } => {
+                let reference = digest
+                    .or(tag)
+                    .unwrap_or_else(|| "latest".to_string());
+                Self::from_registry(client, &Repo::new(registry, repository), &reference, runtime)
+            }
+        }
+    }
+}
+
+mod futures_like {
+    use ferry_registry::client::{BlobStream, ClientError};
+    use futures_util::StreamExt;
+
+    /// Collects a blob body, refusing more than `max` bytes.
+    pub async fn collect_body(stream: BlobStream, max: u64) -> Result<Vec<u8>, ClientError> {
+        let mut body = stream.body;
+        let mut out = Vec::new();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| ClientError::Invalid {
+                what: "index blob".into(),
+                reason: e.to_string(),
+            })?;
+            if (out.len() + piece.len()) as u64 > max {
+                return Err(ClientError::Invalid {
+                    what: "index blob".into(),
+                    reason: format!("larger than {max} bytes"),
+                });
+            }
+            out.extend_from_slice(&piece);
+        }
+        Ok(out)
+    }
+}
+
+fn is_index(bytes: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        manifests: Option<serde_json::Value>,
+    }
+    serde_json::from_slice::<Probe>(bytes).is_ok_and(|p| p.manifests.is_some())
+}
+
+fn oci_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    }
+}
+
+fn pick_platform(index: &ImageIndex) -> Option<String> {
+    let arch = oci_arch();
+    index
+        .manifests()
+        .iter()
+        .find(|m| {
+            m.platform().as_ref().is_some_and(|p| {
+                p.os().to_string() == "linux" && p.architecture().to_string() == arch
+            })
+        })
+        .or_else(|| index.manifests().first())
+        .map(|m| m.digest().to_string())
+}
+
+/// The ferry indexes referring to manifest `subject` in a registry: layer digest → index.
+fn registry_indexes(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+    runtime: &RangeRuntime,
+) -> Result<HashMap<String, Arc<LayerIndex>>> {
+    let rt = runtime.handle();
+    let referrers = rt.block_on(client.referrers(repo, subject, Some(FERRY_INDEX_ARTIFACT)))?;
+    let mut out = HashMap::new();
+    for referrer in referrers.manifests() {
+        let doc = rt.block_on(client.get_manifest(repo, referrer.digest().as_ref(), &[]))?;
+        if doc.bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+            continue;
+        }
+        let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
+            .map_err(|e| Error::Invalid(format!("index artifact {}: {e}", doc.digest)))?;
+        if artifact.subject().as_ref().map(|s| s.digest().to_string()).as_deref() != Some(subject)
+        {
+            continue;
+        }
+        for blob in artifact.layers() {
+            if blob.media_type().to_string() != FERRY_LAYER_INDEX {
+                continue;
+            }
+            if blob.size() > MAX_INDEX_BYTES as u64 {
+                return Err(Error::Invalid(format!(
+                    "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
+                    blob.digest()
+                )));
+            }
+            let digest = blob.digest().to_string();
+            let bytes = rt.block_on(async {
+                let stream = client.blob_stream(repo, &digest, None).await?;
+                collect_body(stream, blob.size()).await
+            })?;
+            if ferry_oci::sha256_digest(&bytes).to_string() != digest {
+                return Err(Error::Invalid(format!(
+                    "index blob {digest} does not match its digest"
+                )));
+            }
+            let index = LayerIndex::decode(&bytes)?;
+            let claimed = blob
+                .annotations()
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST));
+            if claimed.is_some_and(|c| *c != index.layer_digest) {
+                return Err(Error::Invalid(format!(
+                    "index blob {digest} claims layer {claimed:?} but indexes {}",
+                    index.layer_digest
+                )));
+            }
+            out.insert(index.layer_digest.clone(), Arc::new(index));
+        }
+    }
+    Ok(out)
+}
+
+/// Which tree a mount shows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum View {
+    /// Every layer merged, whiteouts applied.
+    Merged,
+    /// One layer (by digest), whiteouts presented for overlayfs.
+    Layer(String),
+}
+
+/// An image wired for serving: the merged view over cached, verified sources, its inode
+/// tree and its counters.
+#[derive(Debug)]
+pub struct MountedImage {
+    /// The layers and their merged table.
+    pub image: MergedImage,
+    /// The tree the mount shows.
+    pub tree: InodeTree,
+    /// Live counters.
+    pub stats: Arc<MountStats>,
+    /// Digest of the image manifest.
+    pub manifest_digest: String,
+}
+
+impl MountedImage {
+    /// Wires every layer of `source` through the chunk store (`store`, when given) with
+    /// `config`, and builds the tree of `view`.
+    pub fn new(
+        source: ImageSource,
+        store: Option<Arc<Store>>,
+        config: FetchConfig,
+        view: &View,
+    ) -> Result<MountedImage> {
+        let stats = Arc::new(MountStats::default());
+        let limiter = Limiter::new(config.concurrency);
+        let mut readers = Vec::new();
+        let mut chosen = None;
+        for (i, layer) in source.layers.into_iter().enumerate() {
+            if let View::Layer(d) = view
+                && layer.descriptor.digest().as_ref() == d.as_str()
+            {
+                chosen = Some(i);
+            }
+            MountStats::add(&stats.bytes_total, layer.descriptor.size());
+            readers.push(layer_reader(
+                layer,
+                store.clone(),
+                limiter.clone(),
+                config,
+                stats.clone(),
+            )?);
+        }
+        let image = MergedImage::new(readers);
+        let tree = match view {
+            View::Merged => InodeTree::merged(&image),
+            View::Layer(d) => {
+                let i = chosen.ok_or_else(|| {
+                    Error::Invalid(format!("the image has no layer {d}"))
+                })?;
+                InodeTree::single_layer(&image, i)
+                    .ok_or_else(|| Error::Invalid(format!("layer {d} cannot be read")))?
+            }
+        };
+        Ok(MountedImage {
+            image,
+            tree,
+            stats,
+            manifest_digest: source.manifest_digest,
+        })
+    }
+}
+
+/// The reader of one layer, wired through the device and cache layers.
+fn layer_reader(
+    layer: LayerSpec,
+    store: Option<Arc<Store>>,
+    limiter: Arc<Limiter>,
+    config: FetchConfig,
+    stats: Arc<MountStats>,
+) -> Result<LayerReader> {
+    let digest = layer.descriptor.digest().to_string();
+    if let Some(index) = layer.index {
+        if index.compressed_size != layer.descriptor.size() {
+            return Err(Error::Invalid(format!(
+                "the index of {digest} is for a {}-byte blob",
+                index.compressed_size
+            )));
+        }
+        let source = LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
+        return Ok(LayerReader::new(
+            LayerFormat::Indexed(index),
+            Arc::new(source),
+        ));
+    }
+    let toc = layer
+        .descriptor
+        .annotations()
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
+        .cloned();
+    if let Some(toc) = toc {
+        let source: Arc<dyn RangeSource> =
+            Arc::new(LayerSource::passthrough(layer.source, limiter, config, stats));
+        let esgz = EstargzLayer::open(source.as_ref(), Some(&toc))?;
+        return Ok(LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source));
+    }
+    let media = layer.descriptor.media_type().to_string();
+    let compression = layer_compression(&media).ok_or_else(|| {
+        Error::Invalid(format!(
+            "layer {digest} has media type {media}, which is not a layer ferry can read"
+        ))
+    })?;
+    let whole = whole_blob(&layer, store.as_deref(), &stats)?;
+    Ok(LayerReader::whole(whole, compression)?)
+}
+
+/// The whole blob of an unindexed layer: from the chunk store when there, else fetched
+/// (in parallel Range requests from a registry), verified against the layer digest and
+/// stored.
+fn whole_blob(
+    layer: &LayerSpec,
+    store: Option<&Store>,
+    stats: &MountStats,
+) -> Result<Arc<dyn RangeSource>> {
+    let digest = layer.descriptor.digest().to_string();
+    let key = ChunkKey::parse(&digest)?;
+    if let Some(store) = store
+        && let Some(chunk) = store.open_chunk(&key)?
+    {
+        MountStats::add(&stats.cache_hits, 1);
+        return Ok(Arc::new(ChunkSource(chunk)));
+    }
+    MountStats::add(&stats.cache_misses, 1);
+    let Some(remote) = &layer.remote else {
+        // A local layout blob: already on this machine, read it in place.
+        return Ok(layer.source.clone());
+    };
+    let tmp_dir = store
+        .map(|s| s.root().to_path_buf())
+        .unwrap_or_else(std::env::temp_dir);
+    let tmp = tempfile::NamedTempFile::new_in(&tmp_dir)
+        .or_else(|_| tempfile::NamedTempFile::new())
+        .map_err(|e| Error::io("creating a temporary file for a whole layer", e))?;
+    let opts = DownloadOptions::from_config(remote.client.config());
+    remote.runtime.handle().block_on(remote.client.download_blob(
+        &remote.repo,
+        &digest,
+        layer.descriptor.size(),
+        tmp.path(),
+        &opts,
+    ))?;
+    MountStats::add(&stats.bytes_fetched, layer.descriptor.size());
+    if let Some(store) = store {
+        let mut file = std::fs::File::open(tmp.path())
+            .map_err(|e| Error::io("reopening a downloaded layer", e))?;
+        match store.put_reader(&key, &mut file) {
+            Ok(_) => {
+                if let Some(chunk) = store.open_chunk(&key)? {
+                    return Ok(Arc::new(ChunkSource(chunk)));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, layer = %digest, "whole layer not stored"),
+        }
+    }
+    // download_blob verified the digest; serve from the (unlinked) temporary file.
+    let source = FileSource::open(tmp.path())
+        .map_err(|e| Error::io("opening a downloaded layer", e))?;
+    drop(tmp);
+    Ok(Arc::new(source))
+}

@@ -1,0 +1,33 @@
+//! # ferry-fs: the lazy filesystem
+//!
+//! Presents an image (all layers merged, or one layer the way overlayfs expects it) as a
+//! read-only FUSE filesystem as soon as its index is known, and fetches file bytes on
+//! first touch. Layered like the read path in `docs/architecture.md`, each layer testable
+//! without root, a network or a kernel mount:
+//!
+//! * transport ([`fuse`]): fuser, multi-threaded, kernel caching on (the image never
+//!   changes), read-only;
+//! * filesystem ([`tree`]): the inode tree built from the index's file tables;
+//! * device ([`device`]): file reads become the compressed spans the index names,
+//!   fetched once however many threads want them, merged when adjacent, verified
+//!   against the index's digests, bounded in time;
+//! * cache: verified spans go into the node chunk store (`ferry-store`) and are read
+//!   from it first;
+//! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range).
+//!
+//! It must not parse layer formats (that is `ferry-index`) or keep per-mount copies of
+//! data (the chunk store is node-wide).
+
+pub mod device;
+pub mod error;
+pub mod fuse;
+pub mod image;
+pub mod stats;
+pub mod tree;
+
+pub use device::{FetchConfig, LayerSource};
+pub use error::{Error, Result};
+pub use fuse::{FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount};
+pub use image::{ImageSource, LayerSpec, MountedImage, View};
+pub use stats::{MountStats, StatsSnapshot};
+pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};

@@ -1,0 +1,72 @@
+//! Per-mount counters: what `ferry status` will show for a mount (bytes fetched out of
+//! the total, cache hits, fetch errors). Lock-free so the read path never waits on them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters of one mount, shared by its layers' sources.
+#[derive(Debug, Default)]
+pub struct MountStats {
+    /// Compressed bytes of all layers (what a full pull would fetch).
+    pub bytes_total: AtomicU64,
+    /// Bytes fetched from the backend (registry or layout), verified or not.
+    pub bytes_fetched: AtomicU64,
+    /// Backend requests made.
+    pub requests: AtomicU64,
+    /// Spans served from the chunk store without a fetch.
+    pub cache_hits: AtomicU64,
+    /// Spans that had to be fetched.
+    pub cache_misses: AtomicU64,
+    /// Fetches that failed, timed out or did not verify.
+    pub fetch_errors: AtomicU64,
+    /// Spans whose bytes did not match the index's digest.
+    pub verify_failures: AtomicU64,
+    /// Reads that waited for another thread's fetch of the same span instead of fetching.
+    pub shared_waits: AtomicU64,
+    /// Uncompressed bytes served to readers.
+    pub bytes_served: AtomicU64,
+}
+
+/// A copy of [`MountStats`] at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct StatsSnapshot {
+    /// See [`MountStats::bytes_total`].
+    pub bytes_total: u64,
+    /// See [`MountStats::bytes_fetched`].
+    pub bytes_fetched: u64,
+    /// See [`MountStats::requests`].
+    pub requests: u64,
+    /// See [`MountStats::cache_hits`].
+    pub cache_hits: u64,
+    /// See [`MountStats::cache_misses`].
+    pub cache_misses: u64,
+    /// See [`MountStats::fetch_errors`].
+    pub fetch_errors: u64,
+    /// See [`MountStats::verify_failures`].
+    pub verify_failures: u64,
+    /// See [`MountStats::shared_waits`].
+    pub shared_waits: u64,
+    /// See [`MountStats::bytes_served`].
+    pub bytes_served: u64,
+}
+
+impl MountStats {
+    /// Reads every counter.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StatsSnapshot {
+            bytes_total: l(&self.bytes_total),
+            bytes_fetched: l(&self.bytes_fetched),
+            requests: l(&self.requests),
+            cache_hits: l(&self.cache_hits),
+            cache_misses: l(&self.cache_misses),
+            fetch_errors: l(&self.fetch_errors),
+            verify_failures: l(&self.verify_failures),
+            shared_waits: l(&self.shared_waits),
+            bytes_served: l(&self.bytes_served),
+        }
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
