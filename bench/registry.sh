@@ -15,6 +15,7 @@
 # Env: DURATION (s, default 30)  WARMUP (s, default 5)  CONNECTIONS (default 256)
 #      RANGE (bytes per layer GET, default 4096)  WRK_THREADS (default: CPUs)
 #      OUT (JSON results, default bench/out/registry-results.json)
+#      SKIP_BUILD=1 (use $FERRY as is)
 source "$(dirname "$0")/lib.sh"
 
 DURATION=${DURATION:-30}
@@ -55,17 +56,22 @@ load_now() { cut -d' ' -f1-3 /proc/loadavg; }
 work=$(mktemp -d /tmp/ferry-bench-registry.XXXXXX)
 pids=()
 cleanup() {
-    local p
+    local rc=$? p
+    set +e  # a killed server's `wait` status must not abort the cleanup
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
     for p in "${pids[@]}"; do wait "$p" 2>/dev/null; done
     rm -rf "$work"
+    exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+# 256 (up to 10,000) connections per side need descriptors.
+ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+
 log "building release ferry"
-ensure_ferry
+[[ ${SKIP_BUILD:-} == 1 ]] || ensure_ferry
 
 # ---------------------------------------------------------------- image
 # A synthetic 5-layer image (incompressible data, so sizes are what they say): layers of

@@ -58,6 +58,7 @@ struct Shared {
     cfg: LoadTestConfig,
     registry_host: String,
     registry_addr: String,
+    registry_host_header: HeaderValue,
     accept: HeaderValue,
     range: Option<HeaderValue>,
     basic: Option<HeaderValue>,
@@ -95,10 +96,13 @@ impl Shared {
                 })?)
             }
         };
+        let registry_host_header = HeaderValue::try_from(cfg.registry.as_str())
+            .map_err(|_| invalid(format!("registry {:?} is not a valid Host", cfg.registry)))?;
         Ok(Shared {
             cfg: cfg.clone(),
             registry_host: host,
             registry_addr,
+            registry_host_header,
             accept: HeaderValue::from_static(MANIFEST_ACCEPT),
             range,
             basic,
@@ -194,8 +198,7 @@ struct Node {
 impl Node {
     fn new(shared: Arc<Shared>) -> Self {
         let registry = Conn {
-            host_header: HeaderValue::try_from(shared.cfg.registry.as_str())
-                .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+            host_header: shared.registry_host_header.clone(),
             addr: shared.registry_addr.clone(),
             sender: None,
         };
@@ -209,14 +212,14 @@ impl Node {
     }
 
     /// Index of the connection to `addr`, adding one (or replacing the newest extra one).
-    fn conn_for(&mut self, addr: &str) -> usize {
+    /// `None` if `addr` cannot be a `Host` header (it came from a parsed URL, so never).
+    fn conn_for(&mut self, addr: &str) -> Option<usize> {
         if let Some(i) = self.conns.iter().position(|c| c.addr == addr) {
-            return i;
+            return Some(i);
         }
         let conn = Conn {
             addr: addr.to_string(),
-            host_header: HeaderValue::try_from(addr)
-                .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+            host_header: HeaderValue::try_from(addr).ok()?,
             sender: None,
         };
         if self.conns.len() < MAX_CONNS_PER_NODE {
@@ -225,7 +228,7 @@ impl Node {
             let last = self.conns.len() - 1;
             self.conns[last] = conn;
         }
-        self.conns.len() - 1
+        Some(self.conns.len() - 1)
     }
 
     /// Sends `req` on connection `conn` within the request timeout and the run's end.
@@ -363,7 +366,9 @@ impl Node {
         let Some(path) = origin_form(&url) else {
             return fail(self, ErrorClass::Auth);
         };
-        let conn = self.conn_for(&addr);
+        let Some(conn) = self.conn_for(&addr) else {
+            return fail(self, ErrorClass::Auth);
+        };
         let req = Req {
             method: Method::GET,
             path: &path,
@@ -518,7 +523,9 @@ impl Node {
             } else {
                 None
             };
-            let conn = self.conn_for(&addr);
+            let Some(conn) = self.conn_for(&addr) else {
+                break;
+            };
             let req = Req {
                 method: Method::GET,
                 path: &target_path,
