@@ -10,7 +10,9 @@
 #   UPSTREAM_RATE=50 bash bench/pullthrough.sh # upstream behind a 50 MB/s link (WAN-like)
 #
 # Env: SIZE_MB (100), CLIENTS (500), PROCS (curl processes sharing the clients, 10),
-#      UPSTREAM_RATE (MB/s through a throttling proxy; empty = direct), KEEP=1 keeps $WORK.
+#      UPSTREAM_RATE (MB/s through a throttling proxy; empty = direct), KEEP=1 keeps $WORK,
+#      DIRECT_FANOUT=1 (default) also sends the same clients straight to docker-registry, for
+#      what this machine can deliver to that many clients without any cache.
 # Needs: docker-registry, curl (>= 7.66, --parallel), jq, python3, sha256sum.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
@@ -152,44 +154,56 @@ T_SINGLE=$(fetch_time "$FERRY_URL/v2/$REPO/blobs/$DIGEST")
 T_WARM=$(fetch_time "$FERRY_URL/v2/$REPO/blobs/$DIGEST")
 kill "$FERRY_PID"
 
+fanout() { # URL TAG -> runs CLIENTS (+5 checked) clients, sets T_LAST
+    local url=$1 tag=$2 per left n p cfg pid i start
+    per=$(((CLIENTS + PROCS - 1) / PROCS))
+    left=$CLIENTS
+    rm -f "$WORK"/curl-*.cfg "$WORK"/curl-*.out "$WORK"/check-*
+    for p in $(seq "$PROCS"); do
+        n=$((left < per ? left : per))
+        left=$((left - n))
+        [ "$n" -gt 0 ] || break
+        for _ in $(seq "$n"); do
+            printf 'url = "%s"\noutput = "/dev/null"\n' "$url"
+        done >"$WORK/curl-$tag-$p.cfg"
+    done
+    # Five more clients keep their bytes, so content is checked, not just sizes.
+    start=$(now)
+    local curls=()
+    for cfg in "$WORK"/curl-"$tag"-*.cfg; do
+        curl -s --no-progress-meter --parallel --parallel-immediate --parallel-max 1000 -K "$cfg" \
+            -w '%{http_code} %{size_download} %{time_total}\n' >"${cfg%.cfg}.out" &
+        curls+=($!)
+    done
+    for i in 1 2 3 4 5; do
+        curl -s -o "$WORK/check-$i" "$url" &
+        curls+=($!)
+    done
+    for pid in "${curls[@]}"; do wait "$pid" || true; done
+    T_LAST=$(since "$start")
+}
+
 # ---- the fan-out: CLIENTS at once against another cold ferry
 start_ferry fanout
 GETS_BEFORE=$(upstream_blob_gets)
-per=$(((CLIENTS + PROCS - 1) / PROCS))
-left=$CLIENTS
-for p in $(seq "$PROCS"); do
-    n=$((left < per ? left : per))
-    left=$((left - n))
-    [ "$n" -gt 0 ] || break
-    : >"$WORK/curl-$p.cfg"
-    for _ in $(seq "$n"); do
-        printf 'url = "%s"\noutput = "/dev/null"\n' "$FERRY_URL/v2/$REPO/blobs/$DIGEST" >>"$WORK/curl-$p.cfg"
-    done
-done
-# Five more clients keep their bytes, so content is checked, not just sizes.
-START=$(now)
-CURLS=()
-for cfg in "$WORK"/curl-*.cfg; do
-    curl -s --no-progress-meter --parallel --parallel-immediate --parallel-max 1000 -K "$cfg" \
-        -w '%{http_code} %{size_download} %{time_total}\n' >"${cfg%.cfg}.out" &
-    CURLS+=($!)
-done
-for i in 1 2 3 4 5; do
-    curl -s -o "$WORK/check-$i" "$FERRY_URL/v2/$REPO/blobs/$DIGEST" &
-    CURLS+=($!)
-done
-for pid in "${CURLS[@]}"; do wait "$pid" || true; done
-T_LAST=$(since "$START")
+fanout "$FERRY_URL/v2/$REPO/blobs/$DIGEST" ferry
 GETS=$(($(upstream_blob_gets) - GETS_BEFORE))
 FETCHES=$(curl -s "$FERRY_URL/metrics" | awk '/^ferry_registry_upstream_fetches_total/ { print $2 }')
 
-OK=$(cat "$WORK"/curl-*.out | awk -v size=$((SIZE_MB << 20)) '$1 == 200 && $2 == size' | wc -l)
-P50=$(cat "$WORK"/curl-*.out | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
+OK=$(cat "$WORK"/curl-ferry-*.out | awk -v size=$((SIZE_MB << 20)) '$1 == 200 && $2 == size' | wc -l)
+P50=$(cat "$WORK"/curl-ferry-*.out | awk '{ print $3 }' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')
 GOOD=0
 for i in 1 2 3 4 5; do
     [ "sha256:$(sha256sum "$WORK/check-$i" | cut -d' ' -f1)" = "$DIGEST" ] && GOOD=$((GOOD + 1))
 done
 RSS=$(awk '/VmHWM/ { print $2 / 1024 }' "/proc/$FERRY_PID/status")
+T_FERRY=$T_LAST
+kill "$FERRY_PID"
+T_DIRECT_FANOUT=skipped
+if [ "${DIRECT_FANOUT:-1}" = 1 ]; then
+    fanout "http://127.0.0.1:$UPSTREAM_PORT/v2/$REPO/blobs/$DIGEST" direct
+    T_DIRECT_FANOUT="$T_LAST s ($(($(upstream_blob_gets) - GETS_BEFORE - GETS)) upstream GETs)"
+fi
 
 cat <<EOF
 
@@ -204,10 +218,11 @@ cat <<EOF
 | one cold fetch through ferry | ${T_SINGLE} s |
 | one warm fetch through ferry (disk hit) | ${T_WARM} s |
 | median client, fan-out | ${P50} s |
-| last client finished, fan-out | ${T_LAST} s |
-| last client / one cold fetch through ferry | $(ratio "$T_LAST" "$T_SINGLE")x |
-| last client / one fetch from upstream | $(ratio "$T_LAST" "$T_DIRECT")x |
-| aggregate delivered | $(awk -v n="$((CLIENTS + 5))" -v s="$SIZE_MB" -v t="$T_LAST" 'BEGIN { printf "%.0f MB/s", n * s / t }') |
+| last client finished, fan-out | ${T_FERRY} s |
+| last client / one cold fetch through ferry | $(ratio "$T_FERRY" "$T_SINGLE")x |
+| last client / one fetch from upstream | $(ratio "$T_FERRY" "$T_DIRECT")x |
+| aggregate delivered by ferry | $(awk -v n="$((CLIENTS + 5))" -v s="$SIZE_MB" -v t="$T_FERRY" 'BEGIN { printf "%.0f MB/s", n * s / t }') |
+| same clients straight from docker-registry (no cache) | $T_DIRECT_FANOUT |
 | ferry peak RSS | ${RSS} MB |
 EOF
 [ "$GETS" = 1 ] && [ "$OK" = "$CLIENTS" ] && [ "$GOOD" = 5 ]

@@ -34,6 +34,8 @@ const MIN_GROWING_READ: u64 = 64 << 10;
 const GROWING_READ_LINGER: Duration = Duration::from_millis(2);
 /// Upstream chunks already received are batched into one write up to this size.
 const WRITE_BATCH: usize = 1 << 20;
+/// Batches queued for the writer thread (bounds a download's memory to about 4 MiB).
+const WRITE_QUEUE: usize = 4;
 
 /// Where a download stands.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,8 +88,8 @@ pub struct FetchJob {
     pub disk: DiskCache,
     /// Keeps the blob from eviction until the download and commit are over.
     pub pin: BlobPin,
-    /// Called with each batch of bytes received (metrics).
-    pub on_bytes: Box<dyn Fn(u64) + Send + Sync>,
+    /// Called with each batch of bytes written (metrics).
+    pub on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
 }
 
 impl std::fmt::Debug for FetchJob {
@@ -136,7 +138,7 @@ impl FetchJob {
             max_blob_bytes,
             idle_timeout,
             &progress,
-            &*on_bytes,
+            on_bytes,
         )
         .await;
         drop(reservation);
@@ -174,16 +176,47 @@ impl FetchJob {
     }
 }
 
+/// What the writer thread reports when the upstream body is done.
+struct Written {
+    bytes: u64,
+    sha256_hex: String,
+}
+
+/// Writes and hashes batches on a blocking thread, publishing progress after each write, so
+/// receiving the next bytes from upstream overlaps with writing the previous ones.
+fn spawn_writer(
+    writer: File,
+    mut batches: tokio::sync::mpsc::Receiver<Bytes>,
+    progress: watch::Sender<Progress>,
+    on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
+) -> tokio::task::JoinHandle<io::Result<Written>> {
+    tokio::task::spawn_blocking(move || {
+        let mut hasher = Sha256::new();
+        let mut bytes: u64 = 0;
+        while let Some(batch) = batches.blocking_recv() {
+            write_all(&writer, &batch)?;
+            hasher.update(&batch);
+            bytes += batch.len() as u64;
+            on_bytes(batch.len() as u64);
+            progress.send_modify(|p| p.written = bytes);
+        }
+        Ok(Written {
+            bytes,
+            sha256_hex: hex::encode(hasher.finalize()),
+        })
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn download(
     hex: &str,
     writer: File,
-    mut upstream: ByteStream,
+    upstream: ByteStream,
     announced: Option<u64>,
     max_blob_bytes: u64,
     idle_timeout: Duration,
     progress: &watch::Sender<Progress>,
-    on_bytes: &(dyn Fn(u64) + Send + Sync),
+    on_bytes: Arc<dyn Fn(u64) + Send + Sync>,
 ) -> Result<u64, CacheError> {
     if let Some(size) = announced
         && size > max_blob_bytes
@@ -193,10 +226,59 @@ async fn download(
             limit: max_blob_bytes,
         });
     }
+    let (batch_tx, batch_rx) = tokio::sync::mpsc::channel::<Bytes>(WRITE_QUEUE);
+    let writer = spawn_writer(writer, batch_rx, progress.clone(), on_bytes);
+    let received = receive(
+        hex,
+        upstream,
+        announced,
+        max_blob_bytes,
+        idle_timeout,
+        batch_tx,
+    )
+    .await;
+    // The writer ends once the sender is gone; wait for it so the file is quiet.
+    let written = writer
+        .await
+        .map_err(|e| CacheError::Internal(format!("write task failed: {e}")))?
+        .map_err(|e| CacheError::Io {
+            path: format!("temp file of sha256:{hex}"),
+            message: e.to_string(),
+        });
+    received?;
+    let written = written?;
+    if let Some(size) = announced
+        && written.bytes != size
+    {
+        return Err(CacheError::Unavailable(format!(
+            "upstream ended sha256:{hex} after {} of {size} bytes",
+            written.bytes
+        )));
+    }
+    if written.sha256_hex != hex {
+        return Err(CacheError::DigestMismatch {
+            expected: format!("sha256:{hex}"),
+            actual: format!("sha256:{}", written.sha256_hex),
+        });
+    }
+    Ok(written.bytes)
+}
+
+/// Pulls the upstream body, batching what has already arrived, and queues it for the
+/// writer. Consumes the sender, so the writer sees the end when this returns.
+async fn receive(
+    hex: &str,
+    mut upstream: ByteStream,
+    announced: Option<u64>,
+    max_blob_bytes: u64,
+    idle_timeout: Duration,
+    batches: tokio::sync::mpsc::Sender<Bytes>,
+) -> Result<(), CacheError> {
     let limit = announced.unwrap_or(max_blob_bytes);
-    let writer = Arc::new(writer);
-    let mut hasher = Sha256::new();
-    let mut written: u64 = 0;
+    let mut received: u64 = 0;
+    let body_failed = |e: io::Error| {
+        CacheError::Unavailable(format!("upstream body of sha256:{hex} failed: {e}"))
+    };
     loop {
         let first = match tokio::time::timeout(idle_timeout, upstream.next()).await {
             Err(_) => {
@@ -204,34 +286,31 @@ async fn download(
                     "upstream sent nothing for {idle_timeout:?} while sending sha256:{hex}"
                 )));
             }
-            Ok(None) => break,
-            Ok(Some(Err(e))) => {
-                return Err(CacheError::Unavailable(format!(
-                    "upstream body of sha256:{hex} failed: {e}"
-                )));
-            }
+            Ok(None) => return Ok(()),
+            Ok(Some(Err(e))) => return Err(body_failed(e)),
             Ok(Some(Ok(chunk))) => chunk,
         };
         // Batch whatever else has already arrived into one write.
-        let mut batch = BytesMut::from(&first[..]);
         let mut upstream_ended = false;
-        while batch.len() < WRITE_BATCH {
-            match upstream.next().now_or_never() {
-                Some(Some(Ok(chunk))) => batch.extend_from_slice(&chunk),
-                Some(Some(Err(e))) => {
-                    return Err(CacheError::Unavailable(format!(
-                        "upstream body of sha256:{hex} failed: {e}"
-                    )));
+        let batch = if first.len() >= WRITE_BATCH {
+            first
+        } else {
+            let mut batch = BytesMut::from(&first[..]);
+            while batch.len() < WRITE_BATCH {
+                match upstream.next().now_or_never() {
+                    Some(Some(Ok(chunk))) => batch.extend_from_slice(&chunk),
+                    Some(Some(Err(e))) => return Err(body_failed(e)),
+                    Some(None) => {
+                        upstream_ended = true;
+                        break;
+                    }
+                    None => break,
                 }
-                Some(None) => {
-                    upstream_ended = true;
-                    break;
-                }
-                None => break,
             }
-        }
-        let len = batch.len() as u64;
-        if written + len > limit {
+            batch.freeze()
+        };
+        received += batch.len() as u64;
+        if received > limit {
             return Err(match announced {
                 Some(size) => CacheError::Upstream(format!(
                     "upstream sent more than the {size} bytes it announced for sha256:{hex}"
@@ -242,41 +321,14 @@ async fn download(
                 },
             });
         }
-        let batch = batch.freeze();
-        let file = Arc::clone(&writer);
-        hasher = tokio::task::spawn_blocking(move || -> io::Result<Sha256> {
-            write_all(&file, &batch)?;
-            hasher.update(&batch);
-            Ok(hasher)
-        })
-        .await
-        .map_err(|e| CacheError::Internal(format!("write task failed: {e}")))?
-        .map_err(|e| CacheError::Io {
-            path: format!("temp file of sha256:{hex}"),
-            message: e.to_string(),
-        })?;
-        written += len;
-        on_bytes(len);
-        progress.send_modify(|p| p.written = written);
+        if batches.send(batch).await.is_err() {
+            // The writer stopped (disk error); its result says why.
+            return Ok(());
+        }
         if upstream_ended {
-            break;
+            return Ok(());
         }
     }
-    if let Some(size) = announced
-        && written != size
-    {
-        return Err(CacheError::Unavailable(format!(
-            "upstream ended sha256:{hex} after {written} of {size} bytes"
-        )));
-    }
-    let actual = hex::encode(hasher.finalize());
-    if actual != hex {
-        return Err(CacheError::DigestMismatch {
-            expected: format!("sha256:{hex}"),
-            actual: format!("sha256:{actual}"),
-        });
-    }
-    Ok(written)
 }
 
 /// Where a reader's bytes come from.

@@ -815,7 +815,7 @@ impl Shared {
             progress,
             disk: self.disk.clone(),
             pin,
-            on_bytes: Box::new(move |n| metrics.upstream_bytes(n)),
+            on_bytes: Arc::new(move |n| metrics.upstream_bytes(n)),
         };
         let outcome = job.run().await;
         match outcome.result {

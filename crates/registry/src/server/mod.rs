@@ -403,8 +403,17 @@ impl StateInner {
 
     fn upstream_failure(&self, what: &str, err: CacheError) -> ApiError {
         tracing::warn!(%err, "pull-through: {what}");
-        ApiError::new(ErrorCode::Unavailable, format!("upstream registry: {err}"))
-            .with_status(StatusCode::BAD_GATEWAY)
+        // Pass the upstream's meaning on: a client told 429 backs off, one told 416 fixes
+        // its range; only real outages and bad answers become 502/503 UNAVAILABLE.
+        let status = StatusCode::from_u16(err.http_status()).unwrap_or(StatusCode::BAD_GATEWAY);
+        let code = match status {
+            StatusCode::TOO_MANY_REQUESTS => ErrorCode::TooManyRequests,
+            StatusCode::FORBIDDEN => ErrorCode::Denied,
+            StatusCode::RANGE_NOT_SATISFIABLE => ErrorCode::BlobUnknown,
+            StatusCode::INTERNAL_SERVER_ERROR => ErrorCode::Unknown,
+            _ => ErrorCode::Unavailable,
+        };
+        ApiError::new(code, format!("upstream registry: {err}")).with_status(status)
     }
 
     fn idle(&self) -> Duration {

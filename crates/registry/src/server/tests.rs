@@ -560,7 +560,12 @@ async fn cancel_and_unknown_uploads() {
 async fn upload_sessions_belong_to_their_repository() {
     let t = app();
     let r = t
-        .send(Method::POST, "/v2/team/a/blobs/uploads/", &[], Body::empty())
+        .send(
+            Method::POST,
+            "/v2/team/a/blobs/uploads/",
+            &[],
+            Body::empty(),
+        )
         .await;
     let location = r.header("location").to_string();
     let id = location.rsplit('/').next().unwrap().to_string();
@@ -1165,6 +1170,117 @@ async fn pull_through_mode_is_read_only() {
         assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {uri}");
         assert_eq!(r.error_code(), "UNSUPPORTED");
     }
+}
+
+/// The whole pull-through path through the HTTP layer: a front registry in upstream mode
+/// serves an image held by a real upstream listener, keeps serving what it cached after the
+/// upstream is gone, and answers an uncached blob with the upstream outage, not a 404.
+#[tokio::test]
+async fn pull_through_serves_from_upstream_and_survives_its_outage() {
+    let upstream_config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        storage: crate::storage::StorageConfig::Memory,
+        ..Config::default()
+    };
+    let (up_addr, up_stop, up_task) = start_server(upstream_config).await;
+    let http = reqwest::Client::new();
+    let layer = vec![7u8; 300_000];
+    let config_blob = br#"{"architecture":"amd64","os":"linux"}"#.to_vec();
+    let missing = b"never pushed".to_vec();
+    for blob in [&layer, &config_blob] {
+        let d = digest_of(blob);
+        let r = http
+            .post(format!(
+                "http://{up_addr}/v2/lib/app/blobs/uploads/?digest={d}"
+            ))
+            .body(blob.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), StatusCode::CREATED);
+    }
+    let manifest = image_manifest(
+        media::OCI_CONFIG,
+        &digest_of(&config_blob),
+        config_blob.len(),
+        &[(&digest_of(&layer), layer.len())],
+        None,
+        None,
+    );
+    let r = http
+        .put(format!("http://{up_addr}/v2/lib/app/manifests/v1"))
+        .header("content-type", media::OCI_MANIFEST)
+        .body(manifest.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Metrics::new();
+    let up = crate::cache::UpstreamConfig::new(&format!("http://{up_addr}"))
+        .with_default_cache_dir(dir.path());
+    let pt = crate::cache::PullThrough::new(&up, metrics.clone())
+        .await
+        .unwrap();
+    let state = AppState::new(
+        Arc::new(MemoryStorage::default()),
+        Arc::new(Authenticator::new(&AuthConfig::default()).unwrap()),
+        Some(Arc::new(pt)),
+        metrics,
+        Limits::default(),
+        &MemoryCacheConfig::default(),
+    );
+    let t = TestApp {
+        router: router(state.clone()),
+        state,
+    };
+
+    let r = t
+        .send(Method::GET, "/v2/lib/app/manifests/v1", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], &manifest[..]);
+    assert_eq!(r.header("docker-content-digest"), digest_of(&manifest));
+    let layer_uri = format!("/v2/lib/app/blobs/{}", digest_of(&layer));
+    let r = t.send(Method::GET, &layer_uri, &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], &layer[..]);
+    let r = t
+        .send(
+            Method::GET,
+            &layer_uri,
+            &[("range", "bytes=1000-1999")],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::PARTIAL_CONTENT);
+    assert_eq!(&r.body[..], &layer[1000..2000]);
+
+    // Upstream gone: what was cached is still served; what was not is an outage.
+    up_stop.send(()).unwrap();
+    up_task.await.unwrap();
+    let r = t.send(Method::GET, &layer_uri, &[], Body::empty()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(&r.body[..], &layer[..]);
+    let r = t
+        .send(Method::GET, "/v2/lib/app/manifests/v1", &[], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = t
+        .send(
+            Method::GET,
+            &format!("/v2/lib/app/blobs/{}", digest_of(&missing)),
+            &[],
+            Body::empty(),
+        )
+        .await;
+    assert!(
+        r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::BAD_GATEWAY,
+        "{}",
+        r.status
+    );
+    assert_eq!(r.error_code(), "UNAVAILABLE");
 }
 
 // ---------------------------------------------------------------- real listeners

@@ -78,10 +78,7 @@ async fn try_mount(
     if validate_name(from).is_err() {
         return Ok(false);
     }
-    if st
-        .authorize_repo(parts, from, Actions::PULL)
-        .is_err()
-    {
+    if st.authorize_repo(parts, from, Actions::PULL).is_err() {
         return Ok(false);
     }
     let Some(size) = st.linked_blob_size(from, digest).await? else {
