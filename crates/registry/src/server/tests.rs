@@ -1218,7 +1218,7 @@ async fn pull_through_serves_from_upstream_and_survives_its_outage() {
 
     let dir = tempfile::tempdir().unwrap();
     let metrics = Metrics::new();
-    let up = crate::cache::UpstreamConfig::new(&format!("http://{up_addr}"))
+    let up = crate::cache::UpstreamConfig::new(format!("http://{up_addr}"))
         .with_default_cache_dir(dir.path());
     let pt = crate::cache::PullThrough::new(&up, metrics.clone())
         .await
