@@ -50,6 +50,10 @@ enum Command {
     Copy(cmd::copy::Args),
     /// Run or maintain an OCI registry (and pull-through cache).
     Registry(cmd::registry::Args),
+    /// Mount an image's root filesystem (or one layer) lazily over FUSE.
+    Mount(cmd::mount::Args),
+    /// Unmount a ferry mount.
+    Umount(cmd::mount::UmountArgs),
     /// Inspect and maintain the node's chunk store.
     Store(cmd::store::Args),
     /// Measurements driven by the scripts under bench/.
@@ -68,6 +72,8 @@ fn main() -> ExitCode {
         Command::Demo(a) => cmd::demo::run(a),
         Command::Copy(a) => cmd::copy::run(a),
         Command::Registry(a) => cmd::registry::run(a),
+        Command::Mount(a) => cmd::mount::run(a),
+        Command::Umount(a) => cmd::mount::run_umount(a),
         Command::Store(a) => cmd::store::run(a),
         Command::Bench(a) => cmd::bench::run(a),
     };

@@ -175,7 +175,10 @@ impl std::fmt::Debug for LayerSource {
         f.debug_struct("LayerSource")
             .field("len", &self.backend.len())
             .field("spans", &self.spans.as_ref().map(|s| s.ranges.len()))
-            .field("store", &self.store.as_ref().map(|s| s.root().to_path_buf()))
+            .field(
+                "store",
+                &self.store.as_ref().map(|s| s.root().to_path_buf()),
+            )
             .field("config", &self.config)
             .finish()
     }
@@ -230,7 +233,9 @@ impl LayerSource {
     /// Reads `range` of the backend once, against `deadline`, in a thread of its own so
     /// that a backend that never answers cannot hold the caller.
     fn fetch(&self, range: Range<u64>, deadline: Instant) -> io::Result<Vec<u8>> {
-        let slot = self.limiter.acquire(deadline)?;
+        let slot = self.limiter.acquire(deadline).inspect_err(|_| {
+            MountStats::add(&self.stats.fetch_errors, 1);
+        })?;
         let (tx, rx) = mpsc::sync_channel(1);
         let backend = self.backend.clone();
         let want = range.clone();
@@ -434,7 +439,10 @@ impl LayerSource {
             let lo = r.start.max(range.start);
             let hi = r.end.min(range.end);
             if lo > covered {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "gap between spans"));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "gap between spans",
+                ));
             }
             if lo < hi {
                 out[(lo - range.start) as usize..(hi - range.start) as usize]
@@ -530,4 +538,4 @@ impl RangeSource for ChunkSource {
 
 #[cfg(test)]
 #[path = "device_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -1,1 +1,376 @@
-//! Tests of the device and cache layers.
+//! Tests of the device and cache layers: real gzip layers indexed by ferry-index, read
+//! through [`LayerSource`] over in-memory backends that count, stall, corrupt or hang.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use ferry_index::ferryidx::LayerIndex;
+use ferry_index::reader::{LayerFormat, LayerReader};
+use ferry_index::source::{MemSource, RangeSource};
+use ferry_store::{Store, StoreOptions};
+
+use super::*;
+
+/// Incompressible test bytes.
+pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// Test files: path and content.
+pub(crate) type Files = Vec<(String, Vec<u8>)>;
+
+/// A gzip layer with files `a` (300 KiB), `b` (5 bytes) and `dir/c` (200 KiB), and its
+/// ferry index with 64 KiB spans.
+pub(crate) fn gzip_layer() -> (Vec<u8>, LayerIndex, Files) {
+    let files = vec![
+        ("a".to_string(), noise(300 << 10, 1)),
+        ("b".to_string(), b"hello".to_vec()),
+        ("dir/c".to_string(), noise(200 << 10, 2)),
+    ];
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in &files {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    let tar = tar.into_inner().unwrap();
+    // One gzip member per 64 KiB (as `ferry pack` does): every member start is a
+    // checkpoint candidate, so the layer has many spans.
+    let mut blob = Vec::new();
+    for piece in tar.chunks(64 << 10) {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(piece).unwrap();
+        blob.extend(gz.finish().unwrap());
+    }
+    let index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
+    assert!(
+        index.span_digests.len() >= 6,
+        "the test needs several spans, got {}",
+        index.span_digests.len()
+    );
+    (blob, index, files)
+}
+
+/// A backend that counts, and can be told to stall, corrupt or hang.
+#[derive(Default)]
+pub(crate) struct TestBackend {
+    pub blob: Vec<u8>,
+    pub calls: AtomicU64,
+    pub bytes: AtomicU64,
+    /// Flip a byte in the middle of every answer.
+    pub corrupt: AtomicBool,
+    /// Hold every call until `open` is set.
+    pub gated: AtomicBool,
+    pub open: Mutex<bool>,
+    pub opened: Condvar,
+    /// Never answer (until the backend is dropped by the test's end).
+    pub hang: AtomicBool,
+    pub hang_release: Mutex<bool>,
+    pub hang_cv: Condvar,
+}
+
+impl TestBackend {
+    pub fn new(blob: Vec<u8>) -> Arc<TestBackend> {
+        Arc::new(TestBackend {
+            blob,
+            ..Default::default()
+        })
+    }
+
+    pub fn release(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+
+    pub fn release_hung(&self) {
+        *self.hang_release.lock().unwrap() = true;
+        self.hang_cv.notify_all();
+    }
+}
+
+impl RangeSource for TestBackend {
+    fn len(&self) -> u64 {
+        self.blob.len() as u64
+    }
+
+    fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.hang.load(Ordering::SeqCst) {
+            let mut released = self.hang_release.lock().unwrap();
+            while !*released {
+                released = self.hang_cv.wait(released).unwrap();
+            }
+            return Err(io::Error::other("released"));
+        }
+        if self.gated.load(Ordering::SeqCst) {
+            let mut open = self.open.lock().unwrap();
+            while !*open {
+                open = self.opened.wait(open).unwrap();
+            }
+        }
+        let mut out = MemSource(self.blob.clone()).read_range(range)?;
+        if self.corrupt.load(Ordering::SeqCst) {
+            let mid = out.len() / 2;
+            out[mid] ^= 0x55;
+        }
+        self.bytes.fetch_add(out.len() as u64, Ordering::SeqCst);
+        Ok(out)
+    }
+}
+
+pub(crate) fn open_store(dir: &std::path::Path) -> Arc<Store> {
+    let options = StoreOptions {
+        max_bytes: Some(1 << 30),
+        flush_interval: None,
+        ..StoreOptions::default()
+    };
+    Arc::new(Store::open_with(dir, options).unwrap())
+}
+
+struct Rig {
+    backend: Arc<TestBackend>,
+    reader: LayerReader,
+    stats: Arc<MountStats>,
+    files: Files,
+}
+
+impl Rig {
+    fn new(store: Option<Arc<Store>>, config: FetchConfig) -> Rig {
+        let (blob, index, files) = gzip_layer();
+        Self::with(TestBackend::new(blob), index, files, store, config)
+    }
+
+    fn with(
+        backend: Arc<TestBackend>,
+        index: LayerIndex,
+        files: Files,
+        store: Option<Arc<Store>>,
+        config: FetchConfig,
+    ) -> Rig {
+        let stats = Arc::new(MountStats::default());
+        let source = LayerSource::indexed(
+            backend.clone(),
+            &index,
+            store,
+            Limiter::new(config.concurrency),
+            config,
+            stats.clone(),
+        );
+        let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), Arc::new(source));
+        Rig {
+            backend,
+            reader,
+            stats,
+            files,
+        }
+    }
+
+    fn entry(&self, path: &str) -> usize {
+        self.reader
+            .entries()
+            .iter()
+            .position(|e| e.path == path)
+            .unwrap()
+    }
+
+    fn read(&self, path: &str, off: u64, len: usize) -> ferry_index::Result<Vec<u8>> {
+        let mut buf = vec![0u8; len];
+        let n = self.reader.read_at(self.entry(path), off, &mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    fn content(&self, path: &str) -> &[u8] {
+        &self.files.iter().find(|(p, _)| p == path).unwrap().1
+    }
+}
+
+#[test]
+fn reads_are_exact_and_the_second_read_comes_from_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = Rig::new(Some(store.clone()), FetchConfig::default());
+    let a = rig.read("a", 0, 300 << 10).unwrap();
+    assert_eq!(a, rig.content("a"));
+    let c = rig.read("dir/c", 1000, 5000).unwrap();
+    assert_eq!(c, rig.content("dir/c")[1000..6000]);
+    let fetched = rig.backend.bytes.load(Ordering::SeqCst);
+    assert!(fetched > 0);
+    assert!(store.stats().entries > 0, "verified spans were stored");
+
+    // Again: nothing more is fetched.
+    assert_eq!(rig.read("a", 0, 300 << 10).unwrap(), rig.content("a"));
+    assert_eq!(
+        rig.read("dir/c", 1000, 5000).unwrap(),
+        &rig.content("dir/c")[1000..6000]
+    );
+    assert_eq!(rig.backend.bytes.load(Ordering::SeqCst), fetched);
+    assert!(rig.stats.snapshot().cache_hits > 0);
+
+    // Another mount of the same layer over the same store fetches nothing either.
+    let (blob, index, files) = gzip_layer();
+    let other = Rig::with(
+        TestBackend::new(blob),
+        index,
+        files,
+        Some(store),
+        FetchConfig::default(),
+    );
+    assert_eq!(
+        other.read("a", 4096, 100_000).unwrap(),
+        &other.content("a")[4096..104_096]
+    );
+    assert_eq!(other.backend.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(other.stats.snapshot().bytes_fetched, 0);
+}
+
+#[test]
+fn neighbouring_spans_are_one_request_up_to_the_request_size() {
+    let rig = Rig::new(None, FetchConfig::default());
+    rig.read("a", 0, 300 << 10).unwrap();
+    assert_eq!(
+        rig.backend.calls.load(Ordering::SeqCst),
+        1,
+        "one merged request"
+    );
+
+    let small = FetchConfig {
+        max_request_bytes: 1,
+        ..FetchConfig::default()
+    };
+    let rig = Rig::new(None, small);
+    let spans_of_a = rig.reader.ranges_for(rig.entry("a"), 0, 300 << 10);
+    assert_eq!(spans_of_a.len(), 1);
+    assert_eq!(rig.read("a", 0, 300 << 10).unwrap(), rig.content("a"));
+    let calls = rig.backend.calls.load(Ordering::SeqCst);
+    assert!(
+        calls >= 4,
+        "each span alone when requests are capped ({calls})"
+    );
+}
+
+#[test]
+fn concurrent_reads_of_one_span_share_one_fetch() {
+    let (blob, index, files) = gzip_layer();
+    let backend = TestBackend::new(blob);
+    backend.gated.store(true, Ordering::SeqCst);
+    let rig = Arc::new(Rig::with(
+        backend,
+        index,
+        files,
+        None,
+        FetchConfig::default(),
+    ));
+    const READERS: u64 = 8;
+    let handles: Vec<_> = (0..READERS)
+        .map(|_| {
+            let rig = rig.clone();
+            std::thread::spawn(move || rig.read("a", 100, 4000).unwrap())
+        })
+        .collect();
+    // Wait (no time limit: the gate holds the leader) until every other reader waits on
+    // the leader's fetch, then let it through.
+    while rig.stats.snapshot().shared_waits < READERS - 1 {
+        std::thread::yield_now();
+    }
+    rig.backend.release();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), &rig.content("a")[100..4100]);
+    }
+    assert_eq!(rig.backend.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.stats.snapshot().cache_misses, 1);
+}
+
+#[test]
+fn corrupt_bytes_fail_the_read_and_are_never_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = Rig::new(Some(store.clone()), FetchConfig::default());
+    rig.backend.corrupt.store(true, Ordering::SeqCst);
+    let err = rig.read("a", 0, 1000).unwrap_err();
+    assert!(err.to_string().contains("digest mismatch"), "{err}");
+    assert_eq!(store.stats().entries, 0);
+    let s = rig.stats.snapshot();
+    assert_eq!(s.verify_failures, 1);
+    assert!(s.fetch_errors >= 1);
+    // The registry heals: the same read now succeeds and is stored.
+    rig.backend.corrupt.store(false, Ordering::SeqCst);
+    assert_eq!(rig.read("a", 0, 1000).unwrap(), &rig.content("a")[..1000]);
+    assert!(store.stats().entries > 0);
+}
+
+#[test]
+fn a_backend_that_never_answers_times_out_and_cached_data_is_still_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let config = FetchConfig {
+        timeout: Duration::from_millis(100),
+        concurrency: 1,
+        ..FetchConfig::default()
+    };
+    let rig = Rig::new(Some(store), config);
+    assert_eq!(rig.read("b", 0, 5).unwrap(), b"hello");
+    rig.backend.hang.store(true, Ordering::SeqCst);
+    // (Far from `b`, whose span is cached.)
+    let err = rig.read("dir/c", 100_000, 10).unwrap_err();
+    assert!(err.to_string().contains("timed out"), "{err}");
+    // The hung fetch still holds the only slot: the next miss times out waiting for it.
+    let err = rig.read("dir/c", 190_000, 10).unwrap_err();
+    assert!(err.to_string().contains("timed out"), "{err}");
+    assert_eq!(
+        rig.read("b", 0, 5).unwrap(),
+        b"hello",
+        "cached data is served"
+    );
+    assert_eq!(rig.stats.snapshot().fetch_errors, 2);
+    // Service resumes when the backend does.
+    rig.backend.hang.store(false, Ordering::SeqCst);
+    rig.backend.release_hung();
+    let mut tries = 0;
+    let got = loop {
+        // The released fetch frees its slot asynchronously; retry until it has.
+        match rig.read("dir/c", 100_000, 10) {
+            Ok(b) => break b,
+            Err(_) if tries < 1000 => {
+                tries += 1;
+                std::thread::yield_now();
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(got, &rig.content("dir/c")[100_000..100_010]);
+}
+
+#[test]
+fn passthrough_sources_share_and_bound_fetches() {
+    let backend = TestBackend::new(noise(1000, 3));
+    let stats = Arc::new(MountStats::default());
+    let config = FetchConfig {
+        timeout: Duration::from_millis(100),
+        ..FetchConfig::default()
+    };
+    let source = LayerSource::passthrough(backend.clone(), Limiter::new(2), config, stats.clone());
+    assert_eq!(source.read_range(10..20).unwrap(), &backend.blob[10..20]);
+    assert!(source.read_range(990..1001).is_err());
+    backend.hang.store(true, Ordering::SeqCst);
+    let err = source.read_range(0..10).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    backend.release_hung();
+    let s = stats.snapshot();
+    assert_eq!((s.requests, s.bytes_fetched, s.fetch_errors), (2, 10, 1));
+}

@@ -13,9 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
     AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags,
-    ReplyAttr, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyStatfs, ReplyXattr, Request, SessionACL,
+    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyXattr, Request, SessionACL,
 };
 
 use crate::error::{Error, Result};
@@ -73,7 +73,12 @@ impl FerryFs {
     }
 
     /// Reads `[offset, offset + size)` of regular file `ino`.
-    pub fn read_file(&self, ino: Ino, offset: u64, size: u32) -> std::result::Result<Vec<u8>, Errno> {
+    pub fn read_file(
+        &self,
+        ino: Ino,
+        offset: u64,
+        size: u32,
+    ) -> std::result::Result<Vec<u8>, Errno> {
         let node = self.image.tree.get(ino).ok_or(Errno::ENOENT)?;
         if node.kind != NodeKind::File {
             return Err(Errno::EISDIR);
@@ -199,9 +204,10 @@ impl Filesystem for FerryFs {
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
         match self.node(ino) {
-            Ok(node) if node.kind == NodeKind::Dir => {
-                reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR)
-            }
+            Ok(node) if node.kind == NodeKind::Dir => reply.opened(
+                FileHandle(0),
+                FopenFlags::FOPEN_KEEP_CACHE | FopenFlags::FOPEN_CACHE_DIR,
+            ),
             Ok(_) => reply.error(Errno::ENOTDIR),
             Err(e) => reply.error(e),
         }
@@ -248,7 +254,14 @@ impl Filesystem for FerryFs {
                 continue;
             };
             let attr = self.attr(item.ino, node);
-            if reply.add(INodeNo(item.ino), item.next_offset, item.name, &TTL, &attr, Generation(0)) {
+            if reply.add(
+                INodeNo(item.ino),
+                item.next_offset,
+                item.name,
+                &TTL,
+                &attr,
+                Generation(0),
+            ) {
                 break;
             }
         }
@@ -357,7 +370,11 @@ fn config(opts: &MountOptions) -> fuser::Config {
 
 /// Mounts `fs` at `mountpoint`, served by background threads; dropping the session (or
 /// [`fuser::BackgroundSession::umount_and_join`]) unmounts.
-pub fn mount(fs: FerryFs, mountpoint: &Path, opts: &MountOptions) -> Result<fuser::BackgroundSession> {
+pub fn mount(
+    fs: FerryFs,
+    mountpoint: &Path,
+    opts: &MountOptions,
+) -> Result<fuser::BackgroundSession> {
     fuser::spawn_mount(fs, mountpoint, &config(opts))
         .map_err(|e| Error::io(format!("mounting at {}", mountpoint.display()), e))
 }
@@ -374,7 +391,10 @@ pub fn block_stop_signals() -> Result<()> {
         libc::sigaddset(&mut set, libc::SIGTERM);
         let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         if rc != 0 {
-            return Err(Error::io("blocking SIGINT/SIGTERM", std::io::Error::from_raw_os_error(rc)));
+            return Err(Error::io(
+                "blocking SIGINT/SIGTERM",
+                std::io::Error::from_raw_os_error(rc),
+            ));
         }
     }
     Ok(())
@@ -458,8 +478,12 @@ pub fn is_mounted(mountpoint: &Path) -> bool {
         let Some(dash) = fields.iter().position(|f| *f == "-") else {
             return false;
         };
-        fields.get(4).is_some_and(|mp| unescape_mountinfo(mp) == want)
-            && fields.get(dash + 1).is_some_and(|t| *t == "fuse.ferry" || *t == "fuse")
+        fields
+            .get(4)
+            .is_some_and(|mp| unescape_mountinfo(mp) == want)
+            && fields
+                .get(dash + 1)
+                .is_some_and(|t| *t == "fuse.ferry" || *t == "fuse")
     })
 }
 
@@ -506,7 +530,10 @@ pub fn unmount(mountpoint: &Path) -> Result<()> {
     }
     let err = std::io::Error::last_os_error();
     if err.raw_os_error() != Some(libc::EPERM) {
-        return Err(Error::io(format!("unmounting {}", mountpoint.display()), err));
+        return Err(Error::io(
+            format!("unmounting {}", mountpoint.display()),
+            err,
+        ));
     }
     let status = std::process::Command::new("fusermount3")
         .arg("-u")
@@ -531,5 +558,208 @@ fn system_time(secs: i64, nsec: u32) -> SystemTime {
         UNIX_EPOCH
             .checked_sub(Duration::from_secs(secs.unsigned_abs()))
             .unwrap_or(UNIX_EPOCH)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::io::Write;
+    use std::sync::atomic::Ordering;
+
+    use ferry_oci::media::LAYER_TAR_GZIP;
+
+    use super::*;
+    use crate::device::FetchConfig;
+    use crate::device::tests::{TestBackend, gzip_layer, open_store};
+    use crate::image::{ImageSource, LayerSpec, View};
+
+    /// A gzip layer (unindexed) that removes `b`, links `link -> a`, adds `dir/d` and
+    /// hard-links `dir/hard` to it.
+    fn upper_layer() -> Vec<u8> {
+        let mut tar = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_ustar();
+        h.set_size(0);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, ".wh.b", &[][..]).unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_size(4);
+        h.set_mode(0o600);
+        h.set_uid(7);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, "dir/d", &b"data"[..]).unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        tar.append_link(&mut h, "link", "a").unwrap();
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::Link);
+        h.set_size(0);
+        h.set_mode(0o644);
+        tar.append_link(&mut h, "dir/hard", "dir/d").unwrap();
+        let tar = tar.into_inner().unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(&tar).unwrap();
+        gz.finish().unwrap()
+    }
+
+    fn spec(blob: &[u8], backend: Arc<dyn ferry_index::source::RangeSource>) -> LayerSpec {
+        let digest = ferry_oci::sha256_digest(blob);
+        LayerSpec::new(
+            ferry_oci::layout::descriptor(LAYER_TAR_GZIP, digest, blob.len() as u64, &[]),
+            None,
+            backend,
+        )
+    }
+
+    struct Fixture {
+        fs: FerryFs,
+        lower: Arc<TestBackend>,
+        files: Vec<(String, Vec<u8>)>,
+        _store: tempfile::TempDir,
+    }
+
+    fn fixture(view: View) -> Fixture {
+        let (blob, index, files) = gzip_layer();
+        let lower = TestBackend::new(blob.clone());
+        let mut l0 = spec(&blob, lower.clone());
+        l0.index = Some(Arc::new(index));
+        let upper = upper_layer();
+        let l1 = spec(&upper, TestBackend::new(upper.clone()));
+        let source = ImageSource {
+            manifest_digest: "sha256:test".into(),
+            layers: vec![l0, l1],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(dir.path());
+        let image = MountedImage::new(source, Some(store), FetchConfig::default(), &view).unwrap();
+        Fixture {
+            fs: FerryFs::new(Arc::new(image)),
+            lower,
+            files,
+            _store: dir,
+        }
+    }
+
+    fn ino(fs: &FerryFs, path: &str) -> Ino {
+        fs.image().tree.resolve(path).unwrap()
+    }
+
+    #[test]
+    fn merged_image_serves_files_links_and_hides_whiteouts() {
+        let f = fixture(View::Merged);
+        let tree = &f.fs.image().tree;
+        assert!(tree.resolve("b").is_none(), "whited out");
+        let a = ino(&f.fs, "a");
+        let whole = f.fs.read_file(a, 0, 1 << 20).unwrap();
+        assert_eq!(whole, f.files[0].1);
+        assert_eq!(
+            f.fs.read_file(a, 300 << 10, 10).unwrap(),
+            b"",
+            "read at EOF"
+        );
+        let d = ino(&f.fs, "dir/d");
+        assert_eq!(ino(&f.fs, "dir/hard"), d);
+        let attr = f.fs.attr(d, tree.get(d).unwrap());
+        assert_eq!(
+            (attr.nlink, attr.size, attr.perm, attr.uid),
+            (2, 4, 0o600, 7)
+        );
+        assert_eq!(f.fs.read_file(d, 1, 100).unwrap(), b"ata");
+        let c = ino(&f.fs, "dir/c");
+        assert_eq!(f.fs.read_file(c, 7, 3).unwrap(), &f.files[2].1[7..10]);
+        let link = tree.get(ino(&f.fs, "link")).unwrap();
+        assert_eq!(link.link_target, "a");
+        let s = f.fs.image().stats.snapshot();
+        assert!(
+            s.bytes_fetched > 0 && s.bytes_fetched < s.bytes_total,
+            "{s:?}"
+        );
+        assert_eq!(s.bytes_served, (300 << 10) + 6);
+    }
+
+    #[test]
+    fn corrupt_layer_bytes_read_as_eio() {
+        let f = fixture(View::Merged);
+        f.lower.corrupt.store(true, Ordering::SeqCst);
+        assert_eq!(f.fs.read_file(ino(&f.fs, "a"), 0, 4096), Err(Errno::EIO));
+        assert_eq!(f.fs.image().stats.snapshot().verify_failures, 1);
+    }
+
+    #[test]
+    fn one_layer_view_shows_whiteouts_as_devices() {
+        let (blob, _, _) = gzip_layer();
+        let upper = ferry_oci::sha256_digest(&upper_layer()).to_string();
+        let f = fixture(View::Layer(upper));
+        let tree = &f.fs.image().tree;
+        let b = tree.get(ino(&f.fs, "b")).unwrap();
+        let attr = f.fs.attr(ino(&f.fs, "b"), b);
+        assert_eq!((attr.kind, attr.rdev), (FileType::CharDevice, 0));
+        assert!(
+            tree.resolve("a").is_none(),
+            "lower files are not in the upper layer"
+        );
+        let missing = ferry_oci::sha256_digest(&blob[..10]).to_string();
+        let (blob2, index, _) = gzip_layer();
+        let mut l0 = spec(&blob2, TestBackend::new(blob2.clone()));
+        l0.index = Some(Arc::new(index));
+        let source = ImageSource {
+            manifest_digest: "sha256:test".into(),
+            layers: vec![l0],
+        };
+        let err = MountedImage::new(source, None, FetchConfig::default(), &View::Layer(missing))
+            .unwrap_err();
+        assert!(err.to_string().contains("no layer"), "{err}");
+    }
+
+    #[test]
+    fn device_numbers_use_the_kernel_encoding() {
+        assert_eq!(encode_dev(1, 3), 0x103);
+        assert_eq!(encode_dev(8, 0x123), 0x10_0823);
+        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
+        assert_eq!(unescape_mountinfo("/x\\777"), "/x\\777");
+    }
+
+    /// The real transport: needs root and /dev/fuse; skipped (passes) without them.
+    #[test]
+    fn kernel_mount_serves_reads_and_unmounts() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
+            eprintln!("skipped: needs root and /dev/fuse");
+            return;
+        }
+        let f = fixture(View::Merged);
+        let mnt = tempfile::tempdir().unwrap();
+        let mountpoint = mnt.path().canonicalize().unwrap();
+        let session = match mount(f.fs.clone(), &mountpoint, &MountOptions::default()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("skipped: cannot mount here: {e}");
+                return;
+            }
+        };
+        assert!(is_mounted(&mountpoint));
+        let read = std::fs::read(mountpoint.join("a"));
+        let names: Vec<String> = std::fs::read_dir(&mountpoint)
+            .map(|d| {
+                d.map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let link = std::fs::read_link(mountpoint.join("link"));
+        let write = std::fs::write(mountpoint.join("new"), b"x");
+        unmount(&mountpoint).unwrap();
+        session.join().unwrap();
+        assert!(!is_mounted(&mountpoint));
+        assert_eq!(read.unwrap(), f.files[0].1);
+        let mut names = names;
+        names.sort();
+        assert_eq!(names, vec!["a", "dir", "link"]);
+        assert_eq!(link.unwrap(), Path::new("a"));
+        assert_eq!(write.unwrap_err().raw_os_error(), Some(libc::EROFS));
     }
 }

@@ -13,11 +13,11 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use ferry_index::estargz::EstargzLayer;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{FileSource, RangeSource};
-use ferry_index::estargz::EstargzLayer;
 use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX,
     layer_compression,
@@ -25,7 +25,7 @@ use ferry_oci::media::{
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
 use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
 use ferry_store::{ChunkKey, Store};
-use futures_like::collect_body;
+use blob_body::collect_body;
 
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};
@@ -53,6 +53,23 @@ impl std::fmt::Debug for LayerSpec {
             .field("digest", &self.descriptor.digest().to_string())
             .field("indexed", &self.index.is_some())
             .finish()
+    }
+}
+
+impl LayerSpec {
+    /// A layer read through `source` (a local blob, or anything else with random
+    /// access), with its ferry index when one is known.
+    pub fn new(
+        descriptor: Descriptor,
+        index: Option<Arc<LayerIndex>>,
+        source: Arc<dyn RangeSource>,
+    ) -> LayerSpec {
+        LayerSpec {
+            descriptor,
+            index,
+            source,
+            remote: None,
+        }
     }
 }
 
@@ -169,16 +186,19 @@ impl ImageSource {
                 tag,
                 digest,
             } => {
-                let reference = digest
-                    .or(tag)
-                    .unwrap_or_else(|| "latest".to_string());
-                Self::from_registry(client, &Repo::new(registry, repository), &reference, runtime)
+                let reference = digest.or(tag).unwrap_or_else(|| "latest".to_string());
+                Self::from_registry(
+                    client,
+                    &Repo::new(registry, repository),
+                    &reference,
+                    runtime,
+                )
             }
         }
     }
 }
 
-mod futures_like {
+mod blob_body {
     use ferry_registry::client::{BlobStream, ClientError};
     use futures_util::StreamExt;
 
@@ -251,7 +271,12 @@ fn registry_indexes(
         }
         let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
             .map_err(|e| Error::Invalid(format!("index artifact {}: {e}", doc.digest)))?;
-        if artifact.subject().as_ref().map(|s| s.digest().to_string()).as_deref() != Some(subject)
+        if artifact
+            .subject()
+            .as_ref()
+            .map(|s| s.digest().to_string())
+            .as_deref()
+            != Some(subject)
         {
             continue;
         }
@@ -347,9 +372,8 @@ impl MountedImage {
         let tree = match view {
             View::Merged => InodeTree::merged(&image),
             View::Layer(d) => {
-                let i = chosen.ok_or_else(|| {
-                    Error::Invalid(format!("the image has no layer {d}"))
-                })?;
+                let i =
+                    chosen.ok_or_else(|| Error::Invalid(format!("the image has no layer {d}")))?;
                 InodeTree::single_layer(&image, i)
                     .ok_or_else(|| Error::Invalid(format!("layer {d} cannot be read")))?
             }
@@ -392,10 +416,17 @@ fn layer_reader(
         .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
         .cloned();
     if let Some(toc) = toc {
-        let source: Arc<dyn RangeSource> =
-            Arc::new(LayerSource::passthrough(layer.source, limiter, config, stats));
+        let source: Arc<dyn RangeSource> = Arc::new(LayerSource::passthrough(
+            layer.source,
+            limiter,
+            config,
+            stats,
+        ));
         let esgz = EstargzLayer::open(source.as_ref(), Some(&toc))?;
-        return Ok(LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source));
+        return Ok(LayerReader::new(
+            LayerFormat::Estargz(Arc::new(esgz)),
+            source,
+        ));
     }
     let media = layer.descriptor.media_type().to_string();
     let compression = layer_compression(&media).ok_or_else(|| {
@@ -435,13 +466,16 @@ fn whole_blob(
         .or_else(|_| tempfile::NamedTempFile::new())
         .map_err(|e| Error::io("creating a temporary file for a whole layer", e))?;
     let opts = DownloadOptions::from_config(remote.client.config());
-    remote.runtime.handle().block_on(remote.client.download_blob(
-        &remote.repo,
-        &digest,
-        layer.descriptor.size(),
-        tmp.path(),
-        &opts,
-    ))?;
+    remote
+        .runtime
+        .handle()
+        .block_on(remote.client.download_blob(
+            &remote.repo,
+            &digest,
+            layer.descriptor.size(),
+            tmp.path(),
+            &opts,
+        ))?;
     MountStats::add(&stats.bytes_fetched, layer.descriptor.size());
     if let Some(store) = store {
         let mut file = std::fs::File::open(tmp.path())
@@ -456,8 +490,8 @@ fn whole_blob(
         }
     }
     // download_blob verified the digest; serve from the (unlinked) temporary file.
-    let source = FileSource::open(tmp.path())
-        .map_err(|e| Error::io("opening a downloaded layer", e))?;
+    let source =
+        FileSource::open(tmp.path()).map_err(|e| Error::io("opening a downloaded layer", e))?;
     drop(tmp);
     Ok(Arc::new(source))
 }

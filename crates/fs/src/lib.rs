@@ -27,7 +27,9 @@ pub mod tree;
 
 pub use device::{FetchConfig, LayerSource};
 pub use error::{Error, Result};
-pub use fuse::{FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount};
+pub use fuse::{
+    FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount,
+};
 pub use image::{ImageSource, LayerSpec, MountedImage, View};
 pub use stats::{MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};

@@ -127,7 +127,11 @@ impl Node {
             } else {
                 String::new()
             },
-            xattrs: e.xattrs.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            xattrs: e
+                .xattrs
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
             data: None,
             children: Vec::new(),
         }
@@ -263,6 +267,9 @@ impl InodeTree {
     /// Looks `name` up in directory `parent`.
     pub fn lookup(&self, parent: Ino, name: &str) -> Option<Ino> {
         let dir = self.get(parent)?;
+        if dir.kind != NodeKind::Dir {
+            return None;
+        }
         match name {
             "." => Some(parent),
             ".." => Some(dir.parent),
@@ -550,7 +557,8 @@ mod tests {
         dev.dev_major = 1;
         dev.dev_minor = 3;
         let mut xf = file("etc/cap", 3);
-        xf.xattrs.insert("security.capability".into(), vec![1, 2, 3]);
+        xf.xattrs
+            .insert("security.capability".into(), vec![1, 2, 3]);
         xf.uid = 1000;
         xf.gid = 100;
         xf.mtime = 1_700_000_000;
@@ -582,11 +590,17 @@ mod tests {
         assert_eq!(root.nlink, 2 + 5, "etc usr bin dev run");
 
         let cap = tree.get(tree.resolve("etc/cap").unwrap()).unwrap();
-        assert_eq!((cap.uid, cap.gid, cap.mode, cap.mtime), (1000, 100, 0o4755, 1_700_000_000));
+        assert_eq!(
+            (cap.uid, cap.gid, cap.mode, cap.mtime),
+            (1000, 100, 0o4755, 1_700_000_000)
+        );
         assert_eq!(cap.xattr("security.capability"), Some(&[1u8, 2, 3][..]));
 
         let l = tree.get(tree.resolve("etc/link").unwrap()).unwrap();
-        assert_eq!((l.kind, l.link_target.as_str(), l.size), (NodeKind::Symlink, "../usr/bin/a", 12));
+        assert_eq!(
+            (l.kind, l.link_target.as_str(), l.size),
+            (NodeKind::Symlink, "../usr/bin/a", 12)
+        );
         let null = tree.get(tree.resolve("dev/null").unwrap()).unwrap();
         assert_eq!((null.kind, null.rdev), (NodeKind::Char, (1, 3)));
         let fifo = tree.get(tree.resolve("run/fifo").unwrap()).unwrap();
@@ -616,7 +630,10 @@ mod tests {
         assert_eq!(names(&tree, "a"), vec!["y"]);
         assert_eq!(names(&tree, "b"), vec!["new"]);
         let b = tree.get(tree.resolve("b").unwrap()).unwrap();
-        assert!(b.xattrs.is_empty(), "the merged view shows no overlay xattrs");
+        assert!(
+            b.xattrs.is_empty(),
+            "the merged view shows no overlay xattrs"
+        );
     }
 
     #[test]
@@ -636,9 +653,17 @@ mod tests {
         assert_eq!(names(&tree, "a"), vec!["x"]);
         for p in ["a/x", "gone"] {
             let wh = tree.get(tree.resolve(p).unwrap()).unwrap();
-            assert_eq!((wh.kind, wh.rdev, wh.size), (NodeKind::Char, (0, 0), 0), "{p}");
+            assert_eq!(
+                (wh.kind, wh.rdev, wh.size),
+                (NodeKind::Char, (0, 0), 0),
+                "{p}"
+            );
         }
-        assert_eq!(names(&tree, "b"), vec!["new"], "the opaque marker is not listed");
+        assert_eq!(
+            names(&tree, "b"),
+            vec!["new"],
+            "the opaque marker is not listed"
+        );
         let b = tree.get(tree.resolve("b").unwrap()).unwrap();
         assert_eq!(b.xattr(OVERLAY_OPAQUE_XATTR), Some(&b"y"[..]));
         let a = tree.get(tree.resolve("a").unwrap()).unwrap();

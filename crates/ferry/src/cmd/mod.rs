@@ -7,6 +7,7 @@ pub mod copy;
 pub mod demo;
 pub mod index;
 pub mod inspect;
+pub mod mount;
 pub mod pack;
 pub mod registry;
 pub mod store;

@@ -105,7 +105,8 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("opening the chunk store at {}", store_path.display()))?;
     let mut cfg = ClientConfig::default();
     if args.plain_http
-        && let ferry_oci::ImageRef::Registry { registry, .. } = ferry_oci::ImageRef::parse(&args.image)?
+        && let ferry_oci::ImageRef::Registry { registry, .. } =
+            ferry_oci::ImageRef::parse(&args.image)?
     {
         cfg.registry.entry(registry).or_default().plain_http = true;
     }
