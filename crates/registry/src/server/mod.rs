@@ -17,7 +17,7 @@ mod discovery;
 pub mod errors;
 pub mod hot_cache;
 pub mod listener;
-mod manifests;
+pub(crate) mod manifests;
 pub mod metrics;
 pub mod range;
 pub mod routes;
@@ -413,7 +413,16 @@ impl StateInner {
             StatusCode::INTERNAL_SERVER_ERROR => ErrorCode::Unknown,
             _ => ErrorCode::Unavailable,
         };
-        ApiError::new(code, format!("upstream registry: {err}")).with_status(status)
+        // The details (upstream host, URL, the client library's login hints) go to the
+        // log only: they describe ferry's upstream, not anything this client can act on.
+        let message = match code {
+            ErrorCode::TooManyRequests => "the upstream registry is rate-limiting; retry later",
+            ErrorCode::Denied => "the upstream registry refused this registry's credentials",
+            ErrorCode::BlobUnknown => "requested range not satisfiable",
+            ErrorCode::Unknown => "the pull-through cache failed; see the registry log",
+            _ => "the upstream registry is unavailable and nothing usable is cached",
+        };
+        ApiError::new(code, message).with_status(status)
     }
 
     fn idle(&self) -> Duration {
