@@ -475,3 +475,22 @@ http_header() {
     tr -d '\r' <"$HTTP_HDRS" | awk -v n="$1" 'BEGIN { n = tolower(n) }
         { i = index($0, ":"); if (i > 0 && tolower(substr($0, 1, i - 1)) == n) { v = substr($0, i + 1); sub(/^[ \t]+/, "", v); print v } }' | tail -1
 }
+
+# ------------------------------------------------------------------ proxy snapshotters
+# start_containerd_with_snapshotter NAME SOCKET: start_containerd, then register the
+# proxy snapshotter NAME (`[proxy_plugins.NAME] type = "snapshot" address = SOCKET`) in
+# its config and restart it, so `ctr --snapshotter NAME` talks to SOCKET.
+start_containerd_with_snapshotter() {
+    local name=$1 sock=$2
+    start_containerd
+    stop_containerd || true # its `wait` returns the killed daemon's status
+    printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
+        "$name" "$sock" >>"$CONTAINERD_CONFIG"
+    containerd --config "$CONTAINERD_CONFIG" >>"$E2E_TMP/containerd.log" 2>&1 &
+    CONTAINERD_PID=$!
+    if ! wait_for 30 "containerd socket" ctr -a "$CONTAINERD_SOCK" version; then
+        tail -30 "$E2E_TMP/containerd.log" >&2
+        e2e_die "containerd did not come up with proxy snapshotter $name (log: $E2E_TMP/containerd.log)"
+    fi
+    e2e_log "containerd pid $CONTAINERD_PID with proxy snapshotter $name at $sock"
+}

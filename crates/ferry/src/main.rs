@@ -56,6 +56,8 @@ enum Command {
     Umount(cmd::mount::UmountArgs),
     /// Inspect and maintain the node's chunk store.
     Store(cmd::store::Args),
+    /// Serve containerd's Snapshots API (a proxy snapshotter plugin) on a unix socket.
+    Snapshotter(cmd::snapshotter::Args),
     /// Measurements driven by the scripts under bench/.
     Bench(cmd::bench::Args),
 }
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
         Command::Mount(a) => cmd::mount::run(a),
         Command::Umount(a) => cmd::mount::run_umount(a),
         Command::Store(a) => cmd::store::run(a),
+        Command::Snapshotter(a) => cmd::snapshotter::run(a),
         Command::Bench(a) => cmd::bench::run(a),
     };
     match result {

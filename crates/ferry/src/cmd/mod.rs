@@ -10,6 +10,7 @@ pub mod inspect;
 pub mod mount;
 pub mod pack;
 pub mod registry;
+pub mod snapshotter;
 pub mod store;
 
 use std::path::PathBuf;
