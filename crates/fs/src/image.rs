@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use blob_body::collect_body;
 use ferry_index::estargz::EstargzLayer;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_index::merged::MergedImage;
@@ -25,7 +26,6 @@ use ferry_oci::media::{
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
 use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
 use ferry_store::{ChunkKey, Store};
-use blob_body::collect_body;
 
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};

@@ -189,7 +189,11 @@ async fn uploads(s: &dyn Storage) {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'),
         "id {id:?} is not URL-safe"
     );
-    assert_ne!(s.upload_start("conformance/repo").await.unwrap(), id, "ids are unique");
+    assert_ne!(
+        s.upload_start("conformance/repo").await.unwrap(),
+        id,
+        "ids are unique"
+    );
     assert_eq!(s.upload_size(&id).await.unwrap(), Some(0));
 
     let data = pattern(3 * 1024 * 1024 + 17, 7);
