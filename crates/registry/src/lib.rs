@@ -21,6 +21,8 @@
 pub mod auth;
 pub mod cache;
 pub mod client;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod loadtest;
 pub mod server;
 pub mod storage;

@@ -122,12 +122,19 @@ fn check_bcrypt_hash(hash: &str) -> Result<(), String> {
     if !bcrypt_prefix {
         return Err("not a bcrypt hash ($2y$…); plain-text and crypt passwords are refused (use `htpasswd -B`)".to_string());
     }
-    // $2y$NN$ + 53 characters of salt and hash.
-    let cost_ok = hash
-        .get(4..6)
-        .and_then(|c| c.parse::<u32>().ok())
-        .is_some_and(|c| (4..=31).contains(&c));
-    if hash.len() != 60 || !cost_ok || hash.as_bytes().get(6) != Some(&b'$') {
+    // $2y$NN$ + 53 characters of salt and hash, in bcrypt's base64 alphabet. Anything
+    // else would load a user whose every password check fails.
+    let b = hash.as_bytes();
+    let cost_ok = b.len() == 60
+        && b[4].is_ascii_digit()
+        && b[5].is_ascii_digit()
+        && (4..=31).contains(&(u32::from(b[4] - b'0') * 10 + u32::from(b[5] - b'0')));
+    let body_ok = b.len() == 60
+        && b[6] == b'$'
+        && b[7..]
+            .iter()
+            .all(|&c| c.is_ascii_alphanumeric() || c == b'.' || c == b'/');
+    if !cost_ok || !body_ok {
         return Err("malformed bcrypt hash".to_string());
     }
     Ok(())

@@ -436,12 +436,12 @@ impl Authenticator {
     }
 }
 
-enum Credential<'a> {
+pub(crate) enum Credential<'a> {
     Bearer(&'a str),
     Basic(&'a str),
 }
 
-fn parse_authorization(value: &[u8]) -> Option<Credential<'_>> {
+pub(crate) fn parse_authorization(value: &[u8]) -> Option<Credential<'_>> {
     if value.len() > MAX_AUTHORIZATION_LEN {
         return None;
     }

@@ -186,6 +186,18 @@ fn htpasswd_refuses_non_bcrypt_and_bad_lines_naming_the_line() {
     assert!(why.contains("user:hash"), "{why}");
     let (_, why) = line_error("erin:$2y$04$short");
     assert!(why.contains("malformed"), "{why}");
+    // Found by fuzzing: hashes bcrypt can never verify used to load (every login then
+    // failed silently): a signed cost, and characters outside bcrypt's base64.
+    let hash = good.split_once(':').unwrap().1.to_string();
+    for bad in [
+        hash.replacen("$04$", "$+4$", 1),
+        format!("{}\u{e}{}", &hash[..40], &hash[41..]),
+        format!("{}:{}", &hash[..40], &hash[41..]),
+        format!("{}é{}", &hash[..40], &hash[42..]),
+    ] {
+        let (_, why) = line_error(&format!("frank:{bad}"));
+        assert!(why.contains("malformed"), "{bad:?}: {why}");
+    }
     let (n, why) = line_error(&format!("{good}\n{good}"));
     assert_eq!(n, 2);
     assert!(why.contains("twice"));

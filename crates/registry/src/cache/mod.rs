@@ -260,7 +260,7 @@ fn is_digest_reference(reference: &str) -> bool {
 }
 
 /// The upstream `host[:port]` of a URL, and whether it is plain HTTP.
-fn parse_upstream_url(url: &str) -> Result<(String, bool), CacheError> {
+pub(crate) fn parse_upstream_url(url: &str) -> Result<(String, bool), CacheError> {
     let parsed =
         url::Url::parse(url).map_err(|e| CacheError::Config(format!("url {url:?}: {e}")))?;
     let plain = match parsed.scheme() {
@@ -283,7 +283,7 @@ fn parse_upstream_url(url: &str) -> Result<(String, bool), CacheError> {
 }
 
 /// Blob digests a manifest references (config, layers, blobs, subject), by hex.
-fn referenced_blobs(bytes: &[u8]) -> Vec<String> {
+pub(crate) fn referenced_blobs(bytes: &[u8]) -> Vec<String> {
     let Ok(doc) = serde_json::from_slice::<serde_json::Value>(bytes) else {
         return Vec::new();
     };

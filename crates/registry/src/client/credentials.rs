@@ -21,7 +21,7 @@ const HELPER_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct AuthFile {
+pub(crate) struct AuthFile {
     #[serde(default)]
     auths: HashMap<String, AuthEntry>,
     #[serde(default)]
@@ -121,8 +121,21 @@ fn entry_secret(e: &AuthEntry) -> Option<HostSecret> {
 }
 
 /// Credentials for `registry`/`repository` from the parsed file, without running helpers.
-fn from_auths(file: &AuthFile, registry: &str, repository: &str) -> Option<HostSecret> {
+pub(crate) fn from_auths(file: &AuthFile, registry: &str, repository: &str) -> Option<HostSecret> {
     best_match(&file.auths, registry, repository).and_then(entry_secret)
+}
+
+/// The credential helper docker would run for `registry`/`repository`: the most specific
+/// `credHelpers` entry, else `credsStore`.
+pub(crate) fn helper_for(file: &AuthFile, registry: &str, repository: &str) -> Option<String> {
+    best_match(&file.cred_helpers, registry, repository)
+        .cloned()
+        .or_else(|| file.creds_store.clone())
+}
+
+/// Parses the JSON of a docker `config.json` or podman `auth.json`.
+pub(crate) fn parse_auth_file(bytes: &[u8]) -> serde_json::Result<AuthFile> {
+    serde_json::from_slice(bytes)
 }
 
 fn read_auth_file(path: &Path) -> Option<AuthFile> {
@@ -137,7 +150,7 @@ fn read_auth_file(path: &Path) -> Option<AuthFile> {
         tracing::warn!(path = %path.display(), "auth file too large; ignored");
         return None;
     }
-    match serde_json::from_slice(&buf) {
+    match parse_auth_file(&buf) {
         Ok(f) => Some(f),
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "malformed auth file; ignored");
@@ -238,10 +251,7 @@ pub(crate) async fn lookup(registry: &str, repository: &str) -> HostSecret {
     if let Some(path) = docker_config_path()
         && let Some(file) = read_auth_file(&path)
     {
-        let helper = best_match(&file.cred_helpers, registry, repository)
-            .cloned()
-            .or(file.creds_store.clone());
-        if let Some(helper) = helper
+        if let Some(helper) = helper_for(&file, registry, repository)
             && let Some(s) = run_helper(&helper, &helper_server_name(registry)).await
         {
             return s;

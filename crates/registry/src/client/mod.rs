@@ -23,7 +23,7 @@
 pub mod auth;
 pub mod config;
 pub mod copy;
-mod credentials;
+pub(crate) mod credentials;
 pub mod download;
 pub mod range_source;
 mod retry;
@@ -344,6 +344,23 @@ struct Endpoint {
     scheme: Option<&'static str>,
     skip_tls_verify: bool,
     mirror: bool,
+}
+
+impl Endpoint {
+    /// Whether credentials for this endpoint may go to `url` (a registry-supplied `Link` or
+    /// upload `Location`): the same host and port, and no downgrade to plain HTTP that the
+    /// endpoint was never allowed (only `plain_http` endpoints and loopback may use http).
+    fn owns(&self, url: &url::Url) -> bool {
+        let Some(h) = url.host_str() else {
+            return false;
+        };
+        let host_port = match url.port() {
+            Some(p) => format!("{h}:{p}"),
+            None => h.to_string(),
+        };
+        host_port == self.host
+            && (url.scheme() == "https" || self.scheme == Some("http") || is_loopback(h))
+    }
 }
 
 /// Where a request goes.
@@ -691,13 +708,7 @@ impl Client {
             let url = self.url_for(ep, &call.target)?;
             let same_host = match &call.target {
                 Target::Path(_) => true,
-                Target::Url(u) => u.host_str().is_some_and(|h| {
-                    let hp = match u.port() {
-                        Some(p) => format!("{h}:{p}"),
-                        None => h.to_string(),
-                    };
-                    hp == ep.host
-                }),
+                Target::Url(u) => ep.owns(u),
             };
             let auth = if same_host {
                 self.inner
@@ -1222,13 +1233,7 @@ impl Client {
             .endpoints(&r.registry, false)
             .pop()
             .ok_or_else(|| ClientError::Config("no endpoint".into()))?;
-        let same_host = url.host_str().is_some_and(|h| {
-            let hp = match url.port() {
-                Some(p) => format!("{h}:{p}"),
-                None => h.to_string(),
-            };
-            hp == ep.host
-        });
+        let same_host = ep.owns(&url);
         let mut req = self
             .http_for(&ep)
             .put(url)
@@ -1491,7 +1496,7 @@ fn content_type(h: &HeaderMap) -> String {
 }
 
 /// The `mediaType` field of a manifest document, when it has one.
-fn document_media_type(bytes: &[u8]) -> Option<String> {
+pub(crate) fn document_media_type(bytes: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]
     struct Doc {
         #[serde(rename = "mediaType")]
@@ -1503,24 +1508,28 @@ fn document_media_type(bytes: &[u8]) -> Option<String> {
         .filter(|m| !m.is_empty())
 }
 
-/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`).
-fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`). Refuses END = `u64::MAX` (callers
+/// compute END + 1) and a range that does not lie inside a stated TOTAL.
+pub(crate) fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = v.trim().strip_prefix("bytes")?.trim_start();
     let (span, total) = rest.split_once('/')?;
     let (a, b) = span.split_once('-')?;
-    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-    if b < a {
+    let (a, b): (u64, u64) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    if b < a || b == u64::MAX {
         return None;
     }
     let total = match total.trim() {
         "*" => None,
-        t => Some(t.parse().ok()?),
+        t => Some(t.parse::<u64>().ok()?),
     };
+    if total.is_some_and(|t| b >= t) {
+        return None;
+    }
     Some((a, b, total))
 }
 
 /// The `rel="next"` target of a `Link` header, resolved against the request URL.
-fn next_link(h: &HeaderMap, base: &url::Url) -> Option<url::Url> {
+pub(crate) fn next_link(h: &HeaderMap, base: &url::Url) -> Option<url::Url> {
     for v in h
         .get_all(header::LINK)
         .iter()

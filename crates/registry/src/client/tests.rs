@@ -1066,3 +1066,42 @@ async fn copy_layout_to_registry_and_back_with_referrers() {
         layer_bytes
     );
 }
+
+/// Found by fuzzing: a `206` answer claiming its last byte is `u64::MAX` overflowed the
+/// `end + 1` the range check computes; a range outside its own total is refused too.
+#[test]
+fn content_range_answers_are_bounded() {
+    assert_eq!(
+        parse_content_range("bytes 0-99/1000"),
+        Some((0, 99, Some(1000)))
+    );
+    assert_eq!(parse_content_range("bytes 5-9/*"), Some((5, 9, None)));
+    assert_eq!(parse_content_range("bytes 0-18446744073709551615/*"), None);
+    assert_eq!(parse_content_range("bytes 0-99/99"), None);
+    assert_eq!(parse_content_range("bytes 9-5/10"), None);
+}
+
+#[test]
+fn credentials_never_follow_a_downgrade_to_plain_http() {
+    let tls = Endpoint {
+        host: "registry.example:5000".into(),
+        scheme: None,
+        skip_tls_verify: false,
+        mirror: false,
+    };
+    let url = |s: &str| url::Url::parse(s).unwrap();
+    assert!(tls.owns(&url("https://registry.example:5000/v2/x/tags/list?last=a")));
+    assert!(!tls.owns(&url("http://registry.example:5000/v2/x/tags/list?last=a")));
+    assert!(!tls.owns(&url("https://registry.example:5001/v2/")));
+    assert!(!tls.owns(&url("https://cdn.example/blob")));
+    let plain = Endpoint {
+        scheme: Some("http"),
+        ..tls.clone()
+    };
+    assert!(plain.owns(&url("http://registry.example:5000/v2/")));
+    let loopback = Endpoint {
+        host: "127.0.0.1:5000".into(),
+        ..tls
+    };
+    assert!(loopback.owns(&url("http://127.0.0.1:5000/v2/")));
+}

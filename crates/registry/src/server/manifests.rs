@@ -153,13 +153,13 @@ pub(super) async fn pull(st: &StateInner, parts: &Parts, name: &str, reference: 
 }
 
 /// What validation learned about a pushed manifest.
-struct Validated {
-    media_type: String,
+pub(crate) struct Validated {
+    pub(crate) media_type: String,
     /// Blobs to (re)link: config and layers.
-    blobs: Vec<(String, u64)>,
+    pub(crate) blobs: Vec<(String, u64)>,
     /// Index children (must be manifests in the repository).
-    children: Vec<(String, u64)>,
-    subject: Option<String>,
+    pub(crate) children: Vec<(String, u64)>,
+    pub(crate) subject: Option<String>,
 }
 
 fn invalid(message: impl Into<String>) -> ApiError {
@@ -206,11 +206,14 @@ fn check_descriptor(d: &DescriptorDoc, what: &str) -> Result<u64, ApiError> {
 }
 
 /// Parses and checks the document's shape and media type (no storage access).
-fn validate_document(bytes: &[u8], content_type: &str) -> Result<Validated, ApiError> {
+pub(crate) fn validate_document(bytes: &[u8], content_type: &str) -> Result<Validated, ApiError> {
     if bytes.is_empty() {
         return Err(invalid("empty manifest"));
     }
-    let doc: ManifestDoc = serde_json::from_slice(bytes)
+    // JSON is UTF-8 (RFC 8259); serde does not check the strings of fields it ignores, so
+    // check the whole document before storing it byte for byte.
+    let text = std::str::from_utf8(bytes).map_err(|_| invalid("manifest is not UTF-8"))?;
+    let doc: ManifestDoc = serde_json::from_str(text)
         .map_err(|e| invalid(format!("manifest is not valid JSON: {e}")))?;
     let declared_ct = content_type
         .split(';')
@@ -541,6 +544,28 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    /// Found by fuzzing: serde does not check the UTF-8 of strings in fields it ignores,
+    /// so a document that is not JSON (RFC 8259 requires UTF-8) was stored as a manifest.
+    #[test]
+    fn non_utf8_manifest_refused() {
+        // The bad byte sits in a field the registry does not read.
+        let mut idx = format!(
+            r#"{{"schemaVersion":2,"mediaType":"{}","manifests":[{}],"x-vendor":"vX"}}"#,
+            media::OCI_INDEX,
+            d(media::OCI_MANIFEST, 'a', 10)
+        )
+        .into_bytes();
+        assert!(validate_document(&idx, media::OCI_INDEX).is_ok());
+        let Some(x) = idx.iter().rposition(|&b| b == b'X') else {
+            panic!("marker missing");
+        };
+        idx[x] = 0x8b;
+        match validate_document(&idx, media::OCI_INDEX) {
+            Ok(_) => panic!("a non-UTF-8 manifest was accepted"),
+            Err(e) => assert!(e.message.contains("UTF-8"), "{}", e.message),
+        }
     }
 
     #[test]

@@ -63,7 +63,8 @@ pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
 }
 
 /// A chunk's `Content-Range` on `PATCH`: `<start>-<end>` inclusive (the spec's form), also
-/// accepting the RFC form `bytes <start>-<end>/<total|*>`.
+/// accepting the RFC form `bytes <start>-<end>/<total|*>`. `end` is always below
+/// `u64::MAX`, so callers may compute the length `end - start + 1`.
 pub fn parse_content_range(value: &str) -> Option<(u64, u64)> {
     let v = value.trim();
     let v = v.strip_prefix("bytes ").unwrap_or(v).trim();
@@ -71,7 +72,7 @@ pub fn parse_content_range(value: &str) -> Option<(u64, u64)> {
     let (a, b) = v.split_once('-')?;
     let start: u64 = a.trim().parse().ok()?;
     let end: u64 = b.trim().parse().ok()?;
-    (end >= start).then_some((start, end))
+    (end >= start && end < u64::MAX).then_some((start, end))
 }
 
 #[cfg(test)]
@@ -110,5 +111,20 @@ mod tests {
         assert_eq!(parse_content_range("5-4"), None);
         assert_eq!(parse_content_range("abc"), None);
         assert_eq!(parse_content_range("-4"), None);
+    }
+
+    /// Found by fuzzing: a last byte of `u64::MAX` made the upload handler's
+    /// `end - start + 1` overflow (a panic in debug builds, a wrong length in release).
+    #[test]
+    fn content_range_length_cannot_overflow() {
+        assert_eq!(parse_content_range("0-18446744073709551615"), None);
+        assert_eq!(
+            parse_content_range("bytes 18446744073709551614-18446744073709551615/*"),
+            None
+        );
+        assert_eq!(
+            parse_content_range("0-18446744073709551614"),
+            Some((0, u64::MAX - 1))
+        );
     }
 }
