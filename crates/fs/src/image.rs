@@ -20,8 +20,7 @@ use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{FileSource, RangeSource};
 use ferry_oci::media::{
-    ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX,
-    layer_compression,
+    ANNOTATION_ESTARGZ_TOC, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
 use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
@@ -300,17 +299,7 @@ fn registry_indexes(
                     "index blob {digest} does not match its digest"
                 )));
             }
-            let index = LayerIndex::decode(&bytes)?;
-            let claimed = blob
-                .annotations()
-                .as_ref()
-                .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST));
-            if claimed.is_some_and(|c| *c != index.layer_digest) {
-                return Err(Error::Invalid(format!(
-                    "index blob {digest} claims layer {claimed:?} but indexes {}",
-                    index.layer_digest
-                )));
-            }
+            let index = ferry_index::image::decode_index_blob(blob, &bytes)?;
             out.insert(index.layer_digest.clone(), Arc::new(index));
         }
     }

@@ -42,6 +42,27 @@ pub struct LayerSummary {
     pub entries: Option<usize>,
 }
 
+/// Decodes one ferry index blob of an index artifact (`blob` is its descriptor, `bytes`
+/// its verified content) and checks that the layer it indexes is the one the descriptor's
+/// `dev.ferry.layer.digest` annotation names, so an artifact cannot pass one layer's index
+/// off as another's. Shared by every place that reads index artifacts (layouts here,
+/// registries in ferry-fs).
+pub fn decode_index_blob(blob: &Descriptor, bytes: &[u8]) -> Result<LayerIndex> {
+    let index = LayerIndex::decode(bytes)?;
+    let claimed = blob
+        .annotations()
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST));
+    if claimed.is_some_and(|c| *c != index.layer_digest) {
+        return Err(Error::Index(format!(
+            "index blob {} claims layer {claimed:?} but indexes {}",
+            blob.digest(),
+            index.layer_digest
+        )));
+    }
+    Ok(index)
+}
+
 /// Reads the ferry index blobs that refer to `manifest` in `layout`: layer digest → index.
 pub fn layout_indexes(
     layout: &OciLayout,
@@ -69,18 +90,7 @@ pub fn layout_indexes(
                 continue;
             }
             let bytes = layout.read_blob(blob.digest(), MAX_INDEX_BYTES as u64)?;
-            let index = LayerIndex::decode(&bytes)?;
-            let claimed = blob
-                .annotations()
-                .as_ref()
-                .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST));
-            if claimed.is_some_and(|c| *c != index.layer_digest) {
-                return Err(Error::Index(format!(
-                    "index blob {} claims layer {claimed:?} but indexes {}",
-                    blob.digest(),
-                    index.layer_digest
-                )));
-            }
+            let index = decode_index_blob(blob, &bytes)?;
             out.insert(index.layer_digest.clone(), Arc::new(index));
         }
     }
