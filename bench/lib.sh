@@ -31,3 +31,26 @@ clone_layout() {
     cp -al "$1/blobs" "$2/blobs"
     cp "$1/index.json" "$1/oci-layout" "$2/"
 }
+
+# ---- helpers for the registry benchmarks (loopback servers)
+
+# Loopback only; never through a proxy.
+loopback_only() {
+    export NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost"
+    unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY ALL_PROXY all_proxy || true
+}
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+wait_http() { # URL: until it answers at all (401 counts), at most 30 s
+    local _
+    for _ in $(seq 150); do
+        curl -s -o /dev/null --noproxy '*' "$1" && return 0
+        sleep 0.2
+    done
+    echo "no answer from $1" >&2
+    return 1
+}
+mem_of() { # PID -> "rss_kib hwm_kib"
+    awk '/^VmRSS:/ { r = $2 } /^VmHWM:/ { h = $2 } END { print r + 0, h + 0 }' "/proc/$1/status"
+}

@@ -37,17 +37,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-wait_http() { # URL -> waits until it answers (max 30 s)
-    for _ in $(seq 300); do
-        curl -s -o /dev/null "$1" && return 0
-        sleep 0.1
-    done
-    echo "no answer from $1" >&2
-    return 1
-}
 
 # ---- upstream: docker-registry with an access log (one line per request)
 REG_PORT=$(free_port)

@@ -48,24 +48,9 @@ need=(python3 curl jq htpasswd)
 for c in "${need[@]}"; do
     command -v "$c" >/dev/null || { echo "SKIP: $c not installed"; exit 0; }
 done
-export NO_PROXY="127.0.0.1,localhost" no_proxy="127.0.0.1,localhost"
-unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY ALL_PROXY all_proxy || true
+loopback_only
 
 log() { printf '[registry-memory %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
-}
-wait_http() { # URL: until it answers at all (401 counts)
-    local _
-    for _ in $(seq 150); do
-        curl -s -o /dev/null --noproxy '*' "$1" && return 0
-        sleep 0.2
-    done
-    return 1
-}
-mem_of() { # PID -> "rss_kib hwm_kib"
-    awk '/^VmRSS:/ { r = $2 } /^VmHWM:/ { h = $2 } END { print r + 0, h + 0 }' "/proc/$1/status"
-}
 mib() { awk -v k="$1" 'BEGIN { printf "%.1f", k / 1024 }'; }
 
 mkdir -p "$WORK"
