@@ -58,6 +58,18 @@ enum Command {
     Store(cmd::store::Args),
     /// Serve containerd's Snapshots API (a proxy snapshotter plugin) on a unix socket.
     Snapshotter(cmd::snapshotter::Args),
+    /// Run the node daemon: the chunk store, every lazy mount, the containerd
+    /// snapshotter, a control socket for `ferry mount`/`ferry status`, and metrics.
+    Daemon(cmd::daemon::Args),
+    /// Show what the node daemon serves: per mounted layer, bytes fetched of the total,
+    /// cache hits, fetch errors, and whether prefetch and background fill are done.
+    Status(cmd::status::Args),
+    /// Put an image into containerd with its layers prepared through ferry (lazily when
+    /// indexed or eStargz, else a parallel download-and-unpack); like `ctr-remote image rpull`.
+    Pull(cmd::pull::Args),
+    /// Record which files a workload reads at startup, and publish the trace so every
+    /// node prefetches exactly that.
+    Trace(cmd::trace::Args),
     /// Measurements driven by the scripts under bench/.
     Bench(cmd::bench::Args),
 }
@@ -78,6 +90,10 @@ fn main() -> ExitCode {
         Command::Umount(a) => cmd::mount::run_umount(a),
         Command::Store(a) => cmd::store::run(a),
         Command::Snapshotter(a) => cmd::snapshotter::run(a),
+        Command::Daemon(a) => cmd::daemon::run(a),
+        Command::Status(a) => cmd::status::run(a),
+        Command::Pull(a) => cmd::pull::run(a),
+        Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(a) => cmd::bench::run(a),
     };
     match result {

@@ -83,6 +83,7 @@ impl FerryFs {
         if node.kind != NodeKind::File {
             return Err(Errno::EISDIR);
         }
+        self.image.note_read(ino, offset, size);
         if offset >= node.size || size == 0 {
             return Ok(Vec::new());
         }

@@ -24,6 +24,7 @@ pub mod fuse;
 pub mod image;
 pub mod stats;
 pub mod tree;
+pub mod warm;
 
 pub use device::{FetchConfig, LayerSource};
 pub use error::{Error, Result};
@@ -33,3 +34,4 @@ pub use fuse::{
 pub use image::{ImageSource, LayerSpec, MountedImage, View};
 pub use stats::{MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
+pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};

@@ -4,14 +4,18 @@ pub mod bench;
 pub mod cat;
 pub mod convert;
 pub mod copy;
+pub mod daemon;
 pub mod demo;
 pub mod index;
 pub mod inspect;
 pub mod mount;
 pub mod pack;
+pub mod pull;
 pub mod registry;
 pub mod snapshotter;
+pub mod status;
 pub mod store;
+pub mod trace;
 
 use std::path::PathBuf;
 

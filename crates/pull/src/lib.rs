@@ -1,0 +1,3 @@
+//! # ferry-pull: `ferry pull` against containerd
+//!
+//! (Being written.)
