@@ -327,6 +327,8 @@ pub struct MountedImage {
     pub stats: Arc<MountStats>,
     /// Digest of the image manifest.
     pub manifest_digest: String,
+    /// The image's published startup trace, when one was found (prefetched first).
+    pub trace: Option<crate::warm::Trace>,
 }
 
 impl MountedImage {
@@ -372,6 +374,7 @@ impl MountedImage {
             tree,
             stats,
             manifest_digest: source.manifest_digest,
+            trace: None,
         })
     }
 }

@@ -1,7 +1,7 @@
 //! Per-mount counters: what `ferry status` will show for a mount (bytes fetched out of
 //! the total, cache hits, fetch errors). Lock-free so the read path never waits on them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// Live counters of one mount, shared by its layers' sources.
 #[derive(Debug, Default)]
@@ -24,10 +24,18 @@ pub struct MountStats {
     pub shared_waits: AtomicU64,
     /// Uncompressed bytes served to readers.
     pub bytes_served: AtomicU64,
+    /// Compressed bytes fetched by prefetch (trace or eStargz landmarks).
+    pub bytes_prefetched: AtomicU64,
+    /// Compressed bytes fetched by background fill.
+    pub bytes_filled: AtomicU64,
+    /// Prefetch has finished (or there was nothing to prefetch).
+    pub prefetch_done: AtomicBool,
+    /// Background fill has finished: every byte of the mount's layers is local.
+    pub fill_done: AtomicBool,
 }
 
 /// A copy of [`MountStats`] at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct StatsSnapshot {
     /// See [`MountStats::bytes_total`].
     pub bytes_total: u64,
@@ -47,6 +55,14 @@ pub struct StatsSnapshot {
     pub shared_waits: u64,
     /// See [`MountStats::bytes_served`].
     pub bytes_served: u64,
+    /// See [`MountStats::bytes_prefetched`].
+    pub bytes_prefetched: u64,
+    /// See [`MountStats::bytes_filled`].
+    pub bytes_filled: u64,
+    /// See [`MountStats::prefetch_done`].
+    pub prefetch_done: bool,
+    /// See [`MountStats::fill_done`].
+    pub fill_done: bool,
 }
 
 impl MountStats {
@@ -63,6 +79,10 @@ impl MountStats {
             verify_failures: l(&self.verify_failures),
             shared_waits: l(&self.shared_waits),
             bytes_served: l(&self.bytes_served),
+            bytes_prefetched: l(&self.bytes_prefetched),
+            bytes_filled: l(&self.bytes_filled),
+            prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
+            fill_done: self.fill_done.load(Ordering::Relaxed),
         }
     }
 
