@@ -88,6 +88,17 @@ impl Htpasswd {
     pub fn is_empty(&self) -> bool {
         self.users.is_empty()
     }
+
+    /// The highest bcrypt cost among the users' hashes (parse checked each one), so an
+    /// unknown user's dummy check costs as much as the slowest real one.
+    pub fn max_cost(&self) -> Option<u32> {
+        self.users.values().filter_map(|h| bcrypt_cost(h)).max()
+    }
+}
+
+/// The cost field of a hash `check_bcrypt_hash` accepted (`$2y$NN$…`).
+fn bcrypt_cost(hash: &str) -> Option<u32> {
+    hash.get(4..6)?.parse().ok()
 }
 
 /// User names that can appear in htpasswd and rules.

@@ -322,8 +322,10 @@ impl Authenticator {
         let matched = match users.hash_of(user) {
             Some(hash) => run_blocking(|| bcrypt::verify(password, hash).unwrap_or(false)),
             None => {
-                // Same work for unknown users, so timing does not reveal who exists.
-                run_blocking(|| bcrypt::verify(password, dummy_hash()).unwrap_or(false));
+                // Same work for unknown users (at the file's highest cost), so timing
+                // does not reveal who exists.
+                let dummy = dummy_hash(users.max_cost().unwrap_or(htpasswd::DEFAULT_BCRYPT_COST));
+                run_blocking(|| bcrypt::verify(password, &dummy).unwrap_or(false));
                 false
             }
         };
@@ -479,14 +481,22 @@ fn run_blocking<T>(work: impl FnOnce() -> T) -> T {
     }
 }
 
-/// A bcrypt hash nobody's password matches, verified for unknown users.
-fn dummy_hash() -> &'static str {
-    static DUMMY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    DUMMY.get_or_init(|| {
-        hash_password("ferry-no-such-user", htpasswd::DEFAULT_BCRYPT_COST).unwrap_or_else(|_| {
+/// A bcrypt hash of `cost` nobody's password matches, verified for unknown users. One
+/// per cost in use (at most 28), made once.
+fn dummy_hash(cost: u32) -> Arc<str> {
+    static DUMMIES: std::sync::Mutex<Vec<(u32, Arc<str>)>> = std::sync::Mutex::new(Vec::new());
+    let cost = cost.clamp(4, 31);
+    let mut dummies = DUMMIES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, h)) = dummies.iter().find(|(c, _)| *c == cost) {
+        return h.clone();
+    }
+    let hash: Arc<str> = hash_password("ferry-no-such-user", cost)
+        .unwrap_or_else(|_| {
             "$2y$10$invalidinvalidinvalidinvalidinvalidinvalidinvalidinvali".to_string()
         })
-    })
+        .into();
+    dummies.push((cost, hash.clone()));
+    hash
 }
 
 #[cfg(test)]

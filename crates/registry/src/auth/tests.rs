@@ -13,7 +13,7 @@ use http_body_util::BodyExt as _;
 use tower::ServiceExt as _;
 
 use super::config::parse_duration;
-use super::htpasswd::{Htpasswd, HtpasswdError, UserFile};
+use super::htpasswd::{Htpasswd, HtpasswdError, UserFile, htpasswd_line};
 use super::rules::{RepositoryGlob, Rules};
 use super::scope::{RequestedScope, ScopeError, parse_scope, parse_scopes, valid_repository_name};
 use super::token::{Grant, ResourceActions, TokenSigner, unix_now};
@@ -157,6 +157,19 @@ fn htpasswd_parses_good_lines() {
     // $2a$/$2b$ variants are bcrypt too.
     let b = line("carol", "c").replacen("$2y$", "$2b$", 1);
     assert!(Htpasswd::parse(&b, Path::new("x")).is_ok());
+}
+
+#[test]
+fn htpasswd_max_cost_is_the_slowest_users() {
+    // Unknown users are checked against a dummy hash of this cost: timing must not
+    // tell them apart from the slowest real user.
+    let five = htpasswd_line("dave", "d", 5).unwrap();
+    let text = format!("{}\n{five}\n", line("alice", "a"));
+    assert_eq!(
+        Htpasswd::parse(&text, Path::new("x")).unwrap().max_cost(),
+        Some(5)
+    );
+    assert_eq!(Htpasswd::default().max_cost(), None);
 }
 
 fn line_error(text: &str) -> (usize, String) {
