@@ -179,17 +179,19 @@ pub fn layer_reader(
 }
 
 /// Stores `indexes` (layer descriptor, index) as one artifact referring to the image
-/// manifest `subject`, and records it in the layout's referrers. Returns the artifact
-/// manifest's descriptor. Deterministic: the same indexes give the same artifact bytes.
+/// manifest `subject`, and records it in the layout's referrers. Deterministic: the same
+/// indexes give the same artifact bytes.
 pub fn store_layout_artifact(
     layout: &OciLayout,
     subject: &Descriptor,
     indexes: &[(Descriptor, LayerIndex)],
-) -> Result<Descriptor> {
+) -> Result<StoredArtifact> {
     let empty = layout.write_blob(b"{}")?;
     let mut blobs = Vec::new();
+    let mut index_sizes = Vec::with_capacity(indexes.len());
     for (layer, index) in indexes {
         let bytes = index.encode()?;
+        index_sizes.push(bytes.len() as u64);
         let d = layout.write_blob(&bytes)?;
         blobs.push(descriptor(
             FERRY_LAYER_INDEX,
@@ -220,7 +222,19 @@ pub fn store_layout_artifact(
     let mut desc = descriptor(OCI_MANIFEST, digest, bytes.len() as u64, &[]);
     desc.set_artifact_type(Some(media_type(FERRY_INDEX_ARTIFACT)));
     layout.add_referrer(subject.digest(), &desc)?;
-    Ok(desc)
+    Ok(StoredArtifact {
+        descriptor: desc,
+        index_sizes,
+    })
+}
+
+/// What [`store_layout_artifact`] wrote.
+#[derive(Debug, Clone)]
+pub struct StoredArtifact {
+    /// The artifact manifest's descriptor (as listed in the layout's referrers).
+    pub descriptor: Descriptor,
+    /// The encoded size of each index, in the order given.
+    pub index_sizes: Vec<u64>,
 }
 
 /// Parses a `sha256:` digest string into oci-spec's type.

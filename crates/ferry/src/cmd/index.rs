@@ -102,12 +102,18 @@ pub fn run(args: Args) -> Result<()> {
         "layer", "size", "uncompressed", "spans", "index", "ratio"
     );
     let (mut total_layer, mut total_index, mut total_spans) = (0u64, 0u64, 0usize);
+    // Encoded index sizes, in the order of `indexed` (the indexed subset of `done`).
+    let mut index_sizes = artifact
+        .as_ref()
+        .map(|a| a.index_sizes.clone())
+        .unwrap_or_default()
+        .into_iter();
     for d in &done {
         let size = d.layer.size();
         total_layer += size;
         match &d.index {
             Some(i) => {
-                let bytes = i.encode()?.len() as u64;
+                let bytes = index_sizes.next().unwrap_or(0);
                 total_index += bytes;
                 total_spans += i.checkpoints.len();
                 println!(
@@ -143,7 +149,11 @@ pub fn run(args: Args) -> Result<()> {
         human(total_layer)
     );
     if let Some(a) = artifact {
-        println!("index artifact {} refers to {}", a.digest(), mdesc.digest());
+        println!(
+            "index artifact {} refers to {}",
+            a.descriptor.digest(),
+            mdesc.digest()
+        );
     }
     Ok(())
 }
