@@ -14,15 +14,22 @@
 //! bytes that only the format reader sees) get the same single-flight, timeout and
 //! accounting per requested range, but nothing is stored: the format reader verifies.
 //!
+//! Warm-up ([`crate::warm`]) goes through the same paths: [`LayerSource::warm_range`]
+//! makes a range local ahead of the reads (spans into the store; for eStargz, bytes held
+//! in memory up to a bound), and [`LayerSource::fill`] fetches what is still missing
+//! (spans not in the store; an eStargz blob whole into the store, verified against the
+//! layer digest, after which reads are served from it).
+//!
 //! Failure is bounded: every fetch runs against a deadline of [`FetchConfig::timeout`]
 //! (waiting for a concurrency slot included) and fails with `TimedOut` after it; a
 //! backend that never answers holds one slot, never a reader.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::LayerIndex;
@@ -31,6 +38,10 @@ use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
 use crate::stats::MountStats;
+
+/// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
+/// so service resumes promptly when the registry is back.
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(2);
 
 /// The knobs users tune per image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,31 +69,52 @@ impl Default for FetchConfig {
 /// thread finishes, so a hung backend keeps its slot and cannot pile up threads.
 #[derive(Debug)]
 pub struct Limiter {
+    slots: usize,
     free: Mutex<usize>,
     cv: Condvar,
+    /// Callers blocked waiting for a slot right now (background fill backs off while
+    /// anyone waits).
+    waiting: AtomicUsize,
 }
 
 impl Limiter {
     /// A limiter with `slots` slots (at least one).
     pub fn new(slots: usize) -> Arc<Limiter> {
         Arc::new(Limiter {
+            slots: slots.max(1),
             free: Mutex::new(slots.max(1)),
             cv: Condvar::new(),
+            waiting: AtomicUsize::new(0),
         })
+    }
+
+    /// Slots in all.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Callers waiting for a slot right now.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
     }
 
     fn acquire(self: &Arc<Self>, deadline: Instant) -> io::Result<Slot> {
         let mut free = lock(&self.free);
-        while *free == 0 {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(timed_out("waiting for a fetch slot"));
+        if *free == 0 {
+            self.waiting.fetch_add(1, Ordering::Relaxed);
+            while *free == 0 {
+                let now = Instant::now();
+                if now >= deadline {
+                    self.waiting.fetch_sub(1, Ordering::Relaxed);
+                    return Err(timed_out("waiting for a fetch slot"));
+                }
+                free = self
+                    .cv
+                    .wait_timeout(free, deadline - now)
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0);
             }
-            free = self
-                .cv
-                .wait_timeout(free, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
         }
         *free -= 1;
         Ok(Slot(self.clone()))
@@ -158,16 +190,61 @@ enum FlightKey {
     Range(u64, u64),
 }
 
+/// Most bytes a passthrough source holds in memory from warm-up (eStargz prefetch).
+pub const MAX_HELD_BYTES: u64 = 256 << 20;
+
+/// The whole blob of a passthrough layer, once it is in the chunk store.
+#[derive(Debug)]
+struct WholeBlob {
+    key: ChunkKey,
+    local: OnceLock<ChunkSource>,
+}
+
+/// Ranges fetched by warm-up for a passthrough layer, by start offset.
+#[derive(Debug, Default)]
+struct Held {
+    ranges: BTreeMap<u64, Arc<Vec<u8>>>,
+    bytes: u64,
+}
+
+impl Held {
+    /// The bytes of `range` when one held range contains it.
+    fn get(&self, range: &Range<u64>) -> Option<Vec<u8>> {
+        let (start, data) = self.ranges.range(..=range.start).next_back()?;
+        let end = start + data.len() as u64;
+        (range.end <= end)
+            .then(|| data[(range.start - start) as usize..(range.end - start) as usize].to_vec())
+    }
+}
+
+/// One piece of background fill work for a layer (see [`LayerSource::fill_work`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FillWork {
+    /// Spans `k..l` of an indexed layer: neighbours, one request.
+    Spans(Range<usize>),
+    /// The whole blob of a passthrough layer, into the store under the layer digest.
+    Whole,
+}
+
 /// The [`RangeSource`] one layer's reader uses: cache first, then one verified,
 /// deadline-bounded, shared fetch from the backend.
 pub struct LayerSource {
     backend: Arc<dyn RangeSource>,
+    /// Where a span that did not verify is fetched again (the registry itself when the
+    /// backend may be a pull mirror); `None`: a mismatch fails the read.
+    fallback: Option<Arc<dyn RangeSource>>,
+    /// Spans whose fetch just failed, and when: a read of one of them within
+    /// [`FAILURE_MEMORY`] fails at once instead of waiting out another timeout (the
+    /// kernel retries a failed readahead with a synchronous read right away).
+    recent_failures: Mutex<HashMap<usize, Instant>>,
     spans: Option<Spans>,
     store: Option<Arc<Store>>,
     limiter: Arc<Limiter>,
     config: FetchConfig,
     stats: Arc<MountStats>,
     flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
+    whole: Option<WholeBlob>,
+    held: Mutex<Held>,
 }
 
 impl std::fmt::Debug for LayerSource {
@@ -202,12 +279,16 @@ impl LayerSource {
         });
         LayerSource {
             backend,
+            fallback: None,
+            recent_failures: Mutex::new(HashMap::new()),
             spans,
             store,
             limiter,
             config,
             stats,
             flights: Mutex::new(HashMap::new()),
+            whole: None,
+            held: Mutex::new(Held::default()),
         }
     }
 
@@ -221,23 +302,273 @@ impl LayerSource {
     ) -> LayerSource {
         LayerSource {
             backend,
+            fallback: None,
+            recent_failures: Mutex::new(HashMap::new()),
             spans: None,
             store: None,
             limiter,
             config,
             stats,
             flights: Mutex::new(HashMap::new()),
+            whole: None,
+            held: Mutex::new(Held::default()),
         }
+    }
+
+    /// Lets a passthrough source keep its whole blob in `store` under `layer_digest`
+    /// (verified against it by the store): served from there when already stored, and
+    /// stored by [`LayerSource::fill`]. Ignored for indexed sources and bad digests.
+    /// Spans that do not verify are fetched once more from `fallback` (e.g. the
+    /// registry itself, when `backend` may be a pull mirror) before the read fails.
+    pub fn with_fallback(mut self, fallback: Arc<dyn RangeSource>) -> LayerSource {
+        self.fallback = Some(fallback);
+        self
+    }
+
+    pub fn with_whole_blob(mut self, store: Arc<Store>, layer_digest: &str) -> LayerSource {
+        if self.spans.is_some() {
+            return self;
+        }
+        let Ok(key) = ChunkKey::parse(layer_digest) else {
+            return self;
+        };
+        let whole = WholeBlob {
+            key,
+            local: OnceLock::new(),
+        };
+        match store.open_chunk(&whole.key) {
+            Ok(Some(chunk)) if chunk.len() == self.backend.len() => {
+                let _ = whole.local.set(ChunkSource(chunk));
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "chunk store lookup of a whole layer failed"),
+        }
+        self.whole = Some(whole);
+        self.store = Some(store);
+        self
+    }
+
+    /// The limiter this source's fetches take slots from.
+    pub fn limiter(&self) -> &Arc<Limiter> {
+        &self.limiter
+    }
+
+    /// True when every byte of the layer can be read without the backend.
+    pub fn is_local(&self) -> bool {
+        match (&self.spans, &self.whole) {
+            (Some(spans), _) => match &self.store {
+                Some(store) => spans
+                    .digests
+                    .iter()
+                    .all(|d| store.contains(&ChunkKey::from_raw(*d))),
+                None => false,
+            },
+            (None, Some(w)) => w.local.get().is_some(),
+            (None, None) => false,
+        }
+    }
+
+    /// Makes `range` of the blob local ahead of the reads that will want it: for an
+    /// indexed layer the spans covering it go into the store (shared with concurrent
+    /// readers); for a passthrough layer the range is fetched and held in memory, up to
+    /// [`MAX_HELD_BYTES`] (beyond that it is skipped). Returns the compressed bytes
+    /// fetched from the backend.
+    pub fn warm_range(&self, range: Range<u64>) -> io::Result<u64> {
+        if range.start >= range.end || range.end > self.backend.len() {
+            return Ok(0);
+        }
+        if let Some(spans) = &self.spans {
+            let first = spans.ranges.partition_point(|r| r.end <= range.start);
+            let last = spans.ranges.partition_point(|r| r.start < range.end);
+            if first >= last {
+                return Ok(0);
+            }
+            // In pieces of at most `max_request_bytes`, so that warming a large file
+            // never holds more than one request's bytes.
+            let mut fetched = 0;
+            let mut k = first;
+            while k < last {
+                let mut l = k + 1;
+                while l < last
+                    && spans.ranges[l].end - spans.ranges[k].start <= self.config.max_request_bytes
+                {
+                    l += 1;
+                }
+                self.spans_bytes(spans, k..l, &mut fetched)?;
+                k = l;
+            }
+            return Ok(fetched);
+        }
+        if self.whole.as_ref().is_some_and(|w| w.local.get().is_some()) {
+            return Ok(0);
+        }
+        {
+            let held = lock(&self.held);
+            if held.get(&range).is_some() {
+                return Ok(0);
+            }
+            if held.bytes + (range.end - range.start) > MAX_HELD_BYTES {
+                tracing::info!(
+                    start = range.start,
+                    end = range.end,
+                    "warm-up memory bound reached; range left for on-demand reads"
+                );
+                return Ok(0);
+            }
+        }
+        let data = Arc::new(self.read_shared(range.clone())?);
+        let n = data.len() as u64;
+        let mut held = lock(&self.held);
+        if held.bytes + n <= MAX_HELD_BYTES {
+            held.bytes += n;
+            if let Some(old) = held.ranges.insert(range.start, data) {
+                held.bytes -= old.len() as u64;
+            }
+        }
+        Ok(n)
+    }
+
+    /// What background fill still has to fetch for this layer: runs of neighbouring
+    /// spans missing from the store (each at most [`FetchConfig::max_request_bytes`]),
+    /// or the whole blob of a passthrough layer that may be kept in the store. Empty
+    /// when everything is local or nothing can be kept (no store).
+    pub fn fill_work(&self) -> Vec<FillWork> {
+        let Some(store) = &self.store else {
+            return Vec::new();
+        };
+        let Some(spans) = &self.spans else {
+            return match &self.whole {
+                Some(w) if w.local.get().is_none() => vec![FillWork::Whole],
+                _ => Vec::new(),
+            };
+        };
+        let mut out = Vec::new();
+        let mut run: Option<Range<usize>> = None;
+        for k in 0..spans.ranges.len() {
+            if store.contains(&ChunkKey::from_raw(spans.digests[k])) {
+                if let Some(r) = run.take() {
+                    out.push(FillWork::Spans(r));
+                }
+                continue;
+            }
+            run = match run.take() {
+                Some(r)
+                    if spans.ranges[k].end - spans.ranges[r.start].start
+                        <= self.config.max_request_bytes =>
+                {
+                    Some(r.start..k + 1)
+                }
+                Some(r) => {
+                    out.push(FillWork::Spans(r));
+                    Some(k..k + 1)
+                }
+                None => Some(k..k + 1),
+            };
+        }
+        if let Some(r) = run {
+            out.push(FillWork::Spans(r));
+        }
+        out
+    }
+
+    /// Compressed bytes `work` covers.
+    pub fn work_bytes(&self, work: &FillWork) -> u64 {
+        match (work, &self.spans) {
+            (FillWork::Spans(ks), Some(spans))
+                if ks.start < ks.end && ks.end <= spans.ranges.len() =>
+            {
+                spans.ranges[ks.end - 1].end - spans.ranges[ks.start].start
+            }
+            (FillWork::Whole, None) => self.backend.len(),
+            _ => 0,
+        }
+    }
+
+    /// Does one piece of fill work: fetches what is still missing (spans stored since
+    /// the plan was made are skipped; a span another reader is fetching is waited for,
+    /// not fetched twice) and keeps it in the store. `gate` is asked before every backend
+    /// request with its size and may block (throttling) or refuse (stop): a refusal ends
+    /// the work with `Interrupted`. Returns the compressed bytes fetched.
+    pub fn fill(&self, work: &FillWork, gate: &dyn Fn(u64) -> bool) -> io::Result<u64> {
+        match (work, &self.spans) {
+            (FillWork::Spans(ks), Some(spans)) => {
+                if ks.start >= ks.end || ks.end > spans.ranges.len() {
+                    return Ok(0);
+                }
+                let store = self.store.as_ref();
+                let missing = |k: &usize| {
+                    !store.is_some_and(|s| s.contains(&ChunkKey::from_raw(spans.digests[*k])))
+                };
+                let (Some(lo), Some(hi)) =
+                    (ks.clone().find(missing), ks.clone().rev().find(missing))
+                else {
+                    return Ok(0);
+                };
+                if !gate(spans.ranges[hi].end - spans.ranges[lo].start) {
+                    return Err(interrupted());
+                }
+                let mut fetched = 0;
+                self.spans_bytes(spans, lo..hi + 1, &mut fetched)?;
+                Ok(fetched)
+            }
+            (FillWork::Whole, None) => self.fill_whole(gate),
+            _ => Ok(0),
+        }
+    }
+
+    /// Streams the whole blob into the store in requests of `max_request_bytes`; the
+    /// store checks it against the layer digest before keeping it.
+    fn fill_whole(&self, gate: &dyn Fn(u64) -> bool) -> io::Result<u64> {
+        let (Some(whole), Some(store)) = (&self.whole, &self.store) else {
+            return Ok(0);
+        };
+        if whole.local.get().is_some() {
+            return Ok(0);
+        }
+        let mut reader = RangeReader {
+            source: self,
+            pos: 0,
+            buf: Vec::new(),
+            at: 0,
+            gate,
+            fetched: 0,
+            stopped: false,
+        };
+        let outcome = store.put_reader(&whole.key, &mut reader);
+        let fetched = reader.fetched;
+        match outcome {
+            Ok(_) => {}
+            Err(_) if reader.stopped => return Err(interrupted()),
+            Err(e) => return Err(io::Error::other(format!("whole layer not stored: {e}"))),
+        }
+        match store.open_chunk(&whole.key) {
+            Ok(Some(chunk)) if chunk.len() == self.backend.len() => {
+                let _ = whole.local.set(ChunkSource(chunk));
+                *lock(&self.held) = Held::default();
+            }
+            Ok(_) => return Err(io::Error::other("whole layer missing from the store")),
+            Err(e) => return Err(io::Error::other(e.to_string())),
+        }
+        Ok(fetched)
     }
 
     /// Reads `range` of the backend once, against `deadline`, in a thread of its own so
     /// that a backend that never answers cannot hold the caller.
     fn fetch(&self, range: Range<u64>, deadline: Instant) -> io::Result<Vec<u8>> {
+        self.fetch_from(&self.backend, range, deadline)
+    }
+
+    fn fetch_from(
+        &self,
+        backend: &Arc<dyn RangeSource>,
+        range: Range<u64>,
+        deadline: Instant,
+    ) -> io::Result<Vec<u8>> {
         let slot = self.limiter.acquire(deadline).inspect_err(|_| {
             MountStats::add(&self.stats.fetch_errors, 1);
         })?;
         let (tx, rx) = mpsc::sync_channel(1);
-        let backend = self.backend.clone();
+        let backend = backend.clone();
         let want = range.clone();
         std::thread::Builder::new()
             .name("ferry-fetch".into())
@@ -308,7 +639,12 @@ impl LayerSource {
     }
 
     /// The verified bytes of spans `ks`.
-    fn spans_bytes(&self, spans: &Spans, ks: Range<usize>) -> io::Result<Vec<Arc<Vec<u8>>>> {
+    fn spans_bytes(
+        &self,
+        spans: &Spans,
+        ks: Range<usize>,
+        fetched_bytes: &mut u64,
+    ) -> io::Result<Vec<Arc<Vec<u8>>>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut out: Vec<Option<Arc<Vec<u8>>>> = vec![None; ks.len()];
         let mut led: Vec<(usize, Arc<Flight>)> = Vec::new();
@@ -351,17 +687,23 @@ impl LayerSource {
             let end = spans.ranges[run[run.len() - 1].0].end;
             let fetched = if first_err.is_some() {
                 Err(io::Error::other("an earlier fetch of this read failed"))
+            } else if let Some(e) = self.failed_recently(run.iter().map(|(k, _)| *k)) {
+                Err(e)
             } else {
                 self.fetch(start..end, deadline)
+                    .inspect_err(|_| self.remember_failure(run.iter().map(|(k, _)| *k)))
             };
             match fetched {
                 Ok(data) => {
+                    *fetched_bytes += data.len() as u64;
                     for (k, f) in run {
                         let r = &spans.ranges[*k];
                         let piece = data
                             .get((r.start - start) as usize..(r.end - start) as usize)
                             .unwrap_or_default();
-                        let outcome = self.verify_and_store(spans, *k, piece);
+                        let outcome = self
+                            .verify_and_store(spans, *k, piece)
+                            .or_else(|e| self.refetch_from_fallback(spans, *k, deadline, e));
                         if let Ok(b) = &outcome {
                             out[*k - ks.start] = Some(b.clone());
                         }
@@ -398,6 +740,56 @@ impl LayerSource {
             .collect()
     }
 
+    /// Span `k` did not verify (`err`): fetch it once more from the fallback source, if
+    /// there is one, and verify that.
+    fn refetch_from_fallback(
+        &self,
+        spans: &Spans,
+        k: usize,
+        deadline: Instant,
+        err: io::Error,
+    ) -> io::Result<Arc<Vec<u8>>> {
+        let Some(fallback) = &self.fallback else {
+            return Err(err);
+        };
+        if err.kind() != io::ErrorKind::InvalidData {
+            return Err(err);
+        }
+        tracing::warn!(span = k, error = %err, "span did not verify; fetching it again from the registry");
+        let piece = self.fetch_from(fallback, spans.ranges[k].clone(), deadline)?;
+        self.verify_and_store(spans, k, &piece)
+    }
+
+    /// An error when one of `ks` failed to fetch within the last [`FAILURE_MEMORY`].
+    fn failed_recently(&self, ks: impl Iterator<Item = usize>) -> Option<io::Error> {
+        let failures = lock(&self.recent_failures);
+        if failures.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        for k in ks {
+            if let Some(at) = failures.get(&k)
+                && now.saturating_duration_since(*at) < FAILURE_MEMORY
+            {
+                MountStats::add(&self.stats.fetch_errors, 1);
+                return Some(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("span {k} failed to fetch moments ago; not waiting again yet"),
+                ));
+            }
+        }
+        None
+    }
+
+    fn remember_failure(&self, ks: impl Iterator<Item = usize>) {
+        let mut failures = lock(&self.recent_failures);
+        let now = Instant::now();
+        failures.retain(|_, at| now.saturating_duration_since(*at) < FAILURE_MEMORY);
+        for k in ks {
+            failures.insert(k, now);
+        }
+    }
+
     fn verify_and_store(&self, spans: &Spans, k: usize, piece: &[u8]) -> io::Result<Arc<Vec<u8>>> {
         let actual: [u8; 32] = Sha256::digest(piece).into();
         if actual != spans.digests[k] || piece.len() as u64 != span_len(&spans.ranges[k]) {
@@ -431,7 +823,7 @@ impl LayerSource {
                 "range outside the layer's spans",
             ));
         }
-        let bytes = self.spans_bytes(spans, first..last)?;
+        let bytes = self.spans_bytes(spans, first..last, &mut 0)?;
         let mut out = vec![0u8; len];
         let mut covered = range.start;
         for (k, b) in (first..last).zip(bytes) {
@@ -460,6 +852,13 @@ impl LayerSource {
     }
 
     fn read_shared(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
+        if let Some(local) = self.whole.as_ref().and_then(|w| w.local.get()) {
+            return local.read_range(range);
+        }
+        if let Some(bytes) = lock(&self.held).get(&range) {
+            MountStats::add(&self.stats.cache_hits, 1);
+            return Ok(bytes);
+        }
         let deadline = Instant::now() + self.config.timeout;
         let key = FlightKey::Range(range.start, range.end);
         match self.claim(key.clone()) {
@@ -477,6 +876,49 @@ impl LayerSource {
                 f.wait(deadline).map(|b| b.as_ref().clone())
             }
         }
+    }
+}
+
+fn interrupted() -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, "stopped")
+}
+
+/// The blob as a `Read`, fetched in pieces of `max_request_bytes`, each piece asked of
+/// `gate` first.
+struct RangeReader<'a> {
+    source: &'a LayerSource,
+    pos: u64,
+    buf: Vec<u8>,
+    at: usize,
+    gate: &'a dyn Fn(u64) -> bool,
+    fetched: u64,
+    /// The gate refused: the error returned is a stop, not a failure.
+    stopped: bool,
+}
+
+impl io::Read for RangeReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.at == self.buf.len() {
+            let len = self.source.backend.len();
+            if self.pos >= len {
+                return Ok(0);
+            }
+            let end = (self.pos + self.source.config.max_request_bytes.max(1)).min(len);
+            if !(self.gate)(end - self.pos) {
+                self.stopped = true;
+                // Not `Interrupted`: readers retry on that.
+                return Err(io::Error::other("warm-up stopped"));
+            }
+            let deadline = Instant::now() + self.source.config.timeout;
+            self.buf = self.source.fetch(self.pos..end, deadline)?;
+            self.fetched += self.buf.len() as u64;
+            self.at = 0;
+            self.pos = end;
+        }
+        let n = out.len().min(self.buf.len() - self.at);
+        out[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
     }
 }
 

@@ -315,6 +315,69 @@ fn corrupt_bytes_fail_the_read_and_are_never_stored() {
 }
 
 #[test]
+fn a_span_that_does_not_verify_is_fetched_again_from_the_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let (blob, index, files) = gzip_layer();
+    let mirror = TestBackend::new(blob.clone());
+    mirror.corrupt.store(true, Ordering::SeqCst);
+    let origin = TestBackend::new(blob);
+    let stats = Arc::new(MountStats::default());
+    let config = FetchConfig::default();
+    let source = LayerSource::indexed(
+        mirror.clone(),
+        &index,
+        Some(store.clone()),
+        Limiter::new(config.concurrency),
+        config,
+        stats.clone(),
+    )
+    .with_fallback(origin.clone());
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), Arc::new(source));
+    let entry = reader.entries().iter().position(|e| e.path == "a").unwrap();
+    let mut buf = vec![0u8; 1000];
+    let n = reader.read_at(entry, 0, &mut buf).unwrap();
+    assert_eq!(&buf[..n], &files[0].1[..1000]);
+    let s = stats.snapshot();
+    assert!(
+        s.verify_failures >= 1,
+        "the mirror's bytes were checked and refused"
+    );
+    assert!(
+        origin.calls.load(Ordering::SeqCst) >= 1,
+        "the origin was asked"
+    );
+    assert!(
+        store.stats().entries > 0,
+        "the origin's verified bytes are stored"
+    );
+}
+
+#[test]
+fn a_span_whose_fetch_just_failed_fails_fast_then_recovers() {
+    let config = FetchConfig {
+        timeout: Duration::from_millis(100),
+        ..FetchConfig::default()
+    };
+    let rig = Rig::new(None, config);
+    rig.backend.hang.store(true, Ordering::SeqCst);
+    let err = rig.read("dir/c", 100_000, 10).unwrap_err();
+    assert!(err.to_string().contains("timed out"), "{err}");
+    let calls = rig.backend.calls.load(Ordering::SeqCst);
+    // The kernel's immediate retry of the same read: no second wait, no second request.
+    let err = rig.read("dir/c", 100_000, 10).unwrap_err();
+    assert!(err.to_string().contains("moments ago"), "{err}");
+    assert_eq!(rig.backend.calls.load(Ordering::SeqCst), calls);
+    rig.backend.hang.store(false, Ordering::SeqCst);
+    rig.backend.release_hung();
+    std::thread::sleep(FAILURE_MEMORY);
+    assert_eq!(
+        rig.read("dir/c", 100_000, 10).unwrap(),
+        &rig.content("dir/c")[100_000..100_010]
+    );
+}
+
+#[test]
 fn a_backend_that_never_answers_times_out_and_cached_data_is_still_served() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(dir.path());
@@ -343,12 +406,13 @@ fn a_backend_that_never_answers_times_out_and_cached_data_is_still_served() {
     rig.backend.release_hung();
     let mut tries = 0;
     let got = loop {
-        // The released fetch frees its slot asynchronously; retry until it has.
+        // The released fetch frees its slot asynchronously, and the failed span is
+        // remembered for FAILURE_MEMORY; retry until both have passed.
         match rig.read("dir/c", 100_000, 10) {
             Ok(b) => break b,
             Err(_) if tries < 1000 => {
                 tries += 1;
-                std::thread::yield_now();
+                std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => panic!("{e}"),
         }
@@ -373,4 +437,73 @@ fn passthrough_sources_share_and_bound_fetches() {
     backend.release_hung();
     let s = stats.snapshot();
     assert_eq!((s.requests, s.bytes_fetched, s.fetch_errors), (2, 10, 1));
+}
+
+#[test]
+fn fill_work_skips_stored_spans_and_fill_makes_the_layer_local() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let config = FetchConfig {
+        max_request_bytes: 128 << 10,
+        ..FetchConfig::default()
+    };
+    let (blob, index, files) = gzip_layer();
+    let spans = index.span_digests.len();
+    let backend = TestBackend::new(blob);
+    let stats = Arc::new(MountStats::default());
+    let source = LayerSource::indexed(
+        backend.clone(),
+        &index,
+        Some(store.clone()),
+        Limiter::new(2),
+        config,
+        stats,
+    );
+    let total = |work: &[FillWork]| -> usize {
+        work.iter()
+            .map(|w| match w {
+                FillWork::Spans(r) => r.len(),
+                FillWork::Whole => 0,
+            })
+            .sum()
+    };
+    let all = source.fill_work();
+    assert_eq!(total(&all), spans);
+    for w in &all {
+        assert!(
+            source.work_bytes(w) <= 128 << 10 || matches!(w, FillWork::Spans(r) if r.len() == 1)
+        );
+    }
+    // Warm the first span: it drops out of the plan.
+    let first = index.span_range(0).unwrap();
+    assert_eq!(
+        source.warm_range(first.clone()).unwrap(),
+        first.end - first.start
+    );
+    let rest = source.fill_work();
+    assert_eq!(total(&rest), spans - 1);
+    // A refusing gate stops before any request.
+    let calls = backend.calls.load(Ordering::SeqCst);
+    let err = source.fill(&rest[0], &|_| false).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::Interrupted);
+    assert_eq!(backend.calls.load(Ordering::SeqCst), calls);
+    assert!(!source.is_local());
+    for w in &rest {
+        source.fill(w, &|_| true).unwrap();
+    }
+    assert!(source.is_local());
+    assert!(source.fill_work().is_empty());
+    let calls = backend.calls.load(Ordering::SeqCst);
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), Arc::new(source));
+    for (path, data) in &files {
+        let idx = reader
+            .entries()
+            .iter()
+            .position(|e| &e.path == path)
+            .unwrap();
+        let mut buf = vec![0u8; data.len()];
+        reader.read_at(idx, 0, &mut buf).unwrap();
+        assert_eq!(&buf, data);
+    }
+    assert_eq!(backend.calls.load(Ordering::SeqCst), calls);
 }

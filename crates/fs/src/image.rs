@@ -8,12 +8,15 @@
 //! annotation → lazy reads of the members the TOC names; neither → the whole blob,
 //! fetched once (in parallel Range requests from a registry), verified against the
 //! layer digest, kept in the chunk store and served from there.
+//!
+//! The image's startup trace ([`crate::trace`]) is found beside the index artifact, the
+//! same way, by [`find_trace`].
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use blob_body::collect_body;
+pub(crate) use blob_body::collect_body;
 use ferry_index::estargz::EstargzLayer;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_index::merged::MergedImage;
@@ -29,6 +32,7 @@ use ferry_store::{ChunkKey, Store};
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};
 use crate::stats::MountStats;
+use crate::trace::Recorder;
 use crate::tree::InodeTree;
 
 /// Most bytes of a manifest or index document accepted.
@@ -44,6 +48,9 @@ pub struct LayerSpec {
     pub source: Arc<dyn RangeSource>,
     /// Set for registry layers: how to download the whole blob in parallel.
     remote: Option<RemoteBlob>,
+    /// Where spans that do not verify are fetched again: the registry itself, when
+    /// `source` may be served by a pull mirror.
+    fallback: Option<Arc<dyn RangeSource>>,
 }
 
 impl std::fmt::Debug for LayerSpec {
@@ -68,6 +75,7 @@ impl LayerSpec {
             index,
             source,
             remote: None,
+            fallback: None,
         }
     }
 }
@@ -112,6 +120,7 @@ impl ImageSource {
                 index: indexes.get(layer.digest().as_ref()).cloned(),
                 source: Arc::new(file),
                 remote: None,
+                fallback: None,
             });
         }
         Ok(ImageSource {
@@ -130,23 +139,9 @@ impl ImageSource {
         reference: &str,
         runtime: &RangeRuntime,
     ) -> Result<ImageSource> {
-        let rt = runtime.handle();
-        let mut doc = rt.block_on(client.get_manifest(repo, reference, &[]))?;
-        if is_index(&doc.bytes) {
-            let index: ImageIndex = serde_json::from_slice(&doc.bytes)
-                .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
-            let pick = pick_platform(&index).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "image index {} has no manifest for linux/{}",
-                    doc.digest,
-                    oci_arch()
-                ))
-            })?;
-            doc = rt.block_on(client.get_manifest(repo, &pick, &[]))?;
-        }
-        let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
-            .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
-        let indexes = registry_indexes(client, repo, &doc.digest, runtime)?;
+        let (mdesc, manifest) = registry_manifest(client, repo, reference, runtime)?;
+        let digest = mdesc.digest().to_string();
+        let indexes = registry_indexes(client, repo, &digest, runtime)?;
         let mut layers = Vec::new();
         for layer in manifest.layers() {
             let digest = layer.digest().to_string();
@@ -157,10 +152,14 @@ impl ImageSource {
                 layer.size(),
                 runtime,
             )?;
+            let fallback = source
+                .origin_fallback()
+                .map(|f| Arc::new(f) as Arc<dyn RangeSource>);
             layers.push(LayerSpec {
                 descriptor: layer.clone(),
                 index: indexes.get(&digest).cloned(),
                 source: Arc::new(source),
+                fallback,
                 remote: Some(RemoteBlob {
                     client: client.clone(),
                     repo: repo.clone(),
@@ -169,7 +168,7 @@ impl ImageSource {
             });
         }
         Ok(ImageSource {
-            manifest_digest: doc.digest,
+            manifest_digest: digest,
             layers,
         })
     }
@@ -194,6 +193,71 @@ impl ImageSource {
                 )
             }
         }
+    }
+}
+
+/// The image manifest `reference` names in a registry (for an image index, the entry
+/// for this machine's platform) and its descriptor. Call from a thread that is not
+/// inside a tokio runtime.
+pub fn registry_manifest(
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+    runtime: &RangeRuntime,
+) -> Result<(Descriptor, ImageManifest)> {
+    let rt = runtime.handle();
+    let mut doc = rt.block_on(client.get_manifest(repo, reference, &[]))?;
+    if is_index(&doc.bytes) {
+        let index: ImageIndex = serde_json::from_slice(&doc.bytes)
+            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
+        let pick = pick_platform(&index).ok_or_else(|| {
+            Error::Invalid(format!(
+                "image index {} has no manifest for linux/{}",
+                doc.digest,
+                oci_arch()
+            ))
+        })?;
+        doc = rt.block_on(client.get_manifest(repo, &pick, &[]))?;
+    }
+    let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
+        .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
+    let digest = ferry_oci::layout::digest(&doc.digest)?;
+    let media = if doc.media_type.is_empty() {
+        ferry_oci::media::OCI_MANIFEST
+    } else {
+        doc.media_type.as_str()
+    };
+    let desc = ferry_oci::layout::descriptor(media, digest, doc.bytes.len() as u64, &[]);
+    Ok((desc, manifest))
+}
+
+/// The startup trace published for the image manifest `manifest_digest` of `image`
+/// (`oci:DIR[:TAG]` or a registry reference), found like its ferry index (layout
+/// referrers tag; registry referrers API or tag fallback). `None` when there is none.
+pub fn find_trace(
+    image: &str,
+    manifest_digest: &str,
+    client: &Client,
+    runtime: &RangeRuntime,
+) -> Result<Option<crate::warm::Trace>> {
+    match ImageRef::parse(image)? {
+        ImageRef::Layout { dir, .. } => {
+            let layout = OciLayout::open(&dir)?;
+            let digest = ferry_oci::layout::digest(manifest_digest)?;
+            let subject =
+                ferry_oci::layout::descriptor(ferry_oci::media::OCI_MANIFEST, digest, 0, &[]);
+            crate::trace::find_layout_trace(&layout, &subject)
+        }
+        ImageRef::Registry {
+            registry,
+            repository,
+            ..
+        } => crate::trace::find_registry_trace(
+            client,
+            &Repo::new(registry, repository),
+            manifest_digest,
+            runtime,
+        ),
     }
 }
 
@@ -329,6 +393,13 @@ pub struct MountedImage {
     pub manifest_digest: String,
     /// The image's published startup trace, when one was found (prefetched first).
     pub trace: Option<crate::warm::Trace>,
+    /// The layer a single-layer mount shows (`None`: merged).
+    pub view_layer: Option<usize>,
+    /// Per layer, its device-level source when it has one (indexed and eStargz
+    /// layers), for warm-up.
+    pub(crate) sources: Vec<Option<Arc<LayerSource>>>,
+    /// Records reads while a trace is being recorded.
+    pub(crate) recorder: Recorder,
 }
 
 impl MountedImage {
@@ -343,6 +414,7 @@ impl MountedImage {
         let stats = Arc::new(MountStats::default());
         let limiter = Limiter::new(config.concurrency);
         let mut readers = Vec::new();
+        let mut sources = Vec::new();
         let mut chosen = None;
         for (i, layer) in source.layers.into_iter().enumerate() {
             if let View::Layer(d) = view
@@ -351,13 +423,10 @@ impl MountedImage {
                 chosen = Some(i);
             }
             MountStats::add(&stats.bytes_total, layer.descriptor.size());
-            readers.push(layer_reader(
-                layer,
-                store.clone(),
-                limiter.clone(),
-                config,
-                stats.clone(),
-            )?);
+            let (reader, source) =
+                layer_reader(layer, store.clone(), limiter.clone(), config, stats.clone())?;
+            readers.push(reader);
+            sources.push(source);
         }
         let image = MergedImage::new(readers);
         let tree = match view {
@@ -375,18 +444,59 @@ impl MountedImage {
             stats,
             manifest_digest: source.manifest_digest,
             trace: None,
+            view_layer: chosen.filter(|_| matches!(view, View::Layer(_))),
+            sources,
+            recorder: Recorder::default(),
         })
+    }
+
+    /// Opens `image` (`oci:DIR[:TAG]` or a registry reference) with
+    /// [`ImageSource::open`], wires it with [`MountedImage::new`] and fills
+    /// [`MountedImage::trace`] with its published startup trace ([`find_trace`]); a
+    /// trace that cannot be read is logged and skipped (it only makes startup faster).
+    /// Call from a thread that is not inside a tokio runtime.
+    pub fn open(
+        image: &str,
+        client: &Client,
+        runtime: &RangeRuntime,
+        store: Option<Arc<Store>>,
+        config: FetchConfig,
+        view: &View,
+    ) -> Result<MountedImage> {
+        let source = ImageSource::open(image, client, runtime)?;
+        let mut mounted = MountedImage::new(source, store, config, view)?;
+        match find_trace(image, &mounted.manifest_digest, client, runtime) {
+            Ok(trace) => mounted.trace = trace,
+            Err(e) => tracing::warn!(image, error = %e, "startup trace not usable; ignored"),
+        }
+        Ok(mounted)
+    }
+
+    /// Starts recording reads into a startup trace (discarding an earlier recording).
+    pub fn start_recording(&self) {
+        self.recorder.start();
+    }
+
+    /// Stops recording and returns the reads recorded, in first-touch order.
+    pub fn take_trace(&self) -> crate::warm::Trace {
+        self.recorder.take()
+    }
+
+    /// The device-level source of layer `layer`, when it has one.
+    pub fn layer_source(&self, layer: usize) -> Option<&Arc<LayerSource>> {
+        self.sources.get(layer)?.as_ref()
     }
 }
 
-/// The reader of one layer, wired through the device and cache layers.
+/// The reader of one layer, wired through the device and cache layers, and its
+/// device-level source when it has one.
 fn layer_reader(
     layer: LayerSpec,
     store: Option<Arc<Store>>,
     limiter: Arc<Limiter>,
     config: FetchConfig,
     stats: Arc<MountStats>,
-) -> Result<LayerReader> {
+) -> Result<(LayerReader, Option<Arc<LayerSource>>)> {
     let digest = layer.descriptor.digest().to_string();
     if let Some(index) = layer.index {
         if index.compressed_size != layer.descriptor.size() {
@@ -395,11 +505,13 @@ fn layer_reader(
                 index.compressed_size
             )));
         }
-        let source = LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
-        return Ok(LayerReader::new(
-            LayerFormat::Indexed(index),
-            Arc::new(source),
-        ));
+        let mut source = LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
+        if let Some(fallback) = layer.fallback {
+            source = source.with_fallback(fallback);
+        }
+        let source = Arc::new(source);
+        let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone());
+        return Ok((reader, Some(source)));
     }
     let toc = layer
         .descriptor
@@ -408,17 +520,14 @@ fn layer_reader(
         .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
         .cloned();
     if let Some(toc) = toc {
-        let source: Arc<dyn RangeSource> = Arc::new(LayerSource::passthrough(
-            layer.source,
-            limiter,
-            config,
-            stats,
-        ));
+        let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
+        if let Some(store) = store {
+            source = source.with_whole_blob(store, &digest);
+        }
+        let source = Arc::new(source);
         let esgz = EstargzLayer::open(source.as_ref(), Some(&toc))?;
-        return Ok(LayerReader::new(
-            LayerFormat::Estargz(Arc::new(esgz)),
-            source,
-        ));
+        let reader = LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source.clone());
+        return Ok((reader, Some(source)));
     }
     let media = layer.descriptor.media_type().to_string();
     let compression = layer_compression(&media).ok_or_else(|| {
@@ -427,7 +536,7 @@ fn layer_reader(
         ))
     })?;
     let whole = whole_blob(&layer, store.as_deref(), &stats)?;
-    Ok(LayerReader::whole(whole, compression)?)
+    Ok((LayerReader::whole(whole, compression)?, None))
 }
 
 /// The whole blob of an unindexed layer: from the chunk store when there, else fetched

@@ -23,15 +23,16 @@ pub mod error;
 pub mod fuse;
 pub mod image;
 pub mod stats;
+pub mod trace;
 pub mod tree;
 pub mod warm;
 
-pub use device::{FetchConfig, LayerSource};
+pub use device::{FetchConfig, FillWork, LayerSource};
 pub use error::{Error, Result};
 pub use fuse::{
     FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount,
 };
-pub use image::{ImageSource, LayerSpec, MountedImage, View};
+pub use image::{ImageSource, LayerSpec, MountedImage, View, find_trace, registry_manifest};
 pub use stats::{MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
 pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};

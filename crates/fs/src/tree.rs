@@ -284,6 +284,28 @@ impl InodeTree {
             .try_fold(ROOT_INO, |ino, c| self.lookup(ino, c))
     }
 
+    /// The absolute path of inode `ino` (`/` for the root). A hard-linked file is named
+    /// by the first link found walking up from its parent; `None` for an unknown inode.
+    /// Cost: one scan of each ancestor's children, so callers that ask often should
+    /// cache (the trace recorder asks once per file).
+    pub fn path_of(&self, ino: Ino) -> Option<String> {
+        let mut names: Vec<&str> = Vec::new();
+        let mut cur = ino;
+        // A well-formed tree is at most `len` deep; the bound guards a cycle.
+        for _ in 0..=self.nodes.len() {
+            if cur == ROOT_INO {
+                names.reverse();
+                return Some(format!("/{}", names.join("/")));
+            }
+            let node = self.get(cur)?;
+            let parent = self.get(node.parent)?;
+            let (name, _) = parent.children.iter().find(|(_, c)| *c == cur)?;
+            names.push(name);
+            cur = node.parent;
+        }
+        None
+    }
+
     /// Directory listing from `offset`: `.` and `..` are offsets 0 and 1, child `i` is
     /// offset `i + 2`. Each item carries the offset of the item after it, the cookie the
     /// kernel hands back to continue.

@@ -124,12 +124,15 @@ impl Selector {
     fn matches(&self, fields: &Fields<'_>) -> bool {
         let value = match &self.field {
             Field::Name => Some(fields.name),
-            Field::Parent => Some(fields.parent).filter(|p| !p.is_empty()),
+            // A base layer's parent is "": containerd looks remote snapshots up with
+            // `...,parent==""` for base layers, so equality compares the empty string,
+            // while presence (`parent`) means "has a parent".
+            Field::Parent => Some(fields.parent),
             Field::Kind => Some(fields.kind),
             Field::Label(key) => fields.labels.get(key).map(String::as_str),
         };
         match (&self.op, value) {
-            (Op::Present, v) => v.is_some(),
+            (Op::Present, v) => v.is_some_and(|v| self.field != Field::Parent || !v.is_empty()),
             (Op::Equal(want), Some(v)) => {
                 if self.field == Field::Kind {
                     v.eq_ignore_ascii_case(want)
@@ -368,6 +371,23 @@ mod tests {
         assert!(check(" name == sha256:abc , labels.team==infra"));
         assert!(!check("name==sha256:abc,labels.team==other"));
         assert!(check(r#"labels."a\"b"!=1"#));
+    }
+
+    #[test]
+    fn an_empty_parent_matches_parent_equals_empty() {
+        // What containerd's metadata layer asks after a remote Prepare of a base layer.
+        let l = labels();
+        let base = Fields {
+            parent: "",
+            ..fields(&l)
+        };
+        let m = |f: &str| FilterSet::parse(&[f.to_owned()]).unwrap().matches(&base);
+        assert!(m(r#"labels.team==infra,parent=="""#));
+        assert!(!m("parent==sha256:parent"));
+        assert!(!m("parent"), "a base layer has no parent");
+        assert!(m("parent!=sha256:parent"));
+        assert!(check("parent"));
+        assert!(!check(r#"parent=="""#));
     }
 
     #[test]

@@ -439,6 +439,8 @@ struct Inner {
 #[derive(Debug, Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+    /// Skip pull mirrors: ask the registry itself (see [`Client::origin_only`]).
+    origin_only: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -483,7 +485,22 @@ impl Client {
                 schemes: Mutex::new(HashMap::new()),
                 secrets: tokio::sync::Mutex::new(HashMap::new()),
             }),
+            origin_only: false,
         })
+    }
+
+    /// A clone that never uses pull mirrors, for refetching from the registry itself
+    /// what a mirror served wrong (a digest mismatch). Shares the pool and tokens.
+    pub fn origin_only(&self) -> Client {
+        Client {
+            inner: self.inner.clone(),
+            origin_only: true,
+        }
+    }
+
+    /// True when reads from `registry` may be served by a pull mirror.
+    pub fn has_mirrors(&self, registry: &str) -> bool {
+        !self.origin_only && !self.registry_config(registry).mirrors.is_empty()
     }
 
     /// The configuration this client was built with.
@@ -674,7 +691,8 @@ impl Client {
     /// Runs a call against mirrors (reads) then the registry.
     async fn execute(&self, repo: &Repo, call: &Call) -> Result<reqwest::Response, ClientError> {
         check_repo(repo)?;
-        let use_mirrors = call.use_mirrors && matches!(call.target, Target::Path(_));
+        let use_mirrors =
+            call.use_mirrors && !self.origin_only && matches!(call.target, Target::Path(_));
         let endpoints = self.endpoints(&repo.registry, use_mirrors);
         for ep in &endpoints {
             match self.execute_on(ep, repo, call).await {

@@ -159,6 +159,18 @@ impl HttpRangeSource {
         &self.digest
     }
 
+    /// The same blob read from the registry itself, never from a pull mirror: where a
+    /// reader refetches a range whose bytes did not verify. `None` when this registry
+    /// has no mirrors (a refetch would go to the same place).
+    pub fn origin_fallback(&self) -> Option<HttpRangeSource> {
+        self.client
+            .has_mirrors(&self.repo.registry)
+            .then(|| HttpRangeSource {
+                client: self.client.origin_only(),
+                ..self.clone()
+            })
+    }
+
     async fn fetch(
         client: Client,
         repo: Repo,

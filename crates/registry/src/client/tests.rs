@@ -673,6 +673,42 @@ async fn failing_mirrors_fall_back_to_the_registry() {
 }
 
 #[tokio::test]
+async fn origin_only_skips_a_mirror_that_serves_wrong_bytes() {
+    let fake = start_fake().await;
+    let bad = start_fake().await;
+    let d = fake.add_blob(b"the real bytes");
+    // The mirror answers for the same digest with other bytes (a poisoned cache).
+    bad.blobs
+        .lock()
+        .unwrap()
+        .insert(d.clone(), Bytes::from_static(b"corrupt bytes!"));
+    bad.link("team/app", &d);
+    let host = fake.host();
+    let (c, r) = client_for(&fake, |cfg| {
+        cfg.registry.insert(
+            host.clone(),
+            RegistryConfig {
+                mirrors: vec![format!("http://{}", bad.host())],
+                ..RegistryConfig::default()
+            },
+        );
+    });
+    assert!(c.has_mirrors(&host));
+    let got = collect(c.blob_stream(&r, &d, Some(0..14)).await.unwrap()).await;
+    assert_eq!(got, b"corrupt bytes!");
+    let origin = c.origin_only();
+    assert!(!origin.has_mirrors(&host));
+    let mirror_gets = bad.requests("GET", "/blobs/");
+    let got = collect(origin.blob_stream(&r, &d, Some(0..14)).await.unwrap()).await;
+    assert_eq!(got, b"the real bytes");
+    assert_eq!(
+        bad.requests("GET", "/blobs/"),
+        mirror_gets,
+        "the mirror was asked again"
+    );
+}
+
+#[tokio::test]
 async fn server_ignoring_range_still_gives_the_range() {
     let fake = start_fake().await;
     fake.ignore_range.store(true, Ordering::SeqCst);

@@ -1,0 +1,408 @@
+//! Startup traces: recording which file bytes a workload reads, the JSON they are kept
+//! in, and their home as an OCI artifact referring to the image (in a registry through
+//! the referrers API or its tag fallback, in an OCI layout through the layout's
+//! referrers tag), found the same way as ferry's index artifact.
+//!
+//! It must not fetch file data (prefetching a trace is [`crate::warm`]) and must stay
+//! cheap on the read path: [`Recorder::note`] is one atomic load when not recording.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use ferry_oci::layout::{OciLayout, canonical_json, descriptor, media_type};
+use ferry_oci::media::{OCI_EMPTY, OCI_MANIFEST};
+use ferry_oci::{Descriptor, ImageManifest};
+use ferry_registry::client::{Client, RangeRuntime, Repo};
+
+use crate::error::{Error, Result};
+use crate::tree::{Ino, InodeTree};
+use crate::warm::{TRACE_MEDIA_TYPE, Trace, TraceRead};
+
+/// Media type of the trace JSON blob (the artifact's one layer).
+pub const TRACE_BLOB_MEDIA_TYPE: &str = "application/vnd.ferry.trace.v1+json";
+/// Version written into, and the only one accepted from, trace JSON.
+pub const TRACE_VERSION: u32 = 1;
+/// Most bytes of trace JSON accepted.
+pub const MAX_TRACE_BYTES: u64 = 32 << 20;
+/// Most reads in one trace (recording stops adding beyond it).
+pub const MAX_TRACE_READS: usize = 200_000;
+/// Longest path accepted in a trace.
+pub const MAX_TRACE_PATH: usize = 4096;
+/// Annotation on a trace artifact: when it was recorded (seconds since the epoch); the
+/// newest of several traces of one image wins.
+pub const ANNOTATION_TRACE_CREATED: &str = "dev.ferry.trace.created";
+
+/// Trace JSON as written: `{"version":1,"reads":[{"path","offset","len"}…]}`. A missing
+/// version is read as 1 (what `Trace`'s own serde derive writes).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Wire {
+    #[serde(default = "first_version")]
+    version: u32,
+    reads: Vec<TraceRead>,
+}
+
+fn first_version() -> u32 {
+    TRACE_VERSION
+}
+
+#[derive(serde::Serialize)]
+struct WireRef<'a> {
+    version: u32,
+    reads: &'a [TraceRead],
+}
+
+impl Trace {
+    /// Parses and checks trace JSON: at most [`MAX_TRACE_BYTES`] bytes and
+    /// [`MAX_TRACE_READS`] reads, version [`TRACE_VERSION`], absolute paths of at most
+    /// [`MAX_TRACE_PATH`] bytes without NUL, non-empty reads that do not overflow.
+    pub fn from_json(bytes: &[u8]) -> Result<Trace> {
+        let bad = |m: String| Error::Invalid(format!("startup trace: {m}"));
+        if bytes.len() as u64 > MAX_TRACE_BYTES {
+            return Err(bad(format!(
+                "{} bytes, more than the {MAX_TRACE_BYTES} accepted",
+                bytes.len()
+            )));
+        }
+        let wire: Wire = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        if wire.version != TRACE_VERSION {
+            return Err(bad(format!(
+                "version {} (this ferry reads version {TRACE_VERSION})",
+                wire.version
+            )));
+        }
+        if wire.reads.len() > MAX_TRACE_READS {
+            return Err(bad(format!(
+                "{} reads, more than the {MAX_TRACE_READS} accepted",
+                wire.reads.len()
+            )));
+        }
+        for (i, r) in wire.reads.iter().enumerate() {
+            if !r.path.starts_with('/') || r.path.len() > MAX_TRACE_PATH || r.path.contains('\0') {
+                return Err(bad(format!(
+                    "read #{i}: path must be absolute, without NUL, at most {MAX_TRACE_PATH} bytes"
+                )));
+            }
+            if r.len == 0 || r.offset.checked_add(r.len).is_none() {
+                return Err(bad(format!(
+                    "read #{i} of {}: empty or past the largest offset",
+                    r.path
+                )));
+            }
+        }
+        Ok(Trace { reads: wire.reads })
+    }
+
+    /// The trace as JSON (see [`Trace::from_json`]).
+    pub fn to_json(&self) -> Result<Vec<u8>> {
+        serde_json::to_vec(&WireRef {
+            version: TRACE_VERSION,
+            reads: &self.reads,
+        })
+        .map_err(|e| Error::Invalid(format!("encoding a startup trace: {e}")))
+    }
+
+    /// Distinct files the trace reads.
+    pub fn files(&self) -> usize {
+        let mut paths: Vec<&str> = self.reads.iter().map(|r| r.path.as_str()).collect();
+        paths.sort_unstable();
+        paths.dedup();
+        paths.len()
+    }
+
+    /// Bytes the trace reads (sum of read lengths).
+    pub fn bytes(&self) -> u64 {
+        self.reads.iter().map(|r| r.len).sum()
+    }
+}
+
+/// Per-file state of a recording.
+#[derive(Debug)]
+struct FileRecord {
+    path: String,
+    /// Indices into `reads` of this file's recorded reads.
+    reads: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Recording {
+    reads: Vec<TraceRead>,
+    files: HashMap<Ino, FileRecord>,
+    /// Reads dropped because the trace was full.
+    dropped: u64,
+}
+
+/// Records reads in first-touch order while switched on; a no-op otherwise.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    on: AtomicBool,
+    state: Mutex<Recording>,
+}
+
+impl Recorder {
+    /// Starts (or restarts, discarding what was recorded) recording.
+    pub fn start(&self) {
+        *lock(&self.state) = Recording::default();
+        self.on.store(true, Ordering::Release);
+    }
+
+    /// True while recording.
+    pub fn is_recording(&self) -> bool {
+        self.on.load(Ordering::Acquire)
+    }
+
+    /// Stops recording and returns what was recorded.
+    pub fn take(&self) -> Trace {
+        self.on.store(false, Ordering::Release);
+        let rec = std::mem::take(&mut *lock(&self.state));
+        if rec.dropped > 0 {
+            tracing::warn!(
+                dropped = rec.dropped,
+                "startup trace full: later reads were not recorded"
+            );
+        }
+        Trace { reads: rec.reads }
+    }
+
+    /// Notes a read of `len` bytes at `offset` of file `ino` of `tree`. A read that
+    /// touches or overlaps a recorded read of the same file widens that read in place
+    /// (so a re-read records nothing); others are appended in first-touch order.
+    pub fn note(&self, tree: &InodeTree, ino: Ino, offset: u64, len: u64) {
+        if !self.on.load(Ordering::Acquire) || len == 0 {
+            return;
+        }
+        let Some(node) = tree.get(ino) else { return };
+        // Clamp to the file: the kernel reads past the end of files.
+        let end = offset.saturating_add(len).min(node.size);
+        if offset >= end {
+            return;
+        }
+        let mut guard = lock(&self.state);
+        let rec = &mut *guard;
+        let file = match rec.files.entry(ino) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let Some(path) = tree.path_of(ino) else {
+                    return;
+                };
+                e.insert(FileRecord {
+                    path,
+                    reads: Vec::new(),
+                })
+            }
+        };
+        // A read touching or overlapping one already recorded for the file widens it
+        // (the latest such first: sequential reads extend the newest piece).
+        for &i in file.reads.iter().rev() {
+            let r = &mut rec.reads[i];
+            let r_end = r.offset + r.len;
+            if offset <= r_end && r.offset <= end {
+                let lo = r.offset.min(offset);
+                r.len = r_end.max(end) - lo;
+                r.offset = lo;
+                return;
+            }
+        }
+        if rec.reads.len() >= MAX_TRACE_READS {
+            rec.dropped += 1;
+            return;
+        }
+        file.reads.push(rec.reads.len());
+        rec.reads.push(TraceRead {
+            path: file.path.clone(),
+            offset,
+            len: end - offset,
+        });
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// The artifact manifest of `trace` (whose JSON is `blob`) referring to `subject`.
+fn artifact_manifest(
+    subject: &Descriptor,
+    blob: &[u8],
+    empty_digest: ferry_oci::Digest,
+) -> Result<Vec<u8>> {
+    let blob_digest = ferry_oci::sha256_digest(blob);
+    let subject_desc = descriptor(
+        subject.media_type().as_ref(),
+        subject.digest().clone(),
+        subject.size(),
+        &[],
+    );
+    let doc = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": TRACE_MEDIA_TYPE,
+        "config": descriptor(OCI_EMPTY, empty_digest, 2, &[]),
+        "layers": [descriptor(TRACE_BLOB_MEDIA_TYPE, blob_digest, blob.len() as u64, &[])],
+        "subject": subject_desc,
+        "annotations": { ANNOTATION_TRACE_CREATED: now_secs().to_string() },
+    });
+    Ok(canonical_json(&doc)?)
+}
+
+/// The trace blob's descriptor in an artifact manifest referring to `subject`, if the
+/// manifest is a trace artifact for it.
+fn trace_blob_of(bytes: &[u8], subject: &str) -> Option<(Descriptor, u64)> {
+    let artifact: ImageManifest = serde_json::from_slice(bytes).ok()?;
+    if artifact
+        .subject()
+        .as_ref()
+        .map(|s| s.digest().to_string())
+        .as_deref()
+        != Some(subject)
+    {
+        return None;
+    }
+    let created = artifact
+        .annotations()
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_TRACE_CREATED))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    artifact
+        .layers()
+        .iter()
+        .find(|l| l.media_type().to_string() == TRACE_BLOB_MEDIA_TYPE)
+        .map(|l| (l.clone(), created))
+}
+
+/// Stores `trace` in `layout` as an artifact referring to image manifest `subject`
+/// (replacing an earlier trace of it). Returns the artifact manifest's descriptor.
+pub fn store_layout_trace(
+    layout: &OciLayout,
+    subject: &Descriptor,
+    trace: &Trace,
+) -> Result<Descriptor> {
+    let json = trace.to_json()?;
+    let empty = layout.write_blob(b"{}")?;
+    layout.write_blob(&json)?;
+    let manifest = artifact_manifest(subject, &json, empty)?;
+    let digest = layout.write_blob(&manifest)?;
+    let mut desc = descriptor(OCI_MANIFEST, digest, manifest.len() as u64, &[]);
+    desc.set_artifact_type(Some(media_type(TRACE_MEDIA_TYPE)));
+    layout.add_referrer(subject.digest(), &desc)?;
+    Ok(desc)
+}
+
+/// The trace referring to image manifest `subject` in `layout`, if any (the newest when
+/// several).
+pub fn find_layout_trace(layout: &OciLayout, subject: &Descriptor) -> Result<Option<Trace>> {
+    let subject_digest = subject.digest().to_string();
+    let mut best: Option<(Descriptor, u64)> = None;
+    for referrer in layout.referrers(subject.digest())? {
+        if referrer
+            .artifact_type()
+            .as_ref()
+            .map(|t| t.to_string())
+            .as_deref()
+            != Some(TRACE_MEDIA_TYPE)
+        {
+            continue;
+        }
+        let bytes = layout.read_document(&referrer)?;
+        if let Some((blob, created)) = trace_blob_of(&bytes, &subject_digest)
+            && best.as_ref().is_none_or(|(_, c)| created >= *c)
+        {
+            best = Some((blob, created));
+        }
+    }
+    let Some((blob, _)) = best else {
+        return Ok(None);
+    };
+    if blob.size() > MAX_TRACE_BYTES {
+        return Err(Error::Invalid(format!(
+            "startup trace blob {} is larger than {MAX_TRACE_BYTES} bytes",
+            blob.digest()
+        )));
+    }
+    let bytes = layout.read_blob(blob.digest(), MAX_TRACE_BYTES)?;
+    Trace::from_json(&bytes).map(Some)
+}
+
+/// Publishes `trace` to a registry as an artifact referring to image manifest `subject`
+/// (referrers API, with the tag fallback when the registry does not index subjects).
+/// Returns the artifact manifest's digest.
+pub async fn publish_registry_trace(
+    client: &Client,
+    repo: &Repo,
+    subject: &Descriptor,
+    trace: &Trace,
+) -> Result<String> {
+    let json = trace.to_json()?;
+    let empty: &[u8] = b"{}";
+    let empty_digest = ferry_oci::sha256_digest(empty);
+    for blob in [empty, &json[..]] {
+        let digest = ferry_oci::sha256_digest(blob).to_string();
+        let data = blob.to_vec();
+        let body = Box::pin(futures_util::stream::once(async move { Ok(data.into()) }));
+        client
+            .push_blob(repo, &digest, blob.len() as u64, body)
+            .await?;
+    }
+    let manifest = artifact_manifest(subject, &json, empty_digest)?;
+    let digest = ferry_oci::sha256_digest(&manifest);
+    let mut desc = descriptor(OCI_MANIFEST, digest.clone(), manifest.len() as u64, &[]);
+    desc.set_artifact_type(Some(media_type(TRACE_MEDIA_TYPE)));
+    client
+        .push_referrer(repo, subject.digest().as_ref(), &desc, manifest.into())
+        .await?;
+    Ok(digest.to_string())
+}
+
+/// The trace referring to image manifest `subject` in a registry, if any (the newest
+/// when several). Call from a thread that is not inside a tokio runtime.
+pub fn find_registry_trace(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+    runtime: &RangeRuntime,
+) -> Result<Option<Trace>> {
+    let rt = runtime.handle();
+    let referrers = rt.block_on(client.referrers(repo, subject, Some(TRACE_MEDIA_TYPE)))?;
+    let mut best: Option<(Descriptor, u64)> = None;
+    for referrer in referrers.manifests() {
+        let doc = rt.block_on(client.get_manifest(repo, referrer.digest().as_ref(), &[]))?;
+        if let Some((blob, created)) = trace_blob_of(&doc.bytes, subject)
+            && best.as_ref().is_none_or(|(_, c)| created >= *c)
+        {
+            best = Some((blob, created));
+        }
+    }
+    let Some((blob, _)) = best else {
+        return Ok(None);
+    };
+    if blob.size() > MAX_TRACE_BYTES {
+        return Err(Error::Invalid(format!(
+            "startup trace blob {} is larger than {MAX_TRACE_BYTES} bytes",
+            blob.digest()
+        )));
+    }
+    let digest = blob.digest().to_string();
+    let bytes = rt.block_on(async {
+        let stream = client.blob_stream(repo, &digest, None).await?;
+        crate::image::collect_body(stream, blob.size()).await
+    })?;
+    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
+        return Err(Error::Invalid(format!(
+            "startup trace blob {digest} does not match its digest"
+        )));
+    }
+    Trace::from_json(&bytes).map(Some)
+}
+
+#[cfg(test)]
+#[path = "trace_tests.rs"]
+mod tests;

@@ -1,0 +1,258 @@
+//! Tests of trace recording, the trace JSON and trace artifacts in an OCI layout and in
+//! an in-process ferry registry.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use ferry_index::merged::MergedImage;
+use ferry_index::reader::LayerReader;
+use ferry_oci::layout::{OciLayout, descriptor};
+use ferry_oci::media::OCI_MANIFEST;
+use ferry_registry::client::{Client, ClientConfig, RangeRuntime, Repo};
+
+use super::*;
+use crate::tree::InodeTree;
+
+fn read(path: &str, offset: u64, len: u64) -> TraceRead {
+    TraceRead {
+        path: path.into(),
+        offset,
+        len,
+    }
+}
+
+/// A merged tree over a whole (uncompressed tar) layer with `etc/a`, `usr/lib/b` and a
+/// hard link `bin/h` to `usr/lib/b`.
+fn tree() -> InodeTree {
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, size) in [("etc/a", 10_000usize), ("usr/lib/b", 50_000)] {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(size as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &vec![7u8; size][..]).unwrap();
+    }
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Link);
+    h.set_size(0);
+    h.set_cksum();
+    tar.append_link(&mut h, "bin/h", "usr/lib/b").unwrap();
+    let tar = tar.into_inner().unwrap();
+    let source = Arc::new(ferry_index::source::MemSource(tar));
+    let layer = LayerReader::whole(source, ferry_oci::media::LayerCompression::None).unwrap();
+    InodeTree::merged(&MergedImage::new(vec![layer]))
+}
+
+#[test]
+fn path_of_names_files_directories_and_the_root() {
+    let t = tree();
+    for p in ["/etc/a", "/usr/lib", "/etc", "/bin"] {
+        let ino = t.resolve(p).unwrap();
+        assert_eq!(t.path_of(ino).as_deref(), Some(p));
+    }
+    assert_eq!(t.path_of(crate::tree::ROOT_INO).as_deref(), Some("/"));
+    assert_eq!(t.path_of(9999), None);
+    // A hard link shares its target's inode; either name is the inode's path.
+    let b = t.resolve("/usr/lib/b").unwrap();
+    assert_eq!(t.resolve("/bin/h"), Some(b));
+    let name = t.path_of(b).unwrap();
+    assert!(name == "/bin/h" || name == "/usr/lib/b", "{name}");
+    assert_eq!(t.resolve(&name), Some(b));
+}
+
+#[test]
+fn recorder_coalesces_in_first_touch_order_and_ignores_rereads() {
+    let t = tree();
+    let a = t.resolve("/etc/a").unwrap();
+    let b = t.resolve("/usr/lib/b").unwrap();
+    let rec = Recorder::default();
+    rec.note(&t, a, 0, 4096); // not recording: ignored
+    rec.start();
+    assert!(rec.is_recording());
+    rec.note(&t, b, 0, 4096);
+    rec.note(&t, a, 0, 4096);
+    rec.note(&t, b, 4096, 4096); // continues b's last read
+    rec.note(&t, b, 1000, 100); // inside what was recorded: not again
+    rec.note(&t, a, 4096, 131_072); // continues a, clamped at a's 10 000 bytes
+    rec.note(&t, b, 40_000, 4096); // a new piece of b
+    rec.note(&t, b, 60_000, 4096); // past b's end: nothing
+    rec.note(&t, b, 36_000, 4000); // just before b's second piece: widens it backwards
+    rec.note(&t, crate::tree::ROOT_INO + 500, 0, 1); // unknown inode
+    let trace = rec.take();
+    assert!(!rec.is_recording());
+    let bp = t.path_of(b).unwrap();
+    assert_eq!(
+        trace.reads,
+        vec![
+            read(&bp, 0, 8192),
+            read("/etc/a", 0, 10_000),
+            read(&bp, 36_000, 8096),
+        ]
+    );
+    assert_eq!(trace.files(), 2);
+    assert_eq!(trace.bytes(), 8192 + 10_000 + 8096);
+    // Stopped: nothing more is recorded.
+    rec.note(&t, a, 0, 10);
+    assert!(rec.take().reads.is_empty());
+}
+
+#[test]
+fn json_round_trips_and_carries_a_version() {
+    let trace = Trace {
+        reads: vec![
+            read("/bin/sh", 0, 4096),
+            read("/lib/libc.so.6", 8192, 65_536),
+        ],
+    };
+    let json = trace.to_json().unwrap();
+    let value: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    assert_eq!(value["version"], 1);
+    assert_eq!(Trace::from_json(&json).unwrap(), trace);
+    // What the struct's own serde derive writes (no version) reads as version 1.
+    let plain = serde_json::to_vec(&trace).unwrap();
+    assert_eq!(Trace::from_json(&plain).unwrap(), trace);
+}
+
+#[test]
+fn bad_json_is_refused_with_a_reason() {
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (b"not json".to_vec(), "startup trace"),
+        (br#"{"version":2,"reads":[]}"#.to_vec(), "version 2"),
+        (
+            br#"{"version":1,"reads":[{"path":"rel","offset":0,"len":1}]}"#.to_vec(),
+            "absolute",
+        ),
+        (
+            br#"{"version":1,"reads":[{"path":"/a","offset":0,"len":0}]}"#.to_vec(),
+            "empty",
+        ),
+        (
+            br#"{"version":1,"reads":[{"path":"/a","offset":18446744073709551615,"len":2}]}"#
+                .to_vec(),
+            "past the largest offset",
+        ),
+        (
+            br#"{"version":1,"reads":[],"extra":1}"#.to_vec(),
+            "unknown field",
+        ),
+        (
+            format!(
+                r#"{{"version":1,"reads":[{{"path":"/{}","offset":0,"len":1}}]}}"#,
+                "x".repeat(MAX_TRACE_PATH)
+            )
+            .into_bytes(),
+            "at most",
+        ),
+    ];
+    for (input, want) in cases {
+        let err = Trace::from_json(&input).unwrap_err().to_string();
+        assert!(err.contains(want), "{err:?} should mention {want:?}");
+    }
+    let too_many = format!(
+        r#"{{"version":1,"reads":[{}]}}"#,
+        vec![r#"{"path":"/a","offset":0,"len":1}"#; MAX_TRACE_READS + 1].join(",")
+    );
+    let err = Trace::from_json(too_many.as_bytes())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("reads, more than"), "{err}");
+    let huge = vec![b' '; MAX_TRACE_BYTES as usize + 1];
+    assert!(Trace::from_json(&huge).is_err());
+}
+
+fn sample() -> Trace {
+    Trace {
+        reads: vec![read("/bin/sh", 0, 4096), read("/etc/passwd", 0, 100)],
+    }
+}
+
+#[test]
+fn layout_trace_is_stored_as_a_referrer_and_found_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = OciLayout::open_or_create(dir.path()).unwrap();
+    let doc = br#"{"schemaVersion":2}"#;
+    let digest = layout.write_blob(doc).unwrap();
+    let subject = descriptor(OCI_MANIFEST, digest, doc.len() as u64, &[]);
+    assert_eq!(find_layout_trace(&layout, &subject).unwrap(), None);
+    let desc = store_layout_trace(&layout, &subject, &sample()).unwrap();
+    assert_eq!(
+        desc.artifact_type().as_ref().unwrap().to_string(),
+        crate::warm::TRACE_MEDIA_TYPE
+    );
+    assert_eq!(
+        find_layout_trace(&layout, &subject).unwrap(),
+        Some(sample())
+    );
+    // A newer trace replaces the older one.
+    let newer = Trace {
+        reads: vec![read("/usr/bin/env", 0, 1)],
+    };
+    store_layout_trace(&layout, &subject, &newer).unwrap();
+    assert_eq!(find_layout_trace(&layout, &subject).unwrap(), Some(newer));
+    // Found through the image-level helper too (digest only).
+    let image = format!("oci:{}", dir.path().display());
+    let client = Client::new(ClientConfig::default()).unwrap();
+    let rt = RangeRuntime::new().unwrap();
+    let found = crate::image::find_trace(&image, subject.digest().as_ref(), &client, &rt).unwrap();
+    assert_eq!(found.unwrap().reads[0].path, "/usr/bin/env");
+}
+
+#[test]
+fn registry_trace_is_published_as_a_referrer_and_found_again() {
+    use ferry_registry::server::Config;
+    use ferry_registry::server::listener::Server;
+    let rt = RangeRuntime::new().unwrap();
+    let h = rt.handle();
+    let config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        storage: ferry_registry::storage::StorageConfig::Memory,
+        ..Config::default()
+    };
+    let server = h.block_on(Server::bind(&config)).unwrap();
+    let addr = server.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = h.spawn(server.run(async {
+        let _ = stop_rx.await;
+    }));
+    let client = Client::new(ClientConfig::default()).unwrap();
+    let repo = Repo::new(addr.to_string(), "lib/app");
+    // An image manifest to refer to (its blobs need not exist for this test).
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                   "digest": ferry_oci::sha256_digest(b"{}").to_string(), "size": 2},
+        "layers": [],
+    });
+    let bytes = serde_json::to_vec(&manifest).unwrap();
+    h.block_on(async {
+        let d = ferry_oci::sha256_digest(b"{}").to_string();
+        let body = Box::pin(futures_util::stream::once(async {
+            Ok(b"{}".to_vec().into())
+        }));
+        client.push_blob(&repo, &d, 2, body).await.unwrap();
+        client
+            .put_manifest(&repo, "v1", OCI_MANIFEST, bytes.clone().into())
+            .await
+            .unwrap();
+    });
+    let (subject, _) = crate::image::registry_manifest(&client, &repo, "v1", &rt).unwrap();
+    assert_eq!(subject.size(), bytes.len() as u64);
+    let digest = subject.digest().to_string();
+    assert_eq!(
+        find_registry_trace(&client, &repo, &digest, &rt).unwrap(),
+        None
+    );
+    h.block_on(publish_registry_trace(&client, &repo, &subject, &sample()))
+        .unwrap();
+    assert_eq!(
+        find_registry_trace(&client, &repo, &digest, &rt).unwrap(),
+        Some(sample())
+    );
+    let image = format!("{addr}/lib/app:v1");
+    let found = crate::image::find_trace(&image, &digest, &client, &rt).unwrap();
+    assert_eq!(found, Some(sample()));
+    let _ = stop_tx.send(());
+    let _ = h.block_on(task);
+}

@@ -1,0 +1,449 @@
+//! Tests of prefetch and background fill over in-memory backends that log every
+//! requested range: order (trace first, as recorded), completeness (after fill nothing
+//! reaches the backend), stopping on drop, and single-layer mounts touching only their
+//! layer.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::ops::Range;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use ferry_index::ferryidx::LayerIndex;
+use ferry_index::source::{MemSource, RangeSource};
+use ferry_oci::layout::descriptor;
+use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LAYER_TAR_GZIP};
+
+use super::*;
+use crate::device::FetchConfig;
+use crate::device::tests::{gzip_layer, noise, open_store};
+use crate::image::{ImageSource, LayerSpec, View};
+
+/// A backend that logs every range asked of it and can hold calls until opened.
+#[derive(Default)]
+struct LogBackend {
+    blob: Vec<u8>,
+    log: Mutex<Vec<Range<u64>>>,
+    gated: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl LogBackend {
+    fn new(blob: Vec<u8>) -> Arc<LogBackend> {
+        Arc::new(LogBackend {
+            blob,
+            ..Default::default()
+        })
+    }
+
+    fn gated(blob: Vec<u8>) -> Arc<LogBackend> {
+        let b = LogBackend::new(blob);
+        *b.gated.lock().unwrap() = true;
+        b
+    }
+
+    fn open(&self) {
+        *self.gated.lock().unwrap() = false;
+        self.cv.notify_all();
+    }
+
+    fn log(&self) -> Vec<Range<u64>> {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn calls(&self) -> usize {
+        self.log.lock().unwrap().len()
+    }
+}
+
+impl RangeSource for LogBackend {
+    fn len(&self) -> u64 {
+        self.blob.len() as u64
+    }
+
+    fn read_range(&self, range: Range<u64>) -> std::io::Result<Vec<u8>> {
+        self.log.lock().unwrap().push(range.clone());
+        let mut gated = self.gated.lock().unwrap();
+        while *gated {
+            gated = self.cv.wait(gated).unwrap();
+        }
+        drop(gated);
+        MemSource(self.blob.clone()).read_range(range)
+    }
+}
+
+/// A gzip layer of `files` (one gzip member per 64 KiB of tar) and its index.
+fn indexed_layer(files: &[(&str, Vec<u8>)]) -> (Vec<u8>, LayerIndex) {
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in files {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    let tar = tar.into_inner().unwrap();
+    let mut blob = Vec::new();
+    for piece in tar.chunks(64 << 10) {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(piece).unwrap();
+        blob.extend(gz.finish().unwrap());
+    }
+    let index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
+    (blob, index)
+}
+
+fn spec(blob: &[u8], index: Option<LayerIndex>, backend: Arc<LogBackend>) -> LayerSpec {
+    let d = descriptor(
+        LAYER_TAR_GZIP,
+        ferry_oci::sha256_digest(blob),
+        blob.len() as u64,
+        &[],
+    );
+    LayerSpec::new(d, index.map(Arc::new), backend)
+}
+
+fn mount(
+    layers: Vec<LayerSpec>,
+    store: Option<Arc<ferry_store::Store>>,
+    view: &View,
+    config: FetchConfig,
+) -> Arc<MountedImage> {
+    let source = ImageSource {
+        manifest_digest: "sha256:test".into(),
+        layers,
+    };
+    Arc::new(MountedImage::new(source, store, config, view).unwrap())
+}
+
+fn read_file(image: &MountedImage, path: &str) -> Vec<u8> {
+    let ino = image.tree.resolve(path).unwrap();
+    let loc = image.tree.get(ino).unwrap().data.unwrap();
+    let layer = &image.image.layers()[loc.layer];
+    let size = layer.entries()[loc.entry].size as usize;
+    let mut buf = vec![0u8; size];
+    let n = layer.read_at(loc.entry, 0, &mut buf).unwrap();
+    buf.truncate(n);
+    buf
+}
+
+fn tr(path: &str, offset: u64, len: u64) -> TraceRead {
+    TraceRead {
+        path: path.into(),
+        offset,
+        len,
+    }
+}
+
+fn prefetch_only(concurrency: usize) -> WarmConfig {
+    WarmConfig {
+        prefetch: true,
+        background_fill: false,
+        concurrency,
+        fill_bytes_per_sec: 0,
+    }
+}
+
+#[test]
+fn trace_reads_are_prefetched_first_and_in_order() {
+    let (blob, index, files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        Some(open_store(dir.path())),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    // dir/c lies after a in the blob: recorded order, not blob order, must win.
+    let trace = Trace {
+        reads: vec![
+            tr("/dir/c", 0, 100_000),
+            tr("/a", 0, 70_000),
+            tr("/missing", 0, 10),
+        ],
+    };
+    let layer = &image.image.layers()[0];
+    let entry = |p: &str| layer.entries().iter().position(|e| e.path == p).unwrap();
+    let mut want = layer.ranges_for(entry("dir/c"), 0, 100_000);
+    want.extend(layer.ranges_for(entry("a"), 0, 70_000));
+    assert!(want[0].start > want[want.len() - 1].start);
+    start(&image, &prefetch_only(1), Some(trace)).wait();
+    assert_eq!(
+        backend.log(),
+        want,
+        "trace ranges fetched in recorded order"
+    );
+    let snap = image.stats.snapshot();
+    assert!(snap.prefetch_done);
+    assert!(!snap.fill_done);
+    let fetched: u64 = want.iter().map(|r| r.end - r.start).sum();
+    assert_eq!(snap.bytes_prefetched, fetched);
+    // The prefetched bytes are served without the backend.
+    let calls = backend.calls();
+    let mut buf = vec![0u8; 100_000];
+    layer.read_at(entry("dir/c"), 0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &files[2].1[..100_000]);
+    assert_eq!(backend.calls(), calls);
+}
+
+#[test]
+fn background_fill_makes_every_span_local() {
+    let (blob, index, files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let config = FetchConfig {
+        max_request_bytes: 100 << 10, // several fill requests
+        ..FetchConfig::default()
+    };
+    let image = mount(
+        vec![spec(&blob, Some(index.clone()), backend.clone())],
+        Some(open_store(dir.path())),
+        &View::Merged,
+        config,
+    );
+    let trace = Trace {
+        reads: vec![tr("/b", 0, 5)],
+    };
+    let warm = WarmConfig {
+        concurrency: 2,
+        ..WarmConfig::default()
+    };
+    start(&image, &warm, Some(trace)).wait();
+    let snap = image.stats.snapshot();
+    assert!(snap.prefetch_done && snap.fill_done, "{snap:?}");
+    assert!(image.layer_source(0).unwrap().is_local());
+    let covered = index.span_range(0).unwrap().start
+        ..index.span_range(index.span_digests.len() - 1).unwrap().end;
+    assert_eq!(
+        snap.bytes_prefetched + snap.bytes_filled,
+        covered.end - covered.start,
+        "every span fetched exactly once"
+    );
+    assert!(backend.calls() > 2);
+    let calls = backend.calls();
+    for (path, data) in &files {
+        assert_eq!(&read_file(&image, path), data);
+    }
+    assert_eq!(
+        backend.calls(),
+        calls,
+        "reads after fill never reach the backend"
+    );
+    // A second fill finds nothing to do.
+    start(&image, &warm, None).wait();
+    assert_eq!(backend.calls(), calls);
+}
+
+#[test]
+fn fill_stops_when_the_handle_is_dropped() {
+    let (blob, index, _) = gzip_layer();
+    let backend = LogBackend::gated(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let config = FetchConfig {
+        max_request_bytes: 1, // one span per request: many requests
+        ..FetchConfig::default()
+    };
+    let image = mount(
+        vec![spec(&blob, Some(index.clone()), backend.clone())],
+        Some(open_store(dir.path())),
+        &View::Merged,
+        config,
+    );
+    let warm = WarmConfig {
+        concurrency: 1,
+        ..WarmConfig::default()
+    };
+    let handle = start(&image, &warm, None);
+    while backend.calls() == 0 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    drop(handle);
+    backend.open();
+    // The warm-up thread holds the image until it has ended.
+    while Arc::strong_count(&image) > 1 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(backend.calls(), 1, "no request started after the drop");
+    assert!(index.span_digests.len() > 2);
+    let snap = image.stats.snapshot();
+    assert!(snap.prefetch_done);
+    assert!(!snap.fill_done);
+}
+
+#[test]
+fn single_layer_mount_warms_only_its_layer() {
+    let (blob0, index0) = indexed_layer(&[("lower/x", noise(150 << 10, 7))]);
+    let (blob1, index1) = indexed_layer(&[("upper/y", noise(150 << 10, 8))]);
+    let b0 = LogBackend::new(blob0.clone());
+    let b1 = LogBackend::new(blob1.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let upper = ferry_oci::sha256_digest(&blob1).to_string();
+    let image = mount(
+        vec![
+            spec(&blob0, Some(index0), b0.clone()),
+            spec(&blob1, Some(index1), b1.clone()),
+        ],
+        Some(open_store(dir.path())),
+        &View::Layer(upper),
+        FetchConfig::default(),
+    );
+    assert_eq!(image.view_layer, Some(1));
+    let trace = Trace {
+        reads: vec![tr("/lower/x", 0, 1000), tr("/upper/y", 0, 1000)],
+    };
+    start(&image, &prefetch_only(2), Some(trace.clone())).wait();
+    assert_eq!(b0.calls(), 0, "the other layer's files are not prefetched");
+    assert_eq!(b1.calls(), 1);
+    let all = WarmConfig {
+        concurrency: 2,
+        ..WarmConfig::default()
+    };
+    start(&image, &all, Some(trace)).wait();
+    assert_eq!(b0.calls(), 0, "nor filled");
+    assert!(image.layer_source(1).unwrap().is_local());
+    assert!(!image.layer_source(0).unwrap().is_local());
+    assert!(image.stats.snapshot().fill_done);
+}
+
+/// An eStargz layer whose prioritized file is `hot` (before the prefetch landmark),
+/// followed by a large `cold` file.
+fn estargz_layer() -> (Vec<u8>, String, Vec<u8>, Vec<u8>) {
+    let hot = noise(120 << 10, 11);
+    let cold = noise(600 << 10, 12);
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in [("cold", &cold), ("hot", &hot)] {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    let tar = tar.into_inner().unwrap();
+    let opts = ferry_index::estargz::EstargzOptions {
+        chunk_size: 64 << 10,
+        priority: vec!["hot".into()],
+        ..Default::default()
+    };
+    let mut blob = Vec::new();
+    let out = ferry_index::estargz::convert(
+        &mut || Ok(Box::new(std::io::Cursor::new(tar.clone()))),
+        &mut blob,
+        &opts,
+    )
+    .unwrap();
+    (blob, out.toc_digest, hot, cold)
+}
+
+#[test]
+fn estargz_landmark_files_are_prefetched_and_the_blob_filled() {
+    let (blob, toc, hot, cold) = estargz_layer();
+    let backend = LogBackend::new(blob.clone());
+    let d = descriptor(
+        LAYER_TAR_GZIP,
+        ferry_oci::sha256_digest(&blob),
+        blob.len() as u64,
+        &[(ANNOTATION_ESTARGZ_TOC, toc)],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let image = mount(
+        vec![LayerSpec::new(d, None, backend.clone())],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let opened = backend.calls(); // footer and TOC
+    start(&image, &prefetch_only(2), None).wait();
+    assert_eq!(
+        backend.calls(),
+        opened + 1,
+        "one request for the prioritized files"
+    );
+    let snap = image.stats.snapshot();
+    assert!(snap.prefetch_done);
+    assert!(snap.bytes_prefetched > 0);
+    assert_eq!(read_file(&image, "hot"), hot);
+    assert_eq!(
+        backend.calls(),
+        opened + 1,
+        "the hot file is served from the prefetch"
+    );
+    // Fill: the whole blob goes into the store; nothing reaches the backend afterwards.
+    start(&image, &WarmConfig::default(), None).wait();
+    assert!(image.stats.snapshot().fill_done);
+    let calls = backend.calls();
+    assert_eq!(read_file(&image, "cold"), cold);
+    assert_eq!(backend.calls(), calls);
+    let key = ferry_store::ChunkKey::parse(ferry_oci::sha256_digest(&blob).as_ref()).unwrap();
+    assert!(store.contains(&key));
+}
+
+#[test]
+fn fill_without_a_store_does_nothing() {
+    // No store: nothing can be kept, so fill does nothing and is not "done".
+    let (blob, index, _) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    start(&image, &WarmConfig::default(), None).wait();
+    assert_eq!(backend.calls(), 0);
+    let snap = image.stats.snapshot();
+    assert!(snap.prefetch_done);
+    assert!(!snap.fill_done);
+}
+
+#[test]
+fn note_read_records_only_while_recording() {
+    let (blob, index, _) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let image = mount(
+        vec![spec(&blob, Some(index), backend)],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let a = image.tree.resolve("/a").unwrap();
+    let c = image.tree.resolve("/dir/c").unwrap();
+    image.note_read(a, 0, 4096);
+    image.start_recording();
+    image.note_read(c, 0, 4096);
+    image.note_read(c, 4096, 4096);
+    image.note_read(a, 0, 4096);
+    let trace = image.take_trace();
+    assert_eq!(trace.reads, vec![tr("/dir/c", 0, 8192), tr("/a", 0, 4096)]);
+    image.note_read(a, 8192, 10);
+    assert!(image.take_trace().reads.is_empty());
+}
+
+#[test]
+fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
+    let control = Arc::new(Control::default());
+    let unlimited = Throttle::new(0);
+    assert!(unlimited.take(u64::MAX, &control));
+    let slow = Arc::new(Throttle::new(1)); // one byte per second
+    let before = *slow.next.lock().unwrap();
+    assert!(slow.take(0, &control));
+    // 10 bytes reserve 10 s: the next taker would wait that long, unless stopped.
+    let waiter = {
+        let (slow, control) = (slow.clone(), control.clone());
+        std::thread::spawn(move || {
+            let first = slow.take(10, &control);
+            let second = slow.take(1, &control);
+            (first, second)
+        })
+    };
+    while *slow.next.lock().unwrap() < before + Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    control.stop();
+    let (_, second) = waiter.join().unwrap();
+    assert!(!second, "a stopped throttle refuses");
+    assert!(!slow.take(1, &control));
+}
