@@ -5,21 +5,30 @@
 //! directories and symlinks, readdirplus. Writes are refused with EROFS (the mount is
 //! also read-only). Reads that cannot be served (fetch failed, timed out or did not
 //! verify) fail with EIO; nothing is retried forever here, the device layer bounds it.
+//!
+//! With a [`FileCache`] (see [`FerryFs::with_file_cache`]), files that are fully local
+//! are served without inflating: the first open of a cached file registers it with
+//! the kernel for FUSE passthrough (reads then never reach this process), or, when the
+//! kernel refuses, reads are answered with pread from the cached file. Which opens go
+//! which way is decided in `localfiles`.
 
 use std::ffi::OsStr;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fuser::{
-    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags, ReplyAttr,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyXattr, Request, SessionACL,
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, MountOption, OpenAccMode, OpenFlags,
+    ReplyAttr, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyXattr, Request, SessionACL,
 };
 
 use crate::error::{Error, Result};
+use crate::filecache::FileCache;
 use crate::image::MountedImage;
+use crate::localfiles::{LocalFiles, OpenMode};
 use crate::stats::MountStats;
 use crate::tree::{Ino, Node, NodeKind};
 
@@ -33,12 +42,43 @@ const MAX_READ: u32 = 4 << 20;
 #[derive(Debug, Clone)]
 pub struct FerryFs {
     image: Arc<MountedImage>,
+    local: Option<Arc<LocalFiles<BackingId>>>,
+    read_requests: Arc<AtomicU64>,
 }
 
 impl FerryFs {
     /// Serves `image`.
     pub fn new(image: Arc<MountedImage>) -> FerryFs {
-        FerryFs { image }
+        FerryFs::with_file_cache(image, None)
+    }
+
+    /// Serves `image`, with files that are fully local served from `cache` (through
+    /// FUSE passthrough when the kernel grants it) and files read in full handed to
+    /// it. `None`, or a cache whose config is not enabled: every read inflates spans.
+    pub fn with_file_cache(image: Arc<MountedImage>, cache: Option<Arc<FileCache>>) -> FerryFs {
+        let local = cache
+            .filter(|c| c.config().enabled)
+            .map(|c| Arc::new(LocalFiles::new(c, image.clone())));
+        FerryFs {
+            image,
+            local,
+            read_requests: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The file cache, when one is in use.
+    pub fn file_cache(&self) -> Option<&Arc<FileCache>> {
+        self.local.as_ref().map(|l| l.cache())
+    }
+
+    /// True when the kernel granted FUSE passthrough and has not refused a file since.
+    pub fn passthrough_active(&self) -> bool {
+        self.local.as_ref().is_some_and(|l| l.passthrough())
+    }
+
+    /// FUSE read requests received so far (passthrough reads never arrive here).
+    pub fn read_requests(&self) -> u64 {
+        self.read_requests.load(Ordering::Relaxed)
     }
 
     /// The mounted image (tree, layers, counters).
@@ -107,6 +147,58 @@ impl FerryFs {
     }
 }
 
+impl FerryFs {
+    /// Reads `[offset, offset + size)` of regular file `ino` from its cached copy.
+    fn read_cached(
+        &self,
+        ino: Ino,
+        file: &crate::filecache::CachedFile,
+        offset: u64,
+        size: u32,
+    ) -> std::result::Result<Vec<u8>, Errno> {
+        self.image.note_read(ino, offset, size);
+        if offset >= file.len() || size == 0 {
+            return Ok(Vec::new());
+        }
+        let len = (file.len() - offset).min(u64::from(size.min(MAX_READ))) as usize;
+        let mut buf = vec![0u8; len];
+        match file.read_at(&mut buf, offset) {
+            Ok(n) => {
+                buf.truncate(n);
+                MountStats::add(&self.image.stats.bytes_served, n as u64);
+                Ok(buf)
+            }
+            Err(e) => {
+                tracing::warn!(ino, offset, size, error = %e, "cached file read failed; EIO");
+                Err(Errno::EIO)
+            }
+        }
+    }
+}
+
+/// Asks for FUSE passthrough when `wanted`, the kernel offers it and this process may
+/// register backing files (root); returns whether it was granted. The stack depth is 1:
+/// backing files must be on a plain filesystem, and overlayfs can still stack on the
+/// mount (a depth-2 FUSE mount could not be an overlayfs lower directory).
+fn negotiate_passthrough(wanted: bool, config: &mut KernelConfig) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !wanted || !root || !config.capabilities().contains(InitFlags::FUSE_PASSTHROUGH) {
+        return false;
+    }
+    if config.set_max_stack_depth(1).is_err() {
+        return false;
+    }
+    if config
+        .add_capabilities(InitFlags::FUSE_PASSTHROUGH)
+        .is_err()
+    {
+        let _ = config.set_max_stack_depth(0);
+        return false;
+    }
+    true
+}
+
 fn file_type(kind: NodeKind) -> FileType {
     match kind {
         NodeKind::Dir => FileType::Directory,
@@ -149,6 +241,9 @@ impl Filesystem for FerryFs {
         let supported = config.capabilities() & wanted;
         let _ = config.add_capabilities(supported);
         let _ = config.set_max_readahead(1 << 20);
+        if let Some(local) = &self.local {
+            local.set_passthrough(negotiate_passthrough(local.wants_passthrough(), config));
+        }
         Ok(())
     }
 
@@ -181,23 +276,68 @@ impl Filesystem for FerryFs {
         match self.node(ino) {
             Ok(node) if node.kind == NodeKind::Dir => reply.error(Errno::EISDIR),
             Ok(_) if flags.acc_mode() != OpenAccMode::O_RDONLY => reply.error(Errno::EROFS),
-            Ok(_) => reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE),
+            Ok(node) => {
+                let Some(local) = &self.local else {
+                    return reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+                };
+                match local.open(ino.0, node, |file| reply.open_backing(file)) {
+                    OpenMode::Served(fh) => {
+                        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
+                    }
+                    // The kernel refuses any flag outside its passthrough mask
+                    // (FOPEN_KEEP_CACHE included) with EIO on open.
+                    OpenMode::Passthrough(fh, backing) => {
+                        reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &backing)
+                    }
+                }
+            }
             Err(e) => reply.error(e),
         }
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        if let Some(local) = &self.local {
+            local.release(ino.0, fh.0);
+        }
+        reply.ok();
     }
 
     fn read(
         &self,
         _req: &Request,
         ino: INodeNo,
-        _fh: FileHandle,
+        fh: FileHandle,
         offset: u64,
         size: u32,
         _flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        match self.read_file(ino.0, offset, size) {
+        self.read_requests.fetch_add(1, Ordering::Relaxed);
+        let Some(local) = &self.local else {
+            return match self.read_file(ino.0, offset, size) {
+                Ok(data) => reply.data(&data),
+                Err(e) => reply.error(e),
+            };
+        };
+        let result = match local.cached(fh.0) {
+            Some(file) => self.read_cached(ino.0, &file, offset, size),
+            None => self.read_file(ino.0, offset, size).inspect(|data| {
+                if let Some(node) = self.image.tree.get(ino.0) {
+                    local.served(ino.0, node, data.len() as u64);
+                }
+            }),
+        };
+        match result {
             Ok(data) => reply.data(&data),
             Err(e) => reply.error(e),
         }
@@ -762,5 +902,149 @@ mod tests {
         assert_eq!(names, vec!["a", "dir", "link"]);
         assert_eq!(link.unwrap(), Path::new("a"));
         assert_eq!(write.unwrap_err().raw_os_error(), Some(libc::EROFS));
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod passthrough_tests {
+    use std::os::fd::AsRawFd;
+    use std::time::Instant;
+
+    use ferry_oci::media::LAYER_TAR_GZIP;
+
+    use super::*;
+    use crate::device::FetchConfig;
+    use crate::device::tests::{TestBackend, gzip_layer, open_store};
+    use crate::filecache::FileCacheConfig;
+    use crate::image::{ImageSource, LayerSpec, View};
+
+    fn run(cmd: &str, args: &[&str]) -> bool {
+        std::process::Command::new(cmd)
+            .args(args)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// Reads the whole file through a fresh descriptor after dropping that
+    /// descriptor's page cache (FUSE page cache in cached mode; in passthrough mode the
+    /// FUSE inode has none and reads go to the backing file).
+    fn read_uncached(path: &Path) -> Vec<u8> {
+        let file = std::fs::File::open(path).unwrap();
+        // SAFETY: fd is open for the call; fadvise only drops clean cached pages.
+        unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut &file, &mut out).unwrap();
+        out
+    }
+
+    /// The real thing: a kernel mount with the file cache. Needs root, /dev/fuse and a
+    /// kernel with FUSE passthrough; skipped (passes) without them.
+    #[test]
+    fn kernel_passthrough_serves_cached_files_and_overlayfs_stacks_on_top() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
+            eprintln!("skipped: needs root and /dev/fuse");
+            return;
+        }
+        let (blob, index, files) = gzip_layer();
+        let digest = ferry_oci::sha256_digest(&blob);
+        let desc = ferry_oci::layout::descriptor(LAYER_TAR_GZIP, digest, blob.len() as u64, &[]);
+        let source = ImageSource {
+            manifest_digest: "sha256:test".into(),
+            layers: vec![LayerSpec::new(
+                desc,
+                Some(Arc::new(index)),
+                TestBackend::new(blob),
+            )],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(&dir.path().join("store"));
+        let image = MountedImage::new(
+            source,
+            Some(store.clone()),
+            FetchConfig::default(),
+            &View::Merged,
+        )
+        .unwrap();
+        let config = FileCacheConfig {
+            min_file_bytes: 64 << 10,
+            ..FileCacheConfig::default()
+        };
+        let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+        let fs = FerryFs::with_file_cache(Arc::new(image), Some(cache.clone()));
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let session = match mount(fs.clone(), &mnt, &MountOptions::default()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("skipped: cannot mount here: {e}");
+                return;
+            }
+        };
+        let a = mnt.join("a");
+        assert_eq!(std::fs::read(&a).unwrap(), files[0].1, "first read");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cache.snapshot().materialized == 0 {
+            assert!(Instant::now() < deadline, "never materialized");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // The first open's release reaches the daemon asynchronously; until it does the
+        // inode stays in cached mode (served with pread from the cached file).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut passthrough = false;
+        while !passthrough && Instant::now() < deadline {
+            let before = fs.read_requests();
+            let bytes = read_uncached(&a);
+            assert_eq!(bytes, files[0].1);
+            passthrough = cache.snapshot().passthrough_opens > 0;
+            if passthrough {
+                assert!(fs.passthrough_active());
+                assert_eq!(
+                    fs.read_requests(),
+                    before,
+                    "passthrough reads skip the daemon"
+                );
+            } else {
+                assert!(cache.snapshot().pread_opens > 0, "{:?}", cache.snapshot());
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let kernel_has_passthrough = std::fs::read("/proc/config.gz").is_ok() && passthrough;
+        eprintln!(
+            "passthrough granted: {passthrough} ({:?})",
+            cache.snapshot()
+        );
+        // overlayfs over the mount (as the snapshotter uses single-layer mounts).
+        let empty = dir.path().join("empty");
+        let merged = dir.path().join("merged");
+        std::fs::create_dir(&empty).unwrap();
+        std::fs::create_dir(&merged).unwrap();
+        let lower = format!("lowerdir={}:{}", mnt.display(), empty.display());
+        let overlay = run(
+            "mount",
+            &[
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                &lower,
+                merged.to_str().unwrap(),
+            ],
+        );
+        let through_overlay = overlay.then(|| std::fs::read(merged.join("a")));
+        if overlay {
+            assert!(run("umount", &[merged.to_str().unwrap()]));
+        }
+        unmount(&mnt).unwrap();
+        session.join().unwrap();
+        assert!(
+            overlay,
+            "overlayfs must mount over a passthrough ferry mount"
+        );
+        assert_eq!(through_overlay.unwrap().unwrap(), files[0].1);
+        if kernel_has_passthrough {
+            assert!(passthrough);
+        }
     }
 }

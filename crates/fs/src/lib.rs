@@ -20,8 +20,10 @@
 
 pub mod device;
 pub mod error;
+pub mod filecache;
 pub mod fuse;
 pub mod image;
+mod localfiles;
 pub mod stats;
 pub mod trace;
 pub mod tree;
@@ -29,6 +31,7 @@ pub mod warm;
 
 pub use device::{FetchConfig, FillWork, LayerSource};
 pub use error::{Error, Result};
+pub use filecache::{FileCache, FileCacheConfig, FileCacheSnapshot, FileKey};
 pub use fuse::{
     FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount,
 };
