@@ -5,10 +5,15 @@
 #                                  -> ${OUT:-bench/out/image}, tag ferry-bench
 #   bench/make-image.sh --small    tiny 2-layer busybox image (a few MB, < 1 min,
 #                                  no debootstrap) -> ${SMALL_OUT:-tests/e2e/out/small}, tag small
+#   bench/make-image.sh --medium   4-layer Debian image for running real programs in
+#                                  e2e tests (~420 MB uncompressed, 150 MB gzip, ~2 min)
+#                                  -> ${MEDIUM_OUT:-tests/e2e/out/medium}, tag medium
 #
 # Env:
-#   OUT / SMALL_OUT   output OCI layout dir
-#   BUILD / SMALL_BUILD  where the layer rootfs dirs are kept (cache)
+#   OUT / SMALL_OUT / MEDIUM_OUT        output OCI layout dir
+#   BUILD / SMALL_BUILD / MEDIUM_BUILD  where the layer rootfs dirs are kept (cache;
+#                     the medium one is removed once its layout is written unless
+#                     MEDIUM_BUILD is set)
 #   FORCE=1           rebuild everything (rootfs dirs and layout)
 #   MIRROR            Debian mirror (default http://deb.debian.org/debian)
 #
@@ -20,6 +25,13 @@
 #               in g++, so a compiler layer above datasci would be ~empty)
 #   4 java      default-jdk-headless
 #   5 app       /app/start.sh (imports numpy, prints "ready <version>")
+# Medium image layers (same method):
+#   1 base      debootstrap --variant=minbase bookworm
+#   2 compiler  gcc libc6-dev
+#   3 python    python3 python3-numpy
+#   4 app       /app (hello.c, start.sh, a hard-linked pair, a file with a user.*
+#               xattr), /etc/motd deleted (whiteout), /usr/share/doc/base-files
+#               replaced (opaque directory)
 # Layers are `tar --numeric-owner --xattrs -C DIR -cf - . | gzip -6` (plain gzip).
 # Needs root (debootstrap, chroot, overlayfs mounts). Safe to re-run: finished
 # layers are cached under $BUILD (stamp files), the layout is skipped if it exists.
@@ -142,6 +154,43 @@ apt_layer_script() {
     echo "apt-get update -q; apt-get install -y -q --no-install-recommends $*; $APT_CLEAN"
 }
 
+# build_base_layer: layer 1 ($BUILD/1-base), debootstrap minbase, cached by a stamp
+build_base_layer() {
+    [[ ! -e $BUILD/.done-1-base ]] || return 0
+    local t0=$SECONDS
+    log "layer 1: debootstrap --variant=minbase $SUITE (this takes a few minutes)"
+    rm -rf "$BUILD/1-base"
+    debootstrap --variant=minbase "$SUITE" "$BUILD/1-base" "$MIRROR" >"$BUILD/debootstrap.log" 2>&1 \
+        || { tail -30 "$BUILD/debootstrap.log" >&2; die "debootstrap failed (log: $BUILD/debootstrap.log)"; }
+    local b=$BUILD/1-base
+    rm -rf "${b:?}"/dev/* "$b"/var/cache/apt/archives/*.deb "$b"/var/lib/apt/lists/* \
+        "$b"/var/cache/apt/*.bin "$b"/tmp/* "$b"/var/log/bootstrap.log
+    # reproducible-ish, container-like base: no host resolv.conf/hostname baked in
+    : >"$b/etc/resolv.conf"
+    echo ferry >"$b/etc/hostname"
+    touch "$BUILD/.done-1-base"
+    log "layer 1 done ($((SECONDS - t0))s)"
+}
+
+# apt_layers SPEC...: each SPEC "NAME|SCRIPT" becomes an overlay diff $BUILD/NAME over
+# the layers before it (cached by stamps); leaves $lowers (caller's local) updated.
+apt_layers() {
+    local spec name script
+    for spec in "$@"; do
+        name=${spec%%|*} script=${spec#*|}
+        if [[ ! -e $BUILD/.done-$name ]]; then
+            [[ ! -e $BUILD/.converted ]] || die "$BUILD already converted; rerun with FORCE=1"
+            log "layer $name: $script"
+            local t1=$SECONDS
+            run_in_layer "$name" "$lowers" "$script" >"$BUILD/$name.log" 2>&1 \
+                || { tail -30 "$BUILD/$name.log" >&2; die "layer $name failed (log: $BUILD/$name.log)"; }
+            touch "$BUILD/.done-$name"
+            log "layer $name done ($((SECONDS - t1))s)"
+        fi
+        lowers=$BUILD/$name:$lowers
+    done
+}
+
 build_big() {
     need_root "debootstrap/chroot/overlayfs"
     local out=${OUT:-bench/out/image}
@@ -159,42 +208,14 @@ build_big() {
         mkdir -p "$BUILD"
     fi
     local t0=$SECONDS
-    # layer 1: debootstrap minbase
-    if [[ ! -e $BUILD/.done-1-base ]]; then
-        log "layer 1: debootstrap --variant=minbase $SUITE (this takes a few minutes)"
-        rm -rf "$BUILD/1-base"
-        debootstrap --variant=minbase "$SUITE" "$BUILD/1-base" "$MIRROR" >"$BUILD/debootstrap.log" 2>&1 \
-            || { tail -30 "$BUILD/debootstrap.log" >&2; die "debootstrap failed (log: $BUILD/debootstrap.log)"; }
-        local b=$BUILD/1-base
-        rm -rf "${b:?}"/dev/* "$b"/var/cache/apt/archives/*.deb "$b"/var/lib/apt/lists/* \
-            "$b"/var/cache/apt/*.bin "$b"/tmp/* "$b"/var/log/bootstrap.log
-        # reproducible-ish, container-like base: no host resolv.conf/hostname baked in
-        : >"$b/etc/resolv.conf"
-        echo ferry >"$b/etc/hostname"
-        touch "$BUILD/.done-1-base"
-        log "layer 1 done ($((SECONDS - t0))s)"
-    fi
+    build_base_layer
 
     local lowers=$BUILD/1-base
-    local spec name script
-    local -a specs=(
-        "2-compiler|$(apt_layer_script gcc g++ make libc6-dev)"
-        "3-datasci|$(apt_layer_script python3 python3-numpy python3-scipy python3-pandas)"
+    local name
+    apt_layers \
+        "2-compiler|$(apt_layer_script gcc g++ make libc6-dev)" \
+        "3-datasci|$(apt_layer_script python3 python3-numpy python3-scipy python3-pandas)" \
         "4-java|$(apt_layer_script default-jdk-headless)"
-    )
-    for spec in "${specs[@]}"; do
-        name=${spec%%|*} script=${spec#*|}
-        if [[ ! -e $BUILD/.done-$name ]]; then
-            [[ ! -e $BUILD/.converted ]] || die "$BUILD already converted; rerun with FORCE=1"
-            log "layer $name: $script"
-            local t1=$SECONDS
-            run_in_layer "$name" "$lowers" "$script" >"$BUILD/$name.log" 2>&1 \
-                || { tail -30 "$BUILD/$name.log" >&2; die "layer $name failed (log: $BUILD/$name.log)"; }
-            touch "$BUILD/.done-$name"
-            log "layer $name done ($((SECONDS - t1))s)"
-        fi
-        lowers=$BUILD/$name:$lowers
-    done
 
     # layer 5: small app layer (written directly, no chroot needed)
     name=5-app
@@ -232,9 +253,83 @@ EOF
     skopeo inspect "oci:$out:ferry-bench" >/dev/null && log "skopeo inspect oci:$out:ferry-bench OK"
 }
 
+# ---------------------------------------------------------------- medium image
+# The app layer's script (run chrooted over the python layer): a C source, an entry
+# point, a hard-linked pair, a user.* xattr, a whiteout and an opaque directory.
+MEDIUM_APP_SCRIPT='
+mkdir -p /app/data
+cat >/app/hello.c <<"EOC"
+#include <stdio.h>
+#include <string.h>
+int main(void) {
+    unsigned long sum = 0;
+    for (unsigned i = 1; i <= 1000000; i++) sum += i % 7 * i;
+    printf("hello from gcc %d.%d, sum %lu\n", __GNUC__, __GNUC_MINOR__, sum);
+    return 0;
+}
+EOC
+cat >/app/start.sh <<"EOS"
+#!/bin/sh
+exec python3 -c "import numpy; print(\"ready\", numpy.__version__)"
+EOS
+chmod 755 /app/start.sh
+seq 1 20000 >/app/data/numbers.txt
+ln /app/data/numbers.txt /app/data/numbers-hardlink.txt
+printf "xattr carrier\n" >/app/data/xattr.txt
+python3 -c "import os; os.setxattr(\"/app/data/xattr.txt\", \"user.ferry.test\", b\"medium-image\")"
+rm -f /etc/motd
+rm -rf /usr/share/doc/base-files
+mkdir /usr/share/doc/base-files
+printf "replaced by the app layer (opaque dir)\n" >/usr/share/doc/base-files/README.ferry
+'
+
+build_medium() {
+    need_root "debootstrap/chroot/overlayfs"
+    local out=${MEDIUM_OUT:-tests/e2e/out/medium}
+    BUILD=${MEDIUM_BUILD:-$(dirname "$out")/build-medium}
+    mkdir -p "$BUILD"
+    BUILD=$(cd "$BUILD" && pwd)
+    if [[ -f $out/index.json && -z ${FORCE:-} ]]; then
+        log "medium image exists at $out (FORCE=1 to rebuild)"
+        return 0
+    fi
+    if [[ -n ${FORCE:-} ]]; then
+        log "FORCE=1: removing $BUILD"
+        rm -rf "$BUILD"
+        mkdir -p "$BUILD"
+    fi
+    local t0=$SECONDS
+    build_base_layer
+    local lowers=$BUILD/1-base name
+    apt_layers \
+        "2-compiler|$(apt_layer_script gcc libc6-dev)" \
+        "3-python|$(apt_layer_script python3 python3-numpy)" \
+        "4-app|$MEDIUM_APP_SCRIPT"
+    if [[ ! -e $BUILD/.converted ]]; then
+        local -a below=("$BUILD/1-base")
+        for name in 2-compiler 3-python 4-app; do
+            "${PY[@]}" convert-whiteouts "$BUILD/$name" "${below[@]}"
+            below+=("$BUILD/$name")
+        done
+        touch "$BUILD/.converted"
+    fi
+    log "writing OCI layout $out (tar | gzip -6 of each layer)"
+    rm -rf "$out"
+    "${PY[@]}" write --out "$out" --tag medium --cmd '["/app/start.sh"]' \
+        --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        "$BUILD/1-base" "$BUILD/2-compiler" "$BUILD/3-python" "$BUILD/4-app"
+    log "medium image written; total build time $((SECONDS - t0))s"
+    # The layout is what tests cache; the default build dir (~430 MB of rootfs diffs)
+    # is only a cache for interrupted builds. An explicit MEDIUM_BUILD is kept.
+    if [[ -z ${MEDIUM_BUILD:-} ]]; then
+        rm -rf "$BUILD"
+    fi
+}
+
 case ${1:-} in
     --small) build_small ;;
+    --medium) build_medium ;;
     "") build_big ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | grep '^#' ;;
-    *) die "usage: $0 [--small]" ;;
+    *) die "usage: $0 [--small|--medium]" ;;
 esac

@@ -1,0 +1,379 @@
+#!/usr/bin/env bash
+# tests/e2e/cri.sh — the Kubernetes path: containerd's CRI plugin driven over its gRPC
+# API the way the kubelet drives it (tests/cri/cri_client.py), first with containerd's
+# own overlayfs snapshotter, then with ferry as the CRI snapshotter.
+#
+#   bash tests/e2e/cri.sh
+#
+# Setup: a ferry registry on loopback holding the small image (bench/make-image.sh
+# --small) indexed by `ferry index` and pushed with its index by `ferry copy`, and a
+# pause image (the small image's busybox running `sleep`) for the pod sandbox — no
+# image comes from the internet. For each variant a private containerd (Debian 1.6)
+# is started with the CRI plugin enabled, plain HTTP to the local registry through a
+# `config_path` hosts.toml, CNI pointed at empty dirs (host-network pods need none).
+#
+# First the client's own unit tests (tests/cri/test_cri_client.py, no containerd).
+# Per variant (overlayfs, then ferry):
+#   Version answers runtime.v1; PullImage returns an image ref and ImageStatus knows it;
+#   RunPodSandbox (host network); CreateContainer + StartContainer of a command that
+#   prints the image's files (motd, app file, sha256 of a 1 MiB data file, /tmp after
+#   the whiteout); ContainerStatus reaches EXITED with code 0; the CRI log file holds the
+#   expected lines (compared with the image extracted on the host); StopContainer,
+#   RemoveContainer, StopPodSandbox, RemovePodSandbox succeed and nothing is left.
+# The ferry variant registers ferry's snapshotter as [proxy_plugins.ferry] with
+# `snapshotter = "ferry"` and `disable_snapshot_annotations = false` (so CRI passes the
+# image ref and layer digests). It runs `ferry daemon --config` when the binary has it
+# (then the indexed image's layers must be FUSE-mounted lazily: a checked PASS/FAIL),
+# else the standalone `ferry snapshotter` (ordinary unpack; the FUSE count is only
+# logged).
+#
+# Env: FERRY (default target/release/ferry, else target/debug/ferry), E2E_KEEP=1,
+#      E2E_VERBOSE=1 (print service logs on failure), CRI_TIMEOUT (seconds per RPC, 120),
+#      FERRY_CRI_BACKEND=daemon|snapshotter (default: daemon if `ferry daemon --config` exists).
+# Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+need_root "containerd with CRI, runc"
+need_cmd containerd ctr runc containerd-shim-runc-v2 protoc jq curl sha256sum timeout
+# Debian's python (python3-grpcio, python3-protobuf), not whatever python3 is first in PATH
+PY=/usr/bin/python3
+[[ -x $PY ]] || skip "missing /usr/bin/python3"
+$PY -c 'import grpc, google.protobuf' 2>/dev/null || skip "missing python3-grpcio / python3-protobuf"
+find_ferry
+e2e_init
+T_START=$SECONDS
+
+SMALL=$FERRY_ROOT/tests/e2e/out/small
+if [[ ! -f $SMALL/index.json ]]; then
+    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
+        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
+fi
+if [[ ! -x $FERRY ]] || ! "$FERRY" snapshotter --help >/dev/null 2>&1; then
+    fail "no ferry binary with the snapshotter command: $FERRY (cargo build --release -p ferry)"
+    e2e_summary || exit 1
+fi
+e2e_log "ferry: $FERRY"
+
+CRI_CLIENT=$FERRY_ROOT/tests/cri/cri_client.py
+show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
+
+# cri CMD ARGS...: one CRI call; response JSON in $CRI_OUT, stderr in $CRI_ERR, exit in RC
+cri() {
+    CRI_OUT=$E2E_TMP/cri.out
+    CRI_ERR=$E2E_TMP/cri.err
+    set +e
+    timeout $((${CRI_TIMEOUT:-120} + 10)) "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" \
+        --timeout "${CRI_TIMEOUT:-120}" "$@" >"$CRI_OUT" 2>"$CRI_ERR"
+    RC=$?
+    set -e
+}
+# cri_ok NAME CMD ARGS...: pass/fail on the call's exit status; returns it
+cri_ok() {
+    local name=$1
+    shift
+    cri "$@"
+    if [[ $RC == 0 ]]; then
+        pass "$name"
+    else
+        fail "$name: exit $RC: $(tail -1 "$CRI_ERR")"
+        return 1
+    fi
+}
+jout() { jq -r "$1" "$CRI_OUT"; }
+
+# ---------------------------------------------------------------- the client itself
+if "$PY" -m unittest -q "$FERRY_ROOT/tests/cri/test_cri_client.py" >"$E2E_TMP/client-unit.log" 2>&1; then
+    pass "CRI client: cri.proto wire numbers and RPC paths against an in-process gRPC server"
+else
+    fail "CRI client unit tests (tests/cri/test_cri_client.py)"
+    show "$E2E_TMP/client-unit.log" 20
+fi
+
+# ---------------------------------------------------------------- images
+echo "# setup: registry with the indexed small image and a pause image"
+IMG=$E2E_TMP/img
+cp -a "$SMALL" "$IMG"
+"$FERRY" index --min-layer-size 0 --span 65536 "oci:$IMG:small" >"$E2E_TMP/index.log" 2>&1 ||
+    { show "$E2E_TMP/index.log"; e2e_die "ferry index failed"; }
+REF_TREE=$E2E_TMP/small-tree
+oci_extract "$SMALL" small "$REF_TREE"
+PAUSE_ROOT=$E2E_TMP/pause-root
+mkdir -p "$PAUSE_ROOT/bin"
+cp -a "$REF_TREE/bin/busybox" "$PAUSE_ROOT/bin/busybox"
+python3 "$FERRY_ROOT/bench/oci-layout.py" write --out "$E2E_TMP/pause" --tag pause \
+    --cmd '["/bin/busybox","sleep","2147483647"]' --env PATH=/bin "$PAUSE_ROOT" >"$E2E_TMP/pause.log" 2>&1 ||
+    { show "$E2E_TMP/pause.log"; e2e_die "writing the pause image failed"; }
+
+: >"$E2E_TMP/reg.toml"
+start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
+REGISTRY=$REG_ADDR
+APP_IMAGE=$REGISTRY/e2e/small:v1
+PAUSE_IMAGE=$REGISTRY/e2e/pause:v1
+if ! "$FERRY" copy "oci:$IMG:small" "$APP_IMAGE" >"$E2E_TMP/copy.log" 2>&1 ||
+    ! "$FERRY" copy "oci:$E2E_TMP/pause:pause" "$PAUSE_IMAGE" >>"$E2E_TMP/copy.log" 2>&1; then
+    show "$E2E_TMP/copy.log"
+    e2e_die "ferry copy to the registry failed"
+fi
+e2e_log "images $APP_IMAGE and $PAUSE_IMAGE"
+
+# What the container prints, computed from the image extracted on the host.
+NUM_SUM=$(sha256sum <"$REF_TREE/data/sub/dir/numbers.txt" | cut -d' ' -f1)
+CTR_SCRIPT='cat /etc/motd; cat /app/hello.txt; cat /data/overwritten.txt;
+sha256sum /data/sub/dir/numbers.txt; echo "tmp: $(ls -A /tmp | tr "\n" " ")"; echo done'
+EXPECTED=$E2E_TMP/expected.txt
+{
+    cat "$REF_TREE/etc/motd" "$REF_TREE/app/hello.txt" "$REF_TREE/data/overwritten.txt"
+    echo "$NUM_SUM  /data/sub/dir/numbers.txt"
+    echo "tmp: $(ls -A "$REF_TREE/tmp" | tr '\n' ' ')"
+    echo "done"
+} >"$EXPECTED"
+
+# ---------------------------------------------------------------- containerd with CRI
+# start_cri_containerd DIR SNAPSHOTTER [PROXY_SOCKET]: containerd with the CRI plugin,
+# state under DIR; SNAPSHOTTER is CRI's snapshotter; a PROXY_SOCKET registers
+# [proxy_plugins.SNAPSHOTTER] and turns snapshot annotations on for it
+start_cri_containerd() {
+    local d=$1 snap=$2 proxy=${3:-} annotations=true
+    mkdir -p "$d/root" "$d/state" "$d/opt" "$d/cni/bin" "$d/cni/conf" "$d/certs.d/$REGISTRY"
+    [[ -n $proxy ]] && annotations=false
+    cat >"$d/certs.d/$REGISTRY/hosts.toml" <<EOF
+server = "http://$REGISTRY"
+
+[host."http://$REGISTRY"]
+  capabilities = ["pull", "resolve"]
+EOF
+    CONTAINERD_SOCK=$d/containerd.sock
+    CONTAINERD_CONFIG=$d/config.toml
+    cat >"$CONTAINERD_CONFIG" <<EOF
+version = 2
+root = "$d/root"
+state = "$d/state"
+disabled_plugins = [
+  "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.snapshotter.v1.btrfs",
+  "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper",
+  "io.containerd.tracing.processor.v1.otlp",
+  "io.containerd.internal.v1.tracing",
+]
+
+[grpc]
+  address = "$CONTAINERD_SOCK"
+
+[ttrpc]
+  address = "$d/containerd.sock.ttrpc"
+
+[debug]
+  level = "info"
+
+[metrics]
+  address = ""
+
+[plugins]
+  [plugins."io.containerd.internal.v1.opt"]
+    path = "$d/opt"
+  [plugins."io.containerd.snapshotter.v1.overlayfs"]
+    root_path = "$d/root/io.containerd.snapshotter.v1.overlayfs"
+  [plugins."io.containerd.grpc.v1.cri"]
+    sandbox_image = "$PAUSE_IMAGE"
+    stream_server_address = "127.0.0.1"
+    stream_server_port = "0"
+    enable_selinux = false
+    disable_apparmor = true
+    # never ask for a lower oom_score_adj than containerd's own (the pause container
+    # wants -998, which an unprivileged-for-OOM environment such as a CI sandbox refuses)
+    restrict_oom_score_adj = true
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      snapshotter = "$snap"
+      disable_snapshot_annotations = $annotations
+      default_runtime_name = "runc"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+        runtime_type = "io.containerd.runc.v2"
+    [plugins."io.containerd.grpc.v1.cri".cni]
+      bin_dir = "$d/cni/bin"
+      conf_dir = "$d/cni/conf"
+    [plugins."io.containerd.grpc.v1.cri".registry]
+      config_path = "$d/certs.d"
+EOF
+    if [[ -n $proxy ]]; then
+        printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
+            "$snap" "$proxy" >>"$CONTAINERD_CONFIG"
+    fi
+    CONTAINERD_LOG=$d/containerd.log
+    containerd --config "$CONTAINERD_CONFIG" >"$CONTAINERD_LOG" 2>&1 &
+    CONTAINERD_PID=$!
+    if ! wait_for 30 "containerd CRI" "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" --timeout 2 version; then
+        tail -30 "$CONTAINERD_LOG" >&2
+        e2e_die "containerd with CRI did not come up (log: $CONTAINERD_LOG)"
+    fi
+    e2e_log "containerd pid $CONTAINERD_PID with CRI, snapshotter $snap"
+}
+
+# ---------------------------------------------------------------- one variant
+# cri_variant NAME SNAPSHOTTER [PROXY_SOCKET]
+cri_variant() {
+    local v=$1 snap=$2 proxy=${3:-} d=$E2E_TMP/cri-$1 pod ctr logdir t0 state code
+    echo "# $v: CRI with snapshotter $snap"
+    start_cri_containerd "$d" "$snap" "$proxy"
+
+    if cri_ok "$v: Version" version; then
+        if [[ $(jout .runtime_api_version) == v1* ]]; then
+            pass "$v: runtime $(jout .runtime_name) $(jout .runtime_version), API $(jout .runtime_api_version)"
+        else
+            fail "$v: runtime API version '$(jout .runtime_api_version)', want v1"
+        fi
+    fi
+
+    t0=$SECONDS
+    if cri_ok "$v: PullImage $APP_IMAGE" pull "$APP_IMAGE"; then
+        local ref
+        ref=$(jout .image_ref)
+        cri image-status "$APP_IMAGE"
+        if [[ $RC == 0 && $ref == sha256:* && $(jout .image.id) == "$ref" ]]; then
+            pass "$v: ImageStatus knows $ref ($((SECONDS - t0)) s incl. the pull, $(jout .image.size) bytes)"
+        else
+            fail "$v: ImageStatus: exit $RC, id $(jout .image.id 2>/dev/null), pulled $ref"
+        fi
+    fi
+
+    logdir=$d/pod-logs
+    mkdir -p "$logdir"
+    t0=$SECONDS
+    if ! cri_ok "$v: RunPodSandbox (host network, pause image from the local registry)" \
+        run-pod --name "pod-$v" --log-dir "$logdir" --pod-config "$d/pod.json"; then
+        show "$CRI_ERR"
+        tail -20 "$CONTAINERD_LOG" | show /dev/stdin
+        stop_cri_containerd "$d"
+        return
+    fi
+    pod=$(jout .pod_sandbox_id)
+    e2e_log "$v: pod $pod ($((SECONDS - t0)) s)"
+
+    if cri_ok "$v: CreateContainer" create --pod "$pod" --pod-config "$d/pod.json" --name "app-$v" \
+        --image "$APP_IMAGE" --log-path app.log -- /bin/sh -c "$CTR_SCRIPT"; then
+        ctr=$(jout .container_id)
+        t0=$SECONDS
+        if cri_ok "$v: StartContainer" start "$ctr"; then
+            state="" code=""
+            for _ in $(seq 150); do
+                cri status "$ctr"
+                state=$(jout .status.state 2>/dev/null || true)
+                [[ $state == CONTAINER_EXITED ]] && break
+                sleep 0.2
+            done
+            code=$(jout '.status.exit_code // 0' 2>/dev/null || true)
+            if [[ $state == CONTAINER_EXITED && $code == 0 ]]; then
+                pass "$v: ContainerStatus EXITED, exit code 0 ($((SECONDS - t0)) s after start)"
+            else
+                fail "$v: ContainerStatus state '$state', exit code '$code': $(jout '.status.reason + " " + .status.message' 2>/dev/null)"
+            fi
+            # CRI log format: "<RFC3339Nano> <stdout|stderr> <F|P> <text>"
+            local logfile=$logdir/app.log
+            if [[ -f $logfile ]]; then
+                awk '$2 == "stdout" { sub(/^[^ ]+ [^ ]+ [^ ]+ /, ""); print }' "$logfile" >"$d/got.txt"
+                if cmp -s "$EXPECTED" "$d/got.txt"; then
+                    pass "$v: the container's CRI log holds the image's content ($(wc -l <"$d/got.txt") lines, numbers.txt sha256 ${NUM_SUM:0:12}…)"
+                else
+                    fail "$v: container log differs from the extracted image (- want, + got)"
+                    diff "$EXPECTED" "$d/got.txt" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20 || true
+                    show "$logfile"
+                fi
+            else
+                fail "$v: no container log at $logfile"
+            fi
+        fi
+        if [[ -n $proxy ]]; then
+            # informational: did the snapshotter mount layers lazily or unpack them?
+            local fuse
+            fuse=$(awk -v r="$E2E_TMP/" 'index($5, r) == 1 {
+                for (i = 7; i <= NF; i++) if ($i == "-") { if ($(i + 1) ~ /^fuse/) n++; break }
+            } END { print n + 0 }' /proc/self/mountinfo)
+            if [[ ${FERRY_BACKEND:-} == daemon ]]; then
+                # the daemon mounts indexed layers lazily: the small image is indexed
+                if ((fuse > 0)); then
+                    pass "$v: layers mounted lazily ($fuse FUSE mounts under the daemon's root)"
+                else
+                    fail "$v: no FUSE mount: the indexed image's layers were unpacked, not mounted lazily"
+                fi
+            else
+                e2e_log "$v: FUSE mounts while the container existed: $fuse (standalone snapshotter: layers are unpacked)"
+            fi
+        fi
+        cri_ok "$v: StopContainer" stop "$ctr" || true
+        cri_ok "$v: RemoveContainer" rm "$ctr" || true
+    else
+        show "$CRI_ERR"
+    fi
+    cri_ok "$v: StopPodSandbox" stop-pod "$pod" || true
+    cri_ok "$v: RemovePodSandbox" rm-pod "$pod" || true
+    local left
+    left=$(ctr -a "$CONTAINERD_SOCK" -n k8s.io containers ls -q 2>/dev/null | wc -l)
+    if [[ $left == 0 ]]; then
+        pass "$v: no containers left in namespace k8s.io"
+    else
+        fail "$v: $left containers left in namespace k8s.io"
+    fi
+    stop_cri_containerd "$d"
+}
+
+stop_cri_containerd() {
+    stop_containerd || true
+    e2e_umount_under "$1"
+}
+
+# ---------------------------------------------------------------- variants
+t_variant=$SECONDS
+cri_variant overlayfs overlayfs
+e2e_log "overlayfs variant: $((SECONDS - t_variant)) s"
+
+SNAP_ROOT=$E2E_TMP/ferry-snapshotter
+SNAP_SOCK=$E2E_TMP/run/ferry-snapshotter.sock
+SNAP_LOG=$E2E_TMP/ferry-snapshotter.log
+mkdir -p "$E2E_TMP/run"
+# The node daemon (store + lazy layers + snapshotter) when this build has it, else the
+# standalone snapshotter (ordinary unpack through ferry).
+FERRY_BACKEND=${FERRY_CRI_BACKEND:-auto}
+if [[ $FERRY_BACKEND == auto ]]; then
+    FERRY_BACKEND=snapshotter
+    "$FERRY" daemon --help 2>/dev/null | grep -q -- '--config' && FERRY_BACKEND=daemon
+fi
+if [[ $FERRY_BACKEND == daemon ]]; then
+    cat >"$E2E_TMP/daemon.toml" <<EOF
+[store]
+path = "$E2E_TMP/store"
+
+[control]
+socket = "$E2E_TMP/run/daemon.sock"
+
+[snapshotter]
+enabled = true
+socket = "$SNAP_SOCK"
+root = "$SNAP_ROOT"
+EOF
+    "$FERRY" --log "ferry_snapshotter=debug,ferry_daemon=debug,info" daemon --config "$E2E_TMP/daemon.toml" \
+        >"$SNAP_LOG" 2>&1 &
+else
+    "$FERRY" --log "ferry_snapshotter=debug,info" snapshotter --socket "$SNAP_SOCK" --root "$SNAP_ROOT" \
+        >"$SNAP_LOG" 2>&1 &
+fi
+SNAP_PID=$!
+E2E_PIDS+=("$SNAP_PID")
+e2e_log "ferry backend: ferry $FERRY_BACKEND (pid $SNAP_PID)"
+if wait_for 30 "ferry snapshotter" test -S "$SNAP_SOCK"; then
+    t_variant=$SECONDS
+    cri_variant ferry ferry "$SNAP_SOCK"
+    e2e_log "ferry variant ($FERRY_BACKEND): $((SECONDS - t_variant)) s"
+    if grep -q 'cri.image-ref\|cri.layer-digest\|snapshot/cri' "$SNAP_LOG"; then
+        e2e_log "ferry snapshotter saw CRI's snapshot annotations (image ref / layer digests)"
+    fi
+else
+    fail "ferry $FERRY_BACKEND did not come up (no $SNAP_SOCK)"
+    show "$SNAP_LOG"
+fi
+kill "$SNAP_PID" 2>/dev/null || true
+wait "$SNAP_PID" 2>/dev/null || true
+e2e_umount_under "$SNAP_ROOT"
+
+e2e_log "total $((SECONDS - T_START)) s"
+e2e_summary
