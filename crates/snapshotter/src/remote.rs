@@ -40,6 +40,16 @@ pub const LABEL_FERRY_INDEX_DIGEST: &str = "ferry.dev/index-digest";
 pub const LABEL_FERRY_LAYER_MEDIA_TYPE: &str = "ferry.dev/layer-media-type";
 /// ferry: the layer blob's size in bytes.
 pub const LABEL_FERRY_LAYER_SIZE: &str = "ferry.dev/layer-size";
+/// ferry (set by `ferry pull`, when calling the snapshotter directly): a directory
+/// directly under the snapshotter's `staging/` directory that already holds this layer's
+/// unpacked contents. The snapshotter moves it into the snapshot, commits it under
+/// [`LABEL_TARGET`] and answers AlreadyExists, so layers can be unpacked in parallel
+/// although Prepare follows the parent chain.
+pub const LABEL_FERRY_STAGED_DIR: &str = "ferry.dev/staged-dir";
+/// The same as [`LABEL_FERRY_STAGED_DIR`] under the `containerd.io/snapshot/` prefix:
+/// containerd passes only labels with that prefix (and [`LABEL_TARGET`]) on to a
+/// snapshotter, so this is the spelling `ferry pull` uses through containerd.
+pub const LABEL_STAGED_DIR: &str = "containerd.io/snapshot/ferry.staged-dir";
 /// Set by the snapshotter on snapshots it committed from a remote mount (value: the
 /// provider name), so `ctr snapshots info` shows which layers are lazy.
 pub const LABEL_FERRY_REMOTE: &str = "ferry.dev/remote";

@@ -236,8 +236,10 @@ impl Snapshots for SnapshotService {
     ) -> Result<Response<Self::ListStream>, Status> {
         let ns = namespace(&request)?;
         let r = request.into_inner();
+        tracing::debug!(ns, filters = ?r.filters, "list");
         let filters = FilterSet::parse(&r.filters).map_err(Status::from)?;
         let infos = self.blocking(move |s| s.walk(&ns, &filters)).await?;
+        tracing::debug!(found = infos.len(), "list answered");
         let mut batches = Vec::new();
         let mut infos = infos.into_iter().map(to_pb_info).peekable();
         while infos.peek().is_some() {

@@ -7,6 +7,7 @@
 //! metadata.redb            all snapshot records, every namespace
 //! snapshots/<id>/fs        upper dir (active), contents (committed), remote mount point
 //! snapshots/<id>/work      overlayfs work dir (active only)
+//! staging/<name>/          layers unpacked by `ferry pull`, adopted by a staged Prepare
 //! ```
 
 use std::collections::{HashMap, HashSet};
@@ -17,7 +18,10 @@ use std::time::SystemTime;
 use crate::error::{Error, Result};
 use crate::filter::{Fields, FilterSet};
 use crate::meta::{Kind, Metadata, Record, Stamp};
-use crate::remote::{LABEL_FERRY_REMOTE, LayerLabels, RemoteLayers, RemoteMount};
+use crate::remote::{
+    LABEL_FERRY_REMOTE, LABEL_FERRY_STAGED_DIR, LABEL_STAGED_DIR, LayerLabels, RemoteLayers,
+    RemoteMount,
+};
 use crate::usage::{Usage, disk_usage};
 
 /// Longest key or name accepted.
@@ -26,6 +30,8 @@ pub const MAX_KEY_LEN: usize = 4096;
 pub const MAX_LABEL_LEN: usize = 4096;
 /// Most labels on one snapshot.
 pub const MAX_LABELS: usize = 256;
+/// The staging directory's name under the root.
+const STAGING_DIR: &str = "staging";
 /// Longest parent chain followed (a loop in a corrupt database must not hang us).
 const MAX_CHAIN: usize = 4096;
 
@@ -89,6 +95,8 @@ impl Snapshotter {
     pub fn open(root: &Path, remote: Arc<dyn RemoteLayers>) -> Result<Snapshotter> {
         let snapshots = root.join("snapshots");
         std::fs::create_dir_all(&snapshots).map_err(|e| Error::io("create", &snapshots, e))?;
+        let staging = root.join(STAGING_DIR);
+        std::fs::create_dir_all(&staging).map_err(|e| Error::io("create", &staging, e))?;
         let meta = Metadata::open(&root.join("metadata.redb"))?;
         let snapshotter = Snapshotter {
             root: root.to_path_buf(),
@@ -115,6 +123,13 @@ impl Snapshotter {
     /// The root directory.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// Where `ferry pull` unpacks layers before a staged Prepare adopts them (see
+    /// [`LABEL_STAGED_DIR`]): on the same filesystem as the snapshots, so adoption is a
+    /// rename.
+    pub fn staging_dir(&self) -> PathBuf {
+        self.root.join(STAGING_DIR)
     }
 
     fn lock(&self) -> MutexGuard<'_, ()> {
@@ -153,6 +168,19 @@ impl Snapshotter {
                 return Err(Error::already_exists(&layer.target));
             }
         }
+        let staged = labels
+            .get(LABEL_STAGED_DIR)
+            .or_else(|| labels.get(LABEL_FERRY_STAGED_DIR))
+            .cloned();
+        if let Some(staged) = staged {
+            let Some(layer) = &layer else {
+                return Err(Error::InvalidArgument(format!(
+                    "a staged layer ({LABEL_STAGED_DIR}) needs the {} label naming its chain id",
+                    crate::remote::LABEL_TARGET
+                )));
+            };
+            return self.adopt_staged(ns, key, parent, labels.clone(), &layer.target, &staged);
+        }
         let (id, mounts) = self.create(ns, key, parent, &labels, Kind::Active)?;
         let Some(layer) = layer else {
             return Ok(mounts);
@@ -188,6 +216,96 @@ impl Snapshotter {
                 Ok(mounts)
             }
         }
+    }
+
+    /// A staged Prepare: `staged` is a directory directly under [`Self::staging_dir`]
+    /// holding the layer's unpacked contents. It becomes the contents of a snapshot
+    /// committed as `target` (usage measured as for any commit), and the answer is
+    /// AlreadyExists, as for a remote layer. Anything else named by the label is refused.
+    fn adopt_staged(
+        &self,
+        ns: &str,
+        key: &str,
+        parent: &str,
+        mut labels: HashMap<String, String>,
+        target: &str,
+        staged: &str,
+    ) -> Result<Vec<Mount>> {
+        let staged = self.check_staged(staged)?;
+        labels.remove(LABEL_STAGED_DIR);
+        labels.remove(LABEL_FERRY_STAGED_DIR);
+        let (id, _) = self.create(ns, key, parent, &labels, Kind::Active)?;
+        let adopted = self.move_into_snapshot(id, &staged).and_then(|()| {
+            // The upper dir's work dir is not needed by a committed layer.
+            let work = self.work_dir(id);
+            std::fs::remove_dir(&work).map_err(|e| Error::io("remove", &work, e))?;
+            self.commit(ns, target, key, labels)
+        });
+        match adopted {
+            Ok(()) => {
+                tracing::info!(ns, key, target, staged = %staged.display(), "adopted staged layer");
+                Err(Error::already_exists(target))
+            }
+            Err(e) => {
+                if let Err(remove) = self.remove(ns, key) {
+                    tracing::warn!(error = %remove, key, "removing snapshot after failed staged commit");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The staged directory named by a label, if it is a real directory directly under
+    /// the staging directory (not a symlink, not the staging directory itself, not a
+    /// hidden name); its canonical path.
+    fn check_staged(&self, staged: &str) -> Result<PathBuf> {
+        let refuse =
+            |why: &str| Error::InvalidArgument(format!("staged layer directory {staged:?} {why}"));
+        let path = Path::new(staged);
+        if !path.is_absolute() {
+            return Err(refuse("is not an absolute path"));
+        }
+        let plain = path.components().all(|c| {
+            matches!(
+                c,
+                std::path::Component::RootDir | std::path::Component::Normal(_)
+            )
+        });
+        if !plain {
+            return Err(refuse("has `.` or `..` components"));
+        }
+        let name = match path.file_name().and_then(|n| n.to_str()) {
+            Some(n) if !n.starts_with('.') => n.to_owned(),
+            _ => return Err(refuse("has no plain final name")),
+        };
+        let meta = match std::fs::symlink_metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(refuse("does not exist"));
+            }
+            Err(e) => return Err(Error::io("stat", path, e)),
+        };
+        if !meta.file_type().is_dir() {
+            return Err(refuse("is not a directory"));
+        }
+        let staging = self.staging_dir();
+        let staging =
+            std::fs::canonicalize(&staging).map_err(|e| Error::io("resolve", &staging, e))?;
+        let parent = path.parent().ok_or_else(|| refuse("has no parent"))?;
+        let parent = std::fs::canonicalize(parent).map_err(|e| Error::io("resolve", parent, e))?;
+        if parent != staging {
+            return Err(refuse(&format!(
+                "is not directly under the snapshotter's staging directory {}",
+                staging.display()
+            )));
+        }
+        Ok(staging.join(name))
+    }
+
+    fn move_into_snapshot(&self, id: u64, staged: &Path) -> Result<()> {
+        let fs = self.fs_dir(id);
+        std::fs::remove_dir(&fs).map_err(|e| Error::io("remove", &fs, e))?;
+        std::fs::rename(staged, &fs).map_err(|e| Error::io("rename", staged, e))
     }
 
     /// Creates a read-only snapshot of `parent`.
