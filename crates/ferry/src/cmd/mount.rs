@@ -1,16 +1,20 @@
 //! `ferry mount` / `ferry umount`: serve an image's root filesystem (or one layer) lazily
 //! over FUSE, and take it down again.
 //!
-//! The filesystem itself lives in `ferry_fs`; this file picks the image, the store and
-//! the knobs, and runs the mount. Until the node daemon exists, each mount is served by
-//! its own `ferry mount --foreground` process: without `--foreground` that process is
-//! started detached and `ferry mount` returns once the mount point is live.
+//! The filesystem itself lives in `ferry_fs` and the node daemon in `ferry_daemon`; this
+//! file only picks where a mount is served:
+//! * by default, by the node daemon over its control socket (started detached when none
+//!   answers), so every mount shares one chunk store and shows in `ferry status`;
+//! * `--foreground`: by this process, until unmounted or SIGINT/SIGTERM;
+//! * `--stats-file`: by a standalone detached `ferry mount --foreground` process that
+//!   keeps the file updated (what scripts did before `ferry status`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use ferry_daemon::{ControlClient, MountRequest};
 use ferry_fs::{FerryFs, FetchConfig, ImageSource, MountOptions, MountedImage, View};
 use ferry_registry::client::{Client, ClientConfig, RangeRuntime};
 use ferry_store::{Store, StoreConfig, StoreOptions};
@@ -30,9 +34,16 @@ pub struct Args {
     /// else $XDG_CACHE_HOME/ferry/store.
     #[arg(long, value_name = "DIR")]
     store: Option<PathBuf>,
-    /// Serve from this process until unmounted or sent SIGINT/SIGTERM.
+    /// Serve from this process until unmounted or sent SIGINT/SIGTERM (instead of the
+    /// node daemon).
     #[arg(long)]
     foreground: bool,
+    /// The daemon's control socket (default: the config's, else the per-user default).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Daemon config file (its control socket; passed on to a daemon this starts).
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
     /// FUSE worker threads.
     #[arg(long, default_value_t = 4)]
     threads: usize,
@@ -48,8 +59,9 @@ pub struct Args {
     /// Speak plain HTTP to the registry (loopback registries get it automatically).
     #[arg(long)]
     plain_http: bool,
-    /// Keep this file updated with the mount's counters as JSON (for scripts, until
-    /// `ferry status` exists).
+    /// Keep this file updated with the mount's counters as JSON; the mount is then
+    /// served by its own detached process, not the daemon (`ferry status --json` shows
+    /// the daemon's mounts).
     #[arg(long, value_name = "PATH")]
     stats_file: Option<PathBuf>,
     /// Only the mounting user may use the mount (default: everyone, permissions checked
@@ -63,6 +75,12 @@ pub struct Args {
 pub struct UmountArgs {
     /// The mount point.
     mountpoint: PathBuf,
+    /// The daemon's control socket (default: the config's, else the per-user default).
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Daemon config file (for its control socket).
+    #[arg(long, value_name = "FILE.toml")]
+    config: Option<PathBuf>,
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
@@ -92,7 +110,10 @@ pub fn run(args: Args) -> Result<()> {
         bail!("--threads and --concurrency must be at least 1");
     }
     if !args.foreground {
-        return run_detached(&args, &mountpoint);
+        if args.stats_file.is_some() {
+            return run_detached(&args, &mountpoint);
+        }
+        return run_via_daemon(&args, &mountpoint);
     }
     // Before any thread exists, so that every thread inherits the mask.
     ferry_fs::block_stop_signals()?;
@@ -101,8 +122,13 @@ pub fn run(args: Args) -> Result<()> {
         Some(p) => p.clone(),
         None => StoreConfig::default().resolve_path(),
     };
-    let store = Store::open_with(&store_path, StoreOptions::default())
-        .with_context(|| format!("opening the chunk store at {}", store_path.display()))?;
+    let store = Store::open_with(&store_path, StoreOptions::default()).with_context(|| {
+        format!(
+            "opening the chunk store at {} (if a ferry daemon uses it, mount without \
+             --foreground to go through the daemon, or give --store another directory)",
+            store_path.display()
+        )
+    })?;
     let mut cfg = ClientConfig::default();
     if args.plain_http
         && let ferry_oci::ImageRef::Registry { registry, .. } =
@@ -219,9 +245,171 @@ fn run_detached(args: &Args, mountpoint: &Path) -> Result<()> {
     }
 }
 
-/// Runs `ferry umount`.
+fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn control_socket(socket: Option<&Path>, config: Option<&Path>) -> Result<PathBuf> {
+    Ok(match socket {
+        Some(s) => s.to_path_buf(),
+        None => super::daemon::load_config(config)?.control_socket(),
+    })
+}
+
+/// Asks the node daemon for the mount, starting the daemon first when none answers.
+fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
+    let ignored: Vec<&str> = [
+        (args.threads != 4, "--threads"),
+        (args.concurrency != 8, "--concurrency"),
+        (args.request_size != 8 << 20, "--request-size"),
+        (args.timeout != 30, "--timeout"),
+        (args.plain_http, "--plain-http"),
+        (args.owner_only, "--owner-only"),
+    ]
+    .into_iter()
+    .filter_map(|(set, name)| set.then_some(name))
+    .collect();
+    if !ignored.is_empty() {
+        eprintln!(
+            "ferry: warning: {} apply to --foreground mounts only; the daemon uses its config \
+             ([fetch], [fuse], [registry] plain_http)",
+            ignored.join(", ")
+        );
+    }
+    let socket = control_socket(args.socket.as_deref(), args.config.as_deref())?;
+    let client = ControlClient::new(&socket);
+    let runtime = current_thread_runtime()?;
+    let health = client.clone().with_timeout(Duration::from_secs(5));
+    if runtime.block_on(health.health()).is_err() {
+        start_daemon(args, &socket, &health, &runtime)?;
+    } else if let Some(wanted) = &args.store {
+        // A running daemon keeps its own store; say so rather than ignore --store.
+        let daemon_store = runtime
+            .block_on(health.status())
+            .ok()
+            .and_then(|s| s.store)
+            .map(|s| s.path);
+        let same = |p: &Path| p.canonicalize().ok() == wanted.canonicalize().ok();
+        if let Some(p) = daemon_store.filter(|p| !same(p)) {
+            eprintln!(
+                "ferry: warning: the daemon on {} uses the store {}, not {}",
+                socket.display(),
+                p.display(),
+                wanted.display()
+            );
+        }
+    }
+    let request = MountRequest {
+        image: args.image.clone(),
+        mountpoint: mountpoint.to_path_buf(),
+        layer: args.layer.clone(),
+    };
+    let info = runtime.block_on(client.mount(&request)).with_context(|| {
+        format!(
+            "mounting {} through the daemon at {}",
+            args.image,
+            socket.display()
+        )
+    })?;
+    println!("{}", info.mountpoint.display());
+    Ok(())
+}
+
+/// Starts `ferry daemon` detached (logging next to its socket) and waits until it
+/// answers on `socket`.
+fn start_daemon(
+    args: &Args,
+    socket: &Path,
+    client: &ControlClient,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<()> {
+    let dir = socket.parent().unwrap_or(Path::new("/"));
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let log_path = dir.join("daemon.log");
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("finding the ferry binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    let log_filter = std::env::var("FERRY_LOG").unwrap_or_else(|_| "info".into());
+    cmd.arg("--log")
+        .arg(log_filter)
+        .arg("daemon")
+        .arg("--socket")
+        .arg(socket)
+        // A daemon started on demand does not take over containerd's snapshotter.
+        .arg("--no-snapshotter");
+    if let Some(s) = &args.store {
+        cmd.arg("--store").arg(s);
+    }
+    if let Some(c) = &args.config {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().context("duplicating the log file")?)
+        .stderr(log);
+    ferry_fs::fuse::detach_on_spawn(&mut cmd);
+    let mut child = cmd.spawn().context("starting ferry daemon")?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if runtime.block_on(client.health()).is_ok() {
+            eprintln!(
+                "ferry: started the node daemon (pid {}, socket {}, log {})",
+                child.id(),
+                socket.display(),
+                log_path.display()
+            );
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "ferry daemon exited ({status}) before answering on {}; see {}",
+                socket.display(),
+                log_path.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "ferry daemon (pid {}) did not answer on {} within 30 s; see {}",
+                child.id(),
+                socket.display(),
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Runs `ferry umount`: asks the daemon, else unmounts directly (a standalone or
+/// foreground mount, or one left by a daemon that is gone).
 pub fn run_umount(args: UmountArgs) -> Result<()> {
-    ferry_fs::unmount(&args.mountpoint)
-        .with_context(|| format!("unmounting {}", args.mountpoint.display()))?;
+    let absolute = if args.mountpoint.is_absolute() {
+        args.mountpoint.clone()
+    } else {
+        std::env::current_dir()
+            .context("finding the current directory")?
+            .join(&args.mountpoint)
+    };
+    // The mount point itself may be a dead mount: resolve only its parent.
+    let mountpoint = ferry_daemon::mounts::canonical_mountpoint(&absolute)
+        .with_context(|| format!("mount point {}", args.mountpoint.display()))?;
+    let socket = control_socket(args.socket.as_deref(), args.config.as_deref())?;
+    let client = ControlClient::new(&socket).with_timeout(Duration::from_secs(120));
+    let runtime = current_thread_runtime()?;
+    match runtime.block_on(client.unmount(&mountpoint)) {
+        Ok(()) => return Ok(()),
+        Err(ferry_daemon::Error::Remote { status: 404, .. }) => {}
+        Err(e @ ferry_daemon::Error::Remote { .. }) => {
+            return Err(e).with_context(|| format!("unmounting {}", mountpoint.display()));
+        }
+        Err(e) => tracing::debug!(error = %e, "no daemon; unmounting directly"),
+    }
+    ferry_fs::unmount(&mountpoint)
+        .with_context(|| format!("unmounting {}", mountpoint.display()))?;
     Ok(())
 }

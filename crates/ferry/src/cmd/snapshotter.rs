@@ -1,85 +1,76 @@
-//! `ferry snapshotter`: run ferry as containerd's snapshotter (a proxy plugin on a unix
-//! socket). The snapshotter lives in `ferry_snapshotter`; this file turns flags and the
-//! config file into a running server and stops it cleanly on SIGTERM or Ctrl-C.
+//! `ferry snapshotter`: the node daemon with containerd's snapshotter enabled and lazy
+//! layers (`ferry_daemon`). Kept as its own command for its flags: `--socket` and
+//! `--root` are the snapshotter's. The config file is the daemon's; the older
+//! snapshotter-only file (`socket`/`root` at the top or under `[snapshotter]`) is still
+//! read.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use ferry_snapshotter::server::{self, Config, DEFAULT_ROOT, DEFAULT_SOCKET};
-use ferry_snapshotter::{NoRemoteLayers, Snapshotter};
+use ferry_daemon::DaemonConfig;
 
 /// Arguments of `ferry snapshotter`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Unix socket containerd connects to (`[proxy_plugins.ferry] address`).
-    /// Default: the config's `socket`, else /run/ferry/snapshotter.sock.
+    /// Default: the config's `[snapshotter] socket`, else /run/ferry/snapshotter.sock.
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Directory for metadata and snapshot contents.
-    /// Default: the config's `root`, else /var/lib/ferry/snapshotter.
+    /// Default: the config's `[snapshotter] root`, else /var/lib/ferry/snapshotter.
     #[arg(long, value_name = "DIR")]
     root: Option<PathBuf>,
-    /// TOML configuration file (`socket`, `root`, at the top or under `[snapshotter]`).
+    /// TOML configuration file (the daemon's; see `ferry daemon --print-config`).
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
+    /// The daemon's control socket (for `ferry status`/`ferry mount`); default: the
+    /// config's, else /run/ferry/daemon.sock for root.
+    #[arg(long, value_name = "PATH")]
+    control_socket: Option<PathBuf>,
+    /// Chunk store directory (wins over $FERRY_STORE and the config).
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
 }
 
-pub fn run(args: Args) -> Result<()> {
-    let config = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            Config::from_toml(&text).with_context(|| format!("in {}", path.display()))?
-        }
-        None => Config::default(),
+fn load(path: &std::path::Path) -> Result<DaemonConfig> {
+    let daemon_err = match DaemonConfig::load(path) {
+        Ok(c) => return Ok(c),
+        Err(e) => e,
     };
-    let socket = args
-        .socket
-        .or(config.socket)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
-    let root = args
-        .root
-        .or(config.root)
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_ROOT));
-    let snapshotter = Snapshotter::open(&root, Arc::new(NoRemoteLayers))
-        .with_context(|| format!("opening the snapshotter at {}", root.display()))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    runtime.block_on(async move {
-        let listener = server::bind(&socket)
-            .await
-            .with_context(|| format!("listening on {}", socket.display()))?;
-        tracing::info!(socket = %socket.display(), root = %root.display(), "snapshotter serving");
-        eprintln!(
-            "ferry snapshotter: serving on {} (root {})",
-            socket.display(),
-            root.display()
-        );
-        server::serve(Arc::new(snapshotter), listener, &socket, shutdown_signal())
-            .await
-            .context("serving the Snapshots API")?;
-        tracing::info!("snapshotter stopped");
-        Ok(())
-    })
-}
-
-/// Resolves on SIGTERM or SIGINT. If the handlers cannot be installed the server runs
-/// until killed (and the next start replaces the stale socket).
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    // The snapshotter-only format of earlier releases.
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let legacy = ferry_snapshotter::server::Config::from_toml(&text)
+        .map_err(|_| daemon_err)
+        .with_context(|| format!("loading {}", path.display()))?;
+    let mut config = DaemonConfig::default();
+    if let Some(s) = legacy.socket {
+        config.snapshotter.socket = s;
     }
+    if let Some(r) = legacy.root {
+        config.snapshotter.root = r;
+    }
+    Ok(config)
+}
+
+/// Runs `ferry snapshotter`.
+pub fn run(args: Args) -> Result<()> {
+    let mut config = match &args.config {
+        Some(path) => load(path)?,
+        None => DaemonConfig::default(),
+    };
+    config.snapshotter.enabled = true;
+    if let Some(s) = args.socket {
+        config.snapshotter.socket = s;
+    }
+    if let Some(r) = args.root {
+        config.snapshotter.root = r;
+    }
+    if let Some(c) = args.control_socket {
+        config.control.socket = Some(c);
+    }
+    if args.store.is_some() {
+        config.store_path_flag = args.store;
+    }
+    super::daemon::run_daemon(config, "ferry snapshotter")
 }

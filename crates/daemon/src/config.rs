@@ -1,0 +1,531 @@
+//! The daemon's configuration file (TOML): every section and field optional, the
+//! embedded defaults complete. It only describes and validates settings; it must not
+//! open anything (the store, sockets) so it can be printed and tested on any machine.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ferry_fs::{FetchConfig, WarmConfig};
+use ferry_registry::client::ClientConfig;
+use ferry_store::StoreConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Largest accepted `fetch.request_size` (a merged request is held in memory).
+const MAX_REQUEST_SIZE: u64 = 1 << 30;
+/// Most accepted `fetch.concurrency`, `fuse.threads` and `warm.concurrency`.
+const MAX_PARALLELISM: usize = 1024;
+/// Most bytes of a config file read.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The whole configuration (`ferry daemon --print-config` shows the effective one).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// `[store]`: the node chunk store (`FERRY_STORE` overrides `path`).
+    pub store: StoreConfig,
+    /// `[fetch]`: how lazy reads reach the registry.
+    pub fetch: FetchSection,
+    /// `[fuse]`: FUSE transport.
+    pub fuse: FuseSection,
+    /// `[warm]`: prefetch and background fill.
+    pub warm: WarmConfig,
+    /// `[control]`: the control socket `ferry mount` / `ferry status` talk to.
+    pub control: ControlSection,
+    /// `[metrics]`: Prometheus endpoint.
+    pub metrics: MetricsSection,
+    /// `[snapshotter]`: containerd's proxy snapshotter.
+    pub snapshotter: SnapshotterSection,
+    /// `[registry]`: registry client settings.
+    pub registry: RegistrySection,
+    /// A store directory given on the command line: wins over `FERRY_STORE` and
+    /// `store.path` (not part of the file).
+    #[serde(skip)]
+    pub store_path_flag: Option<PathBuf>,
+}
+
+/// `[fetch]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FetchSection {
+    /// Concurrent registry requests per mounted image.
+    pub concurrency: usize,
+    /// Largest merged request (`"8M"`; K/M/G are powers of 1024; or a number of bytes).
+    #[serde(with = "size_text")]
+    pub request_size: u64,
+    /// Longest an uncached read waits (`"30s"`, `"500ms"`, `"2m"`; or seconds).
+    #[serde(with = "duration_text")]
+    pub timeout: Duration,
+}
+
+impl Default for FetchSection {
+    fn default() -> Self {
+        FetchSection {
+            concurrency: 8,
+            request_size: 8 << 20,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// `[fuse]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FuseSection {
+    /// FUSE worker threads per mount.
+    pub threads: usize,
+    /// Let every user use the mounts (the kernel checking permissions), as containers
+    /// need; a daemon not run by root needs `user_allow_other` in /etc/fuse.conf for it.
+    pub allow_other: bool,
+}
+
+impl Default for FuseSection {
+    fn default() -> Self {
+        FuseSection {
+            threads: 4,
+            allow_other: true,
+        }
+    }
+}
+
+/// `[control]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlSection {
+    /// Socket path; `None`: [`default_control_socket`].
+    pub socket: Option<PathBuf>,
+}
+
+/// `[metrics]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// `host:port` to serve `/metrics` on; `None`: no metrics endpoint.
+    pub addr: Option<SocketAddr>,
+}
+
+/// `[snapshotter]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SnapshotterSection {
+    /// Serve containerd's Snapshots API with lazy layers.
+    pub enabled: bool,
+    /// Its unix socket (`[proxy_plugins.ferry] address`).
+    pub socket: PathBuf,
+    /// Its root directory (metadata and snapshot directories).
+    pub root: PathBuf,
+}
+
+impl Default for SnapshotterSection {
+    fn default() -> Self {
+        SnapshotterSection {
+            enabled: true,
+            socket: PathBuf::from(ferry_snapshotter::server::DEFAULT_SOCKET),
+            root: PathBuf::from(ferry_snapshotter::server::DEFAULT_ROOT),
+        }
+    }
+}
+
+/// `[registry]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistrySection {
+    /// `host[:port]` of registries spoken to over plain HTTP (loopback ones always are).
+    pub plain_http: Vec<String>,
+}
+
+impl DaemonConfig {
+    /// Parses and validates a TOML document.
+    pub fn from_toml(text: &str) -> Result<DaemonConfig> {
+        let config: DaemonConfig =
+            toml::from_str(text).map_err(|e| Error::Config(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads, parses and validates a config file.
+    pub fn load(path: &Path) -> Result<DaemonConfig> {
+        use std::io::Read;
+        let file = std::fs::File::open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let mut text = String::new();
+        file.take(MAX_CONFIG_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+        if text.len() as u64 > MAX_CONFIG_BYTES {
+            return Err(Error::Config(format!(
+                "{} is larger than {MAX_CONFIG_BYTES} bytes",
+                path.display()
+            )));
+        }
+        Self::from_toml(&text).map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Checks bounds the types cannot express.
+    pub fn validate(&self) -> Result<()> {
+        let range = |name: &str, v: usize| {
+            if v == 0 || v > MAX_PARALLELISM {
+                Err(Error::Config(format!(
+                    "{name} must be between 1 and {MAX_PARALLELISM}, not {v}"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        range("fetch.concurrency", self.fetch.concurrency)?;
+        range("fuse.threads", self.fuse.threads)?;
+        range("warm.concurrency", self.warm.concurrency)?;
+        if self.fetch.request_size == 0 || self.fetch.request_size > MAX_REQUEST_SIZE {
+            return Err(Error::Config(format!(
+                "fetch.request_size must be between 1 byte and 1G, not {}",
+                self.fetch.request_size
+            )));
+        }
+        if self.fetch.timeout < Duration::from_millis(100) {
+            return Err(Error::Config("fetch.timeout must be at least 100ms".into()));
+        }
+        if self.store.max_bytes == 0 {
+            return Err(Error::Config("store.max_bytes must be positive".into()));
+        }
+        for host in &self.registry.plain_http {
+            if host.is_empty() || host.contains('/') || host.contains(char::is_whitespace) {
+                return Err(Error::Config(format!(
+                    "registry.plain_http: {host:?} is not host[:port]"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The store directory: [`DaemonConfig::store_path_flag`], else
+    /// [`StoreConfig::resolve_path`] (`FERRY_STORE`, then `store.path`, then the per-user
+    /// default).
+    pub fn store_path(&self) -> PathBuf {
+        match &self.store_path_flag {
+            Some(p) => p.clone(),
+            None => self.store.resolve_path(),
+        }
+    }
+
+    /// The control socket (`control.socket`, else [`default_control_socket`]).
+    pub fn control_socket(&self) -> PathBuf {
+        self.control
+            .socket
+            .clone()
+            .unwrap_or_else(default_control_socket)
+    }
+
+    /// This config with every defaulted path made concrete (what `--print-config` shows).
+    pub fn resolved(&self) -> DaemonConfig {
+        let mut out = self.clone();
+        out.store.path = Some(self.store_path());
+        out.store_path_flag = None;
+        out.control.socket = Some(self.control_socket());
+        out
+    }
+
+    /// The config as TOML.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string(self).map_err(|e| Error::Config(format!("cannot print: {e}")))
+    }
+
+    /// The lazy filesystem's fetch knobs.
+    pub fn fetch_config(&self) -> FetchConfig {
+        FetchConfig {
+            concurrency: self.fetch.concurrency,
+            max_request_bytes: self.fetch.request_size,
+            timeout: self.fetch.timeout,
+        }
+    }
+
+    /// The registry client's config.
+    pub fn client_config(&self) -> ClientConfig {
+        let mut cfg = ClientConfig {
+            max_concurrent_downloads: self.fetch.concurrency,
+            ..ClientConfig::default()
+        };
+        for host in &self.registry.plain_http {
+            cfg.registry.entry(host.clone()).or_default().plain_http = true;
+        }
+        cfg
+    }
+}
+
+/// The default control socket: `/run/ferry/daemon.sock` for root, else
+/// `$XDG_RUNTIME_DIR/ferry/daemon.sock`, else `/tmp/ferry-$UID/daemon.sock`.
+pub fn default_control_socket() -> PathBuf {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    control_socket_for(uid, std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from))
+}
+
+fn control_socket_for(uid: u32, runtime_dir: Option<PathBuf>) -> PathBuf {
+    if uid == 0 {
+        return PathBuf::from("/run/ferry/daemon.sock");
+    }
+    match runtime_dir.filter(|p| p.is_absolute()) {
+        Some(dir) => dir.join("ferry/daemon.sock"),
+        None => PathBuf::from(format!("/tmp/ferry-{uid}/daemon.sock")),
+    }
+}
+
+/// Parses a size: bytes, or a number with a K/M/G suffix (powers of 1024, optional
+/// trailing `B`/`iB`).
+pub fn parse_size(text: &str) -> Result<u64> {
+    let s = text.trim();
+    let s = s
+        .strip_suffix("iB")
+        .or_else(|| s.strip_suffix('B'))
+        .unwrap_or(s);
+    let (num, shift) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 30),
+        _ => (s, 0),
+    };
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{text:?} is not a size (e.g. 8M)")))?;
+    n.checked_mul(1u64 << shift)
+        .ok_or_else(|| Error::Config(format!("{text:?} is out of range")))
+}
+
+/// Formats a size the way [`parse_size`] reads it, exactly.
+pub fn format_size(bytes: u64) -> String {
+    for (shift, suffix) in [(30, "G"), (20, "M"), (10, "K")] {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
+            return format!("{}{suffix}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// Parses a duration: `500ms`, `30s`, `2m`, `1h`, or a plain number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration> {
+    let s = text.trim();
+    let bad = || Error::Config(format!("{text:?} is not a duration (e.g. 30s, 500ms)"));
+    let (num, unit_ms) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 1u64)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1000)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60_000)
+    } else if let Some(n) = s.strip_suffix('h') {
+        (n, 3_600_000)
+    } else {
+        (s, 1000)
+    };
+    let n: u64 = num.trim().parse().map_err(|_| bad())?;
+    n.checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(bad)
+}
+
+/// Formats a duration the way [`parse_duration`] reads it.
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// A number or a text, for fields that take either.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NumOrText {
+    Num(u64),
+    Text(String),
+}
+
+mod size_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_size(*v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        match super::NumOrText::deserialize(d)? {
+            super::NumOrText::Num(n) => Ok(n),
+            super::NumOrText::Text(t) => super::parse_size(&t).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+mod duration_text {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*v))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        match super::NumOrText::deserialize(d)? {
+            super::NumOrText::Num(n) => Ok(Duration::from_secs(n)),
+            super::NumOrText::Text(t) => {
+                super::parse_duration(&t).map_err(serde::de::Error::custom)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_document_gives_the_documented_defaults() {
+        let c = DaemonConfig::from_toml("").unwrap();
+        assert_eq!(c, DaemonConfig::default());
+        assert_eq!(c.fetch.concurrency, 8);
+        assert_eq!(c.fetch.request_size, 8 << 20);
+        assert_eq!(c.fetch.timeout, Duration::from_secs(30));
+        assert_eq!(c.fuse.threads, 4);
+        assert!(c.snapshotter.enabled);
+        assert_eq!(
+            c.snapshotter.socket,
+            Path::new("/run/ferry/snapshotter.sock")
+        );
+        assert_eq!(c.snapshotter.root, Path::new("/var/lib/ferry/snapshotter"));
+        assert_eq!(c.metrics.addr, None);
+        assert_eq!(c.warm, WarmConfig::default());
+        assert_eq!(c.store.max_bytes, ferry_store::DEFAULT_MAX_BYTES);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn overrides_are_read_in_every_section() {
+        let c = DaemonConfig::from_toml(
+            r#"
+            [store]
+            path = "/s"
+            max_bytes = 1048576
+            [fetch]
+            concurrency = 3
+            request_size = "512K"
+            timeout = "1500ms"
+            [fuse]
+            threads = 2
+            [warm]
+            prefetch = false
+            background_fill = false
+            concurrency = 2
+            fill_bytes_per_sec = 1000
+            [control]
+            socket = "/c.sock"
+            [metrics]
+            addr = "127.0.0.1:9109"
+            [snapshotter]
+            enabled = false
+            socket = "/snap.sock"
+            root = "/root"
+            [registry]
+            plain_http = ["reg.local:5000"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.store.path.as_deref(), Some(Path::new("/s")));
+        assert_eq!(c.store.max_bytes, 1 << 20);
+        assert_eq!(c.fetch_config().concurrency, 3);
+        assert_eq!(c.fetch_config().max_request_bytes, 512 << 10);
+        assert_eq!(c.fetch_config().timeout, Duration::from_millis(1500));
+        assert_eq!(c.fuse.threads, 2);
+        assert!(!c.warm.prefetch && !c.warm.background_fill);
+        assert_eq!(c.warm.fill_bytes_per_sec, 1000);
+        assert_eq!(c.control_socket(), Path::new("/c.sock"));
+        assert_eq!(c.metrics.addr, Some("127.0.0.1:9109".parse().unwrap()));
+        assert!(!c.snapshotter.enabled);
+        assert_eq!(c.snapshotter.root, Path::new("/root"));
+        let client = c.client_config();
+        assert!(client.registry["reg.local:5000"].plain_http);
+        assert_eq!(client.max_concurrent_downloads, 3);
+        // Numbers are accepted where texts are.
+        let n = DaemonConfig::from_toml("[fetch]\nrequest_size = 4096\ntimeout = 7\n").unwrap();
+        assert_eq!(n.fetch.request_size, 4096);
+        assert_eq!(n.fetch.timeout, Duration::from_secs(7));
+    }
+
+    #[test]
+    fn bad_input_is_refused_with_the_field_named() {
+        for (doc, needle) in [
+            ("[fetch]\nconcurency = 3", "concurency"),
+            ("[nope]\n", "nope"),
+            ("[fetch]\nrequest_size = \"8X\"", "not a size"),
+            ("[fetch]\ntimeout = \"soon\"", "not a duration"),
+            ("[fetch]\nconcurrency = 0", "fetch.concurrency"),
+            ("[fuse]\nthreads = 100000", "fuse.threads"),
+            ("[fetch]\nrequest_size = \"2G\"", "request_size"),
+            ("[fetch]\ntimeout = \"10ms\"", "timeout"),
+            ("[metrics]\naddr = \"not an address\"", "addr"),
+            ("[registry]\nplain_http = [\"http://x/\"]", "plain_http"),
+            ("[store]\nmax_bytes = 0", "max_bytes"),
+            ("this is not toml", ""),
+        ] {
+            let err = DaemonConfig::from_toml(doc).unwrap_err().to_string();
+            assert!(err.contains(needle), "{doc:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn printed_config_reads_back_identically() {
+        let mut c = DaemonConfig::default();
+        c.fetch.request_size = 3 << 20;
+        c.fetch.timeout = Duration::from_millis(2500);
+        c.metrics.addr = Some("127.0.0.1:1".parse().unwrap());
+        let resolved = c.resolved();
+        assert!(resolved.store.path.is_some() && resolved.control.socket.is_some());
+        let flagged = DaemonConfig {
+            store_path_flag: Some("/flag".into()),
+            ..DaemonConfig::default()
+        };
+        assert_eq!(flagged.store_path(), Path::new("/flag"));
+        assert_eq!(
+            flagged.resolved().store.path.as_deref(),
+            Some(Path::new("/flag"))
+        );
+        let text = resolved.to_toml().unwrap();
+        assert!(text.contains("request_size = \"3M\""), "{text}");
+        assert!(text.contains("timeout = \"2500ms\""), "{text}");
+        assert_eq!(DaemonConfig::from_toml(&text).unwrap(), resolved);
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("8M").unwrap(), 8 << 20);
+        assert_eq!(parse_size("8MiB").unwrap(), 8 << 20);
+        assert_eq!(parse_size("1g").unwrap(), 1 << 30);
+        assert_eq!(parse_size("123").unwrap(), 123);
+        assert!(parse_size("99999999999999G").is_err());
+        assert!(parse_size("").is_err());
+        assert_eq!(format_size(1536), "1536");
+        assert_eq!(format_size(2 << 10), "2K");
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
+        assert!(parse_duration("-1s").is_err());
+        assert_eq!(format_duration(Duration::from_secs(30)), "30s");
+    }
+
+    #[test]
+    fn control_socket_defaults_by_user() {
+        assert_eq!(
+            control_socket_for(0, None),
+            Path::new("/run/ferry/daemon.sock")
+        );
+        assert_eq!(
+            control_socket_for(1000, Some("/run/user/1000".into())),
+            Path::new("/run/user/1000/ferry/daemon.sock")
+        );
+        assert_eq!(
+            control_socket_for(1000, Some("relative".into())),
+            Path::new("/tmp/ferry-1000/daemon.sock")
+        );
+    }
+}

@@ -1,0 +1,274 @@
+//! [`Daemon::run`]: one process per node that opens the chunk store once and serves the
+//! control API, the metrics endpoint and (when enabled) containerd's snapshotter with
+//! lazy layers, until told to stop. It wires the parts together; it must not implement
+//! any of them (they live in the sibling modules and crates).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use ferry_snapshotter::Snapshotter;
+use ferry_store::{Store, StoreOptions};
+use tokio::sync::watch;
+
+use crate::config::DaemonConfig;
+use crate::control::{self, DaemonInfo};
+use crate::error::{Error, Result};
+use crate::metrics;
+use crate::mounts::{MountBackend, MountManager};
+use crate::remote::LazyLayers;
+
+/// See the module doc.
+#[derive(Debug)]
+pub struct Daemon;
+
+/// Resolves on SIGTERM or SIGINT (poll it inside a tokio runtime). If the handlers
+/// cannot be installed it never resolves (the daemon then stops only when killed).
+pub async fn stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+impl Daemon {
+    /// Runs the daemon until `shutdown` resolves (e.g. [`stop_signal`]), calling `ready`
+    /// once every endpoint listens. Blocks; builds its own async runtime, so call it
+    /// from a plain thread (`main`). On the way out: stops serving, unmounts the mounts
+    /// made through the control API, leaves the snapshotter's lazy layers for the next
+    /// start to restore (see the crate doc), flushes the store.
+    pub fn run(
+        config: DaemonConfig,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+        ready: impl FnOnce(&DaemonInfo),
+    ) -> Result<()> {
+        config.validate()?;
+        let store_path = config.store_path();
+        let control_socket = config.control_socket();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("ferry-daemon")
+            .build()
+            .map_err(|e| Error::io("starting the async runtime", e))?;
+        // Bind the control socket first: a second daemon is refused before it touches
+        // the store or the snapshotter.
+        let control_listener = runtime.block_on(control::bind(&control_socket))?;
+        let store = Store::open_with(
+            &store_path,
+            StoreOptions {
+                max_bytes: Some(config.store.max_bytes),
+                ..StoreOptions::default()
+            },
+        )
+        .map_err(|e| {
+            Error::Config(format!(
+                "cannot open the chunk store at {} ({e}); another ferry process (a daemon or \
+                 `ferry mount --foreground`) may be using it",
+                store_path.display()
+            ))
+        })?;
+        let store = Arc::new(store);
+        let manager = Arc::new(MountManager::new(store.clone(), config.clone())?);
+        let backend: Arc<dyn MountBackend> = manager.clone();
+
+        // Opening the snapshotter restores its lazy layers: blocking mounts, so here on
+        // this plain thread rather than inside the runtime.
+        let snapshotter = if config.snapshotter.enabled {
+            let lazy = Arc::new(LazyLayers::new(backend.clone()));
+            let snap = Snapshotter::open(&config.snapshotter.root, lazy).map_err(|e| {
+                Error::Snapshotter(format!(
+                    "opening {}: {e}",
+                    config.snapshotter.root.display()
+                ))
+            })?;
+            let listener = runtime
+                .block_on(ferry_snapshotter::server::bind(&config.snapshotter.socket))
+                .map_err(|e| {
+                    Error::Snapshotter(format!(
+                        "listening on {}: {e}",
+                        config.snapshotter.socket.display()
+                    ))
+                })?;
+            Some((Arc::new(snap), listener))
+        } else {
+            None
+        };
+        let metrics_listener = match config.metrics.addr {
+            Some(addr) => Some(
+                runtime
+                    .block_on(tokio::net::TcpListener::bind(addr))
+                    .map_err(|e| Error::io(format!("metrics: listening on {addr}"), e))?,
+            ),
+            None => None,
+        };
+        let info = DaemonInfo {
+            pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            control_socket: control_socket.clone(),
+            metrics_addr: metrics_listener.as_ref().and_then(|l| l.local_addr().ok()),
+            snapshotter_socket: snapshotter
+                .as_ref()
+                .map(|_| config.snapshotter.socket.clone()),
+        };
+        tracing::info!(
+            control = %control_socket.display(),
+            store = %store_path.display(),
+            metrics = ?info.metrics_addr,
+            snapshotter = ?info.snapshotter_socket,
+            "daemon serving"
+        );
+        ready(&info);
+
+        let served = runtime.block_on(async move {
+            let (stop_tx, stop_rx) = watch::channel(false);
+            let stop_tx = Arc::new(stop_tx);
+            let stopped = |mut rx: watch::Receiver<bool>| async move {
+                let _ = rx.wait_for(|v| *v).await;
+            };
+            {
+                let tx = stop_tx.clone();
+                tokio::spawn(async move {
+                    shutdown.await;
+                    tx.send_replace(true);
+                });
+            }
+            let mut tasks: Vec<(&'static str, tokio::task::JoinHandle<Result<()>>)> = Vec::new();
+            let router = control::router(backend.clone(), info.clone());
+            let socket = control_socket.clone();
+            let rx = stop_rx.clone();
+            tasks.push((
+                "control API",
+                tokio::spawn(async move {
+                    control::serve(control_listener, router, &socket, stopped(rx)).await
+                }),
+            ));
+            if let Some(listener) = metrics_listener {
+                let rx = stop_rx.clone();
+                let backend = backend.clone();
+                tasks.push((
+                    "metrics",
+                    tokio::spawn(
+                        async move { metrics::serve(listener, backend, stopped(rx)).await },
+                    ),
+                ));
+            }
+            if let Some((snap, listener)) = snapshotter {
+                let rx = stop_rx.clone();
+                let socket = config.snapshotter.socket.clone();
+                tasks.push((
+                    "snapshotter",
+                    tokio::spawn(async move {
+                        ferry_snapshotter::server::serve(snap, listener, &socket, stopped(rx))
+                            .await
+                            .map_err(|e| Error::Snapshotter(e.to_string()))
+                    }),
+                ));
+            }
+            // One endpoint failing stops the others: a half-working daemon is worse.
+            let mut first_error = None;
+            for (name, task) in tasks {
+                let result = match task.await {
+                    Ok(r) => r,
+                    Err(e) => Err(Error::Control(format!("{name} task: {e}"))),
+                };
+                if let Err(e) = result {
+                    tracing::error!(endpoint = name, error = %e, "endpoint failed; stopping");
+                    stop_tx.send_replace(true);
+                    first_error.get_or_insert(e);
+                }
+            }
+            first_error.map_or(Ok(()), Err)
+        });
+        // Outside the runtime: unmounting blocks on FUSE threads.
+        manager.shutdown();
+        if let Err(e) = store.flush() {
+            tracing::warn!(error = %e, "flushing the chunk store");
+        }
+        drop(runtime);
+        tracing::info!("daemon stopped");
+        served
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::control::ControlClient;
+
+    #[test]
+    fn runs_serves_status_and_metrics_and_stops_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("run/daemon.sock");
+        let mut config = DaemonConfig {
+            store_path_flag: Some(dir.path().join("store")),
+            ..DaemonConfig::default()
+        };
+        config.control.socket = Some(socket.clone());
+        config.snapshotter.enabled = false;
+        config.metrics.addr = Some("127.0.0.1:0".parse().unwrap());
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let daemon = std::thread::spawn(move || {
+            Daemon::run(
+                config,
+                async {
+                    let _ = stop_rx.await;
+                },
+                |info| ready_tx.send(info.clone()).unwrap(),
+            )
+        });
+        let info = ready_rx.recv().unwrap();
+        assert_eq!(info.control_socket, socket);
+        assert_eq!(info.snapshotter_socket, None);
+        let metrics_addr = info.metrics_addr.unwrap();
+
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let client = ControlClient::new(&socket);
+        let status = rt.block_on(client.status()).unwrap();
+        assert_eq!(status.daemon.pid, std::process::id());
+        assert!(status.mounts.is_empty());
+        let store = status.store.unwrap();
+        assert_eq!(store.path, dir.path().join("store"));
+        assert_eq!(store.max_bytes, ferry_store::DEFAULT_MAX_BYTES);
+        // Bad requests are refused before anything is mounted.
+        let err = rt
+            .block_on(client.mount(&crate::MountRequest {
+                image: "reg.local/app:v1".into(),
+                mountpoint: "relative/dir".into(),
+                layer: None,
+            }))
+            .unwrap_err();
+        assert!(matches!(err, Error::Remote { status: 400, .. }), "{err}");
+
+        // The metrics endpoint answers with the store's series.
+        let text = rt
+            .block_on(async {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut s = tokio::net::TcpStream::connect(metrics_addr).await?;
+                s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .await?;
+                let mut out = String::new();
+                s.read_to_string(&mut out).await?;
+                Ok::<_, std::io::Error>(out)
+            })
+            .unwrap();
+        assert!(text.contains("ferry_store_max_bytes 10737418240"), "{text}");
+        assert!(text.contains("ferry_mounts 0"), "{text}");
+
+        stop_tx.send(()).unwrap();
+        daemon.join().unwrap().unwrap();
+        assert!(!socket.exists(), "the control socket is removed");
+    }
+}

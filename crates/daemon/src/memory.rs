@@ -1,0 +1,135 @@
+//! An in-memory [`MountBackend`]: it knows images and layers it was told about and
+//! "mounts" by recording. It lets the control API and the snapshotter hook be tested
+//! (and demonstrated) without FUSE, root or a registry; it must never touch the disk.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use ferry_fs::StatsSnapshot;
+
+use crate::error::{Error, Result};
+use crate::mounts::{
+    LayerKind, MountBackend, MountInfo, MountOrigin, MountRequest, MountStatus, StoreStatus,
+};
+
+/// See the module doc.
+#[derive(Debug, Default)]
+pub struct MemoryBackend {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// image → (manifest digest, layers with their kind).
+    images: HashMap<String, (String, Vec<(String, LayerKind)>)>,
+    mounts: BTreeMap<PathBuf, MountStatus>,
+    unmounted: Vec<PathBuf>,
+}
+
+impl MemoryBackend {
+    /// A backend that knows no images.
+    pub fn new() -> MemoryBackend {
+        MemoryBackend::default()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes `image` known with this manifest digest and layers.
+    pub fn add_image(&self, image: &str, manifest_digest: &str, layers: &[(&str, LayerKind)]) {
+        self.state().images.insert(
+            image.to_owned(),
+            (
+                manifest_digest.to_owned(),
+                layers.iter().map(|(d, k)| ((*d).to_owned(), *k)).collect(),
+            ),
+        );
+    }
+
+    /// Sets the counters a mount reports.
+    pub fn set_stats(&self, mountpoint: &Path, stats: StatsSnapshot) {
+        if let Some(m) = self.state().mounts.get_mut(mountpoint) {
+            m.stats = stats;
+        }
+    }
+
+    /// Mount points unmounted so far, in order.
+    pub fn unmounted(&self) -> Vec<PathBuf> {
+        self.state().unmounted.clone()
+    }
+}
+
+impl MountBackend for MemoryBackend {
+    fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo> {
+        if !request.mountpoint.is_absolute() {
+            return Err(Error::InvalidRequest(format!(
+                "mount point {} is not an absolute path",
+                request.mountpoint.display()
+            )));
+        }
+        let mut state = self.state();
+        if state.mounts.contains_key(&request.mountpoint) {
+            return Err(Error::AlreadyMounted(request.mountpoint.clone()));
+        }
+        let (manifest, layers) = state
+            .images
+            .get(&request.image)
+            .ok_or_else(|| Error::InvalidRequest(format!("no such image {}", request.image)))?;
+        if let Some(layer) = &request.layer
+            && !layers.iter().any(|(d, _)| d == layer)
+        {
+            return Err(Error::InvalidRequest(format!(
+                "image {} has no layer {layer}",
+                request.image
+            )));
+        }
+        let info = MountInfo {
+            mountpoint: request.mountpoint.clone(),
+            image: request.image.clone(),
+            layer: request.layer.clone(),
+            manifest_digest: manifest.clone(),
+        };
+        state.mounts.insert(
+            request.mountpoint.clone(),
+            MountStatus {
+                info: info.clone(),
+                origin,
+                stats: StatsSnapshot::default(),
+            },
+        );
+        Ok(info)
+    }
+
+    fn unmount(&self, mountpoint: &Path) -> Result<()> {
+        let mut state = self.state();
+        if state.mounts.remove(mountpoint).is_none() {
+            return Err(Error::NotMounted(mountpoint.to_path_buf()));
+        }
+        state.unmounted.push(mountpoint.to_path_buf());
+        Ok(())
+    }
+
+    fn list(&self) -> Vec<MountStatus> {
+        self.state().mounts.values().cloned().collect()
+    }
+
+    fn store_status(&self) -> Option<StoreStatus> {
+        None
+    }
+
+    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)> {
+        let state = self.state();
+        let (manifest, layers) = state
+            .images
+            .get(image)
+            .ok_or_else(|| Error::InvalidRequest(format!("no such image {image}")))?;
+        let kind = layers
+            .iter()
+            .find(|(d, _)| d == layer)
+            .map(|(_, k)| *k)
+            .ok_or_else(|| Error::InvalidRequest(format!("image {image} has no layer {layer}")))?;
+        Ok((kind, manifest.clone()))
+    }
+}

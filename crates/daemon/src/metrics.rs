@@ -1,0 +1,215 @@
+//! Prometheus metrics at `[metrics] addr` `/metrics`, built from the mounts' and the
+//! store's live counters at scrape time (so series vanish with their mounts). It only
+//! reads counters; it must not keep state of its own that could drift from them.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
+
+use crate::error::{Error, Result};
+use crate::mounts::MountBackend;
+
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Labels of every per-mount series.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MountLabels {
+    mountpoint: String,
+    image: String,
+    layer: String,
+}
+
+type Counters = Family<MountLabels, Counter<u64>>;
+type Gauges = Family<MountLabels, Gauge<i64>>;
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// The metrics text (OpenMetrics) for the current state of `backend`.
+pub fn render(backend: &dyn MountBackend) -> Result<String> {
+    let mut registry = Registry::with_prefix("ferry");
+    let fetched = Counters::default();
+    let total = Gauges::default();
+    let hits = Counters::default();
+    let misses = Counters::default();
+    let errors = Counters::default();
+    let requests = Counters::default();
+    let prefetched = Counters::default();
+    let filled = Counters::default();
+    let prefetch_done = Gauges::default();
+    let fill_done = Gauges::default();
+    for m in backend.list() {
+        let labels = MountLabels {
+            mountpoint: m.info.mountpoint.display().to_string(),
+            image: m.info.image.clone(),
+            layer: m.info.layer.clone().unwrap_or_default(),
+        };
+        let s = m.stats;
+        fetched.get_or_create(&labels).inc_by(s.bytes_fetched);
+        total.get_or_create(&labels).set(gauge_value(s.bytes_total));
+        hits.get_or_create(&labels).inc_by(s.cache_hits);
+        misses.get_or_create(&labels).inc_by(s.cache_misses);
+        errors.get_or_create(&labels).inc_by(s.fetch_errors);
+        requests.get_or_create(&labels).inc_by(s.requests);
+        prefetched.get_or_create(&labels).inc_by(s.bytes_prefetched);
+        filled.get_or_create(&labels).inc_by(s.bytes_filled);
+        prefetch_done
+            .get_or_create(&labels)
+            .set(i64::from(s.prefetch_done));
+        fill_done.get_or_create(&labels).set(i64::from(s.fill_done));
+    }
+    registry.register(
+        "mount_fetched_bytes",
+        "Compressed bytes fetched from the registry or layout for the mount",
+        fetched,
+    );
+    registry.register(
+        "mount_total_bytes",
+        "Compressed bytes of the mount's layers (a full pull)",
+        total,
+    );
+    registry.register(
+        "mount_cache_hits",
+        "Spans served from the chunk store without a fetch",
+        hits,
+    );
+    registry.register("mount_cache_misses", "Spans that had to be fetched", misses);
+    registry.register(
+        "mount_fetch_errors",
+        "Fetches that failed, timed out or did not verify",
+        errors,
+    );
+    registry.register("mount_requests", "Backend requests made", requests);
+    registry.register(
+        "mount_prefetched_bytes",
+        "Compressed bytes fetched by prefetch",
+        prefetched,
+    );
+    registry.register(
+        "mount_filled_bytes",
+        "Compressed bytes fetched by background fill",
+        filled,
+    );
+    registry.register(
+        "mount_prefetch_done",
+        "1 once prefetch has finished",
+        prefetch_done,
+    );
+    registry.register(
+        "mount_fill_done",
+        "1 once every byte of the mount's layers is local",
+        fill_done,
+    );
+    let mounts = Gauge::<i64>::default();
+    mounts.set(gauge_value(backend.list().len() as u64));
+    registry.register("mounts", "Live lazy mounts", mounts);
+    if let Some(store) = backend.store_status() {
+        let bytes = Gauge::<i64>::default();
+        bytes.set(gauge_value(store.bytes));
+        let max = Gauge::<i64>::default();
+        max.set(gauge_value(store.max_bytes));
+        let entries = Gauge::<i64>::default();
+        entries.set(gauge_value(store.entries));
+        registry.register("store_bytes", "Bytes in the chunk store", bytes);
+        registry.register("store_max_bytes", "The chunk store's bound", max);
+        registry.register("store_entries", "Entries in the chunk store", entries);
+    }
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .map_err(|e| Error::Control(format!("encoding metrics: {e}")))?;
+    Ok(out)
+}
+
+async fn metrics(State(backend): State<Arc<dyn MountBackend>>) -> Response {
+    let rendered = tokio::task::spawn_blocking(move || render(backend.as_ref())).await;
+    match rendered {
+        Ok(Ok(text)) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
+        Ok(Err(e)) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+/// Serves `/metrics` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: TcpListener,
+    backend: Arc<dyn MountBackend>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .with_state(backend);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| Error::io("serving metrics", e))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::memory::MemoryBackend;
+    use crate::mounts::{LayerKind, MountOrigin, MountRequest};
+
+    #[test]
+    fn per_mount_series_carry_the_counters() {
+        let backend = MemoryBackend::new();
+        backend.add_image(
+            "reg/app:v1",
+            "sha256:m",
+            &[("sha256:l", LayerKind::FerryIndex)],
+        );
+        backend
+            .mount(
+                &MountRequest {
+                    image: "reg/app:v1".into(),
+                    mountpoint: "/mnt/x".into(),
+                    layer: Some("sha256:l".into()),
+                },
+                MountOrigin::Control,
+            )
+            .unwrap();
+        backend.set_stats(
+            Path::new("/mnt/x"),
+            ferry_fs::StatsSnapshot {
+                bytes_total: 1000,
+                bytes_fetched: 123,
+                cache_hits: 4,
+                fetch_errors: 2,
+                prefetch_done: true,
+                ..Default::default()
+            },
+        );
+        let text = render(&backend).unwrap();
+        let labels = r#"{mountpoint="/mnt/x",image="reg/app:v1",layer="sha256:l"}"#;
+        for line in [
+            format!("ferry_mount_fetched_bytes_total{labels} 123"),
+            format!("ferry_mount_total_bytes{labels} 1000"),
+            format!("ferry_mount_cache_hits_total{labels} 4"),
+            format!("ferry_mount_fetch_errors_total{labels} 2"),
+            format!("ferry_mount_prefetch_done{labels} 1"),
+            format!("ferry_mount_fill_done{labels} 0"),
+            "ferry_mounts 1".to_owned(),
+        ] {
+            assert!(text.contains(&line), "missing {line} in\n{text}");
+        }
+        backend.unmount(Path::new("/mnt/x")).unwrap();
+        let text = render(&backend).unwrap();
+        assert!(!text.contains("/mnt/x"));
+        assert!(text.contains("ferry_mounts 0"));
+    }
+}

@@ -1,0 +1,641 @@
+//! Every lazy mount of the node, made and taken down in this process: one chunk store,
+//! one registry client and one I/O runtime shared by all of them.
+//!
+//! [`MountBackend`] is the narrow interface the control API and the snapshotter hook
+//! use, so they can be tested with an in-memory backend. [`MountManager`] is the real
+//! one. Its methods block (registry round trips, FUSE mount/unmount): call them from
+//! plain threads or `spawn_blocking`, never from an async task, and never while holding
+//! a lock a FUSE callback needs (FUSE callbacks run on fuser's own threads).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use ferry_fs::{
+    FerryFs, ImageSource, LayerSpec, MountOptions, MountedImage, StatsSnapshot, View, WarmHandle,
+};
+use ferry_index::ferryidx::LayerIndex;
+use ferry_index::source::RangeSource;
+use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
+use ferry_oci::{Descriptor, ImageRef};
+use ferry_registry::client::{Client, RangeRuntime};
+use ferry_store::Store;
+use serde::{Deserialize, Serialize};
+
+use crate::config::DaemonConfig;
+use crate::error::{Error, Result};
+
+/// How long an opened image's manifest and indexes are reused for further mounts of
+/// the same reference (the snapshotter mounts an image's layers one Prepare at a time).
+const IMAGE_CACHE_TTL: Duration = Duration::from_secs(60);
+/// Most images remembered at once.
+const IMAGE_CACHE_ENTRIES: usize = 32;
+
+/// Ask for a mount (`POST /v1/mounts`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountRequest {
+    /// `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]`.
+    pub image: String,
+    /// An existing directory, absolute.
+    pub mountpoint: PathBuf,
+    /// Mount only this layer (overlayfs lower-layer view).
+    #[serde(default)]
+    pub layer: Option<String>,
+}
+
+/// Who asked for a mount; decides what happens to it when the daemon stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MountOrigin {
+    /// `ferry mount` over the control socket: unmounted when the daemon stops.
+    Control,
+    /// The snapshotter's lazy layers: left for the next start to restore.
+    Snapshotter,
+}
+
+/// A mount that was made.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountInfo {
+    /// Canonical mount point.
+    pub mountpoint: PathBuf,
+    /// The image as requested.
+    pub image: String,
+    /// The layer, for a single-layer mount.
+    pub layer: Option<String>,
+    /// The image manifest's digest.
+    pub manifest_digest: String,
+}
+
+/// A live mount and its counters (`GET /v1/status`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountStatus {
+    /// What was mounted.
+    #[serde(flatten)]
+    pub info: MountInfo,
+    /// Who asked.
+    pub origin: MountOrigin,
+    /// Its counters.
+    pub stats: StatsSnapshot,
+}
+
+/// The chunk store as status reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStatus {
+    /// Its directory.
+    pub path: PathBuf,
+    /// Committed entries.
+    pub entries: u64,
+    /// Bytes stored.
+    pub bytes: u64,
+    /// The bound.
+    pub max_bytes: u64,
+}
+
+/// How a layer can be served lazily.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LayerKind {
+    /// A ferry index refers to the image for this layer.
+    FerryIndex,
+    /// The layer is eStargz (TOC digest annotation).
+    Estargz,
+    /// Neither: it would have to be fetched whole.
+    Plain,
+}
+
+impl LayerKind {
+    /// True when reads can start before the layer is downloaded.
+    pub fn is_lazy(self) -> bool {
+        !matches!(self, LayerKind::Plain)
+    }
+}
+
+/// The mount operations the control API and the snapshotter hook need.
+pub trait MountBackend: Send + Sync {
+    /// Mounts `request` (see [`MountManager::mount`]).
+    fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo>;
+    /// Unmounts what this backend mounted at `mountpoint`.
+    fn unmount(&self, mountpoint: &Path) -> Result<()>;
+    /// Every live mount.
+    fn list(&self) -> Vec<MountStatus>;
+    /// The chunk store, if there is one.
+    fn store_status(&self) -> Option<StoreStatus>;
+    /// How `layer` of `image` can be served, and the image's manifest digest.
+    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)>;
+}
+
+/// One layer as last opened: descriptor, ferry index, range source.
+type TemplateLayer = (Descriptor, Option<Arc<LayerIndex>>, Arc<dyn RangeSource>);
+
+/// An image's layers as last opened.
+struct ImageTemplate {
+    opened: Instant,
+    manifest_digest: String,
+    layers: Vec<TemplateLayer>,
+}
+
+impl ImageTemplate {
+    fn of(source: &ImageSource) -> ImageTemplate {
+        ImageTemplate {
+            opened: Instant::now(),
+            manifest_digest: source.manifest_digest.clone(),
+            layers: source
+                .layers
+                .iter()
+                .map(|l| (l.descriptor.clone(), l.index.clone(), l.source.clone()))
+                .collect(),
+        }
+    }
+
+    fn kind(&self, layer: &str) -> Option<LayerKind> {
+        let (desc, index, _) = self
+            .layers
+            .iter()
+            .find(|(d, _, _)| d.digest().as_ref() == layer)?;
+        Some(layer_kind_of(desc, index.is_some()))
+    }
+}
+
+/// What a layer's descriptor and index say about lazy serving.
+pub fn layer_kind_of(descriptor: &Descriptor, has_index: bool) -> LayerKind {
+    if has_index {
+        return LayerKind::FerryIndex;
+    }
+    let toc = descriptor
+        .annotations()
+        .as_ref()
+        .is_some_and(|a| a.contains_key(ANNOTATION_ESTARGZ_TOC));
+    if toc {
+        LayerKind::Estargz
+    } else {
+        LayerKind::Plain
+    }
+}
+
+struct ActiveMount {
+    info: MountInfo,
+    origin: MountOrigin,
+    image: Arc<MountedImage>,
+    session: fuser::BackgroundSession,
+    _warm: WarmHandle,
+}
+
+/// The node's mounts, served by this process.
+pub struct MountManager {
+    store: Arc<Store>,
+    client: Client,
+    runtime: RangeRuntime,
+    config: DaemonConfig,
+    mounts: Mutex<BTreeMap<PathBuf, ActiveMount>>,
+    /// Mount points with a mount in progress (so two requests cannot race for one).
+    pending: Mutex<HashSet<PathBuf>>,
+    images: Mutex<HashMap<String, Arc<ImageTemplate>>>,
+}
+
+impl std::fmt::Debug for MountManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountManager")
+            .field("store", &self.store.root())
+            .field("mounts", &lock(&self.mounts).keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The maps stay consistent across a panic (single inserts/removes).
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The absolute path of `path` with its parent resolved, without touching `path`
+/// itself (a dead FUSE mount there cannot be stat'ed).
+pub fn canonical_mountpoint(path: &Path) -> Result<PathBuf> {
+    if !path.is_absolute() {
+        return Err(Error::InvalidRequest(format!(
+            "mount point {} is not an absolute path",
+            path.display()
+        )));
+    }
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(Error::InvalidRequest(format!(
+            "cannot mount on {}",
+            path.display()
+        )));
+    };
+    let parent = parent
+        .canonicalize()
+        .map_err(|e| Error::InvalidRequest(format!("mount point {}: {e}", path.display())))?;
+    Ok(parent.join(name))
+}
+
+/// Checks a layer digest's shape before it goes anywhere.
+fn check_layer_digest(layer: &str) -> Result<()> {
+    let ok = layer
+        .strip_prefix("sha256:")
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::InvalidRequest(format!(
+            "{layer:?} is not a layer digest (sha256:<64 hex digits>)"
+        )))
+    }
+}
+
+/// `image` pinned to `manifest_digest` (so a moved tag cannot change a restored layer).
+pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
+    let pinned = match ImageRef::parse(image)
+        .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?
+    {
+        ImageRef::Layout { dir, .. } => ImageRef::Layout {
+            dir,
+            reference: manifest_digest.to_owned(),
+        },
+        ImageRef::Registry {
+            registry,
+            repository,
+            tag,
+            ..
+        } => ImageRef::Registry {
+            registry,
+            repository,
+            tag,
+            digest: Some(manifest_digest.to_owned()),
+        },
+    };
+    Ok(pinned.to_string())
+}
+
+/// Detaches whatever FUSE mount is at `mountpoint` (a leftover of a previous daemon),
+/// lazily so a busy one goes too. Nothing there is not an error.
+pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    if !ferry_fs::is_mounted(mountpoint) {
+        return Ok(());
+    }
+    let path = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| {
+        Error::InvalidRequest(format!("{} contains a NUL byte", mountpoint.display()))
+    })?;
+    // SAFETY: path is a valid NUL-terminated string that outlives the call.
+    let rc = unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+    if rc == 0 {
+        tracing::info!(mountpoint = %mountpoint.display(), "detached a stale mount");
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() != Some(libc::EPERM) {
+        return Err(Error::io(
+            format!("detaching the stale mount at {}", mountpoint.display()),
+            err,
+        ));
+    }
+    let status = std::process::Command::new("fusermount3")
+        .arg("-uz")
+        .arg(mountpoint)
+        .status()
+        .map_err(|e| Error::io("running fusermount3 -uz", e))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(Error::InvalidRequest(format!(
+            "fusermount3 -uz {} failed ({status})",
+            mountpoint.display()
+        )))
+    }
+}
+
+impl MountManager {
+    /// A manager over `store`, with a registry client and I/O runtime built from `config`.
+    pub fn new(store: Arc<Store>, config: DaemonConfig) -> Result<MountManager> {
+        let client = Client::new(config.client_config())?;
+        let runtime = RangeRuntime::new()?;
+        Ok(MountManager {
+            store,
+            client,
+            runtime,
+            config,
+            mounts: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(HashSet::new()),
+            images: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The chunk store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// Opens `image` afresh and remembers its layers for [`IMAGE_CACHE_TTL`].
+    fn open_image(&self, image: &str) -> Result<ImageSource> {
+        let source = ImageSource::open(image, &self.client, &self.runtime)?;
+        let mut images = lock(&self.images);
+        images.retain(|_, t| t.opened.elapsed() < IMAGE_CACHE_TTL);
+        if images.len() >= IMAGE_CACHE_ENTRIES
+            && let Some(oldest) = images
+                .iter()
+                .min_by_key(|(_, t)| t.opened)
+                .map(|(k, _)| k.clone())
+        {
+            images.remove(&oldest);
+        }
+        images.insert(image.to_owned(), Arc::new(ImageTemplate::of(&source)));
+        Ok(source)
+    }
+
+    fn cached(&self, image: &str) -> Option<Arc<ImageTemplate>> {
+        lock(&self.images)
+            .get(image)
+            .filter(|t| t.opened.elapsed() < IMAGE_CACHE_TTL)
+            .cloned()
+    }
+
+    /// The source to mount: the whole image for a merged view; for one layer only that
+    /// layer (so the other layers are not touched), from the cache when it is lazy.
+    fn source_for(&self, image: &str, layer: Option<&str>) -> Result<ImageSource> {
+        let Some(layer) = layer else {
+            // Whole-blob layers need the registry handle only a fresh open carries.
+            return self.open_image(image);
+        };
+        if let Some(template) = self.cached(image)
+            && let Some((desc, index, source)) = template
+                .layers
+                .iter()
+                .find(|(d, _, _)| d.digest().as_ref() == layer)
+            && layer_kind_of(desc, index.is_some()).is_lazy()
+        {
+            return Ok(ImageSource {
+                manifest_digest: template.manifest_digest.clone(),
+                layers: vec![LayerSpec::new(desc.clone(), index.clone(), source.clone())],
+            });
+        }
+        let mut source = self.open_image(image)?;
+        source
+            .layers
+            .retain(|l| l.descriptor.digest().as_ref() == layer);
+        if source.layers.is_empty() {
+            return Err(Error::InvalidRequest(format!(
+                "image {image} has no layer {layer}"
+            )));
+        }
+        Ok(source)
+    }
+
+    fn mount_reserved(
+        &self,
+        request: &MountRequest,
+        mountpoint: &Path,
+        origin: MountOrigin,
+    ) -> Result<MountInfo> {
+        if lock(&self.mounts).contains_key(mountpoint) || ferry_fs::is_mounted(mountpoint) {
+            return Err(Error::AlreadyMounted(mountpoint.to_path_buf()));
+        }
+        if !mountpoint.is_dir() {
+            return Err(Error::InvalidRequest(format!(
+                "mount point {} is not a directory",
+                mountpoint.display()
+            )));
+        }
+        let source = self.source_for(&request.image, request.layer.as_deref())?;
+        let view = match &request.layer {
+            Some(d) => View::Layer(d.clone()),
+            None => View::Merged,
+        };
+        let image = Arc::new(MountedImage::new(
+            source,
+            Some(self.store.clone()),
+            self.config.fetch_config(),
+            &view,
+        )?);
+        let opts = MountOptions {
+            threads: self.config.fuse.threads,
+            allow_other: self.config.fuse.allow_other,
+            fsname: format!("ferry:{}", image.manifest_digest),
+        };
+        let session = ferry_fs::mount(FerryFs::new(image.clone()), mountpoint, &opts)?;
+        let warm = ferry_fs::warm::start(&image, &self.config.warm, image.trace.clone());
+        let info = MountInfo {
+            mountpoint: mountpoint.to_path_buf(),
+            image: request.image.clone(),
+            layer: request.layer.clone(),
+            manifest_digest: image.manifest_digest.clone(),
+        };
+        tracing::info!(
+            mountpoint = %mountpoint.display(),
+            image = %request.image,
+            layer = request.layer.as_deref().unwrap_or("-"),
+            ?origin,
+            "mounted"
+        );
+        lock(&self.mounts).insert(
+            mountpoint.to_path_buf(),
+            ActiveMount {
+                info: info.clone(),
+                origin,
+                image,
+                session,
+                _warm: warm,
+            },
+        );
+        Ok(info)
+    }
+
+    /// Forgets mounts whose FUSE session ended (unmounted from outside, e.g. `umount`
+    /// or `fusermount3 -u`), so status and new mounts see the truth.
+    fn reap(&self) {
+        let mut mounts = lock(&self.mounts);
+        let ended: Vec<PathBuf> = mounts
+            .iter()
+            .filter(|(_, m)| m.session.guard.is_finished())
+            .map(|(p, _)| p.clone())
+            .collect();
+        for mountpoint in ended {
+            if let Some(m) = mounts.remove(&mountpoint) {
+                tracing::info!(mountpoint = %mountpoint.display(), "unmounted from outside");
+                if let Err(e) = m.session.join() {
+                    tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "FUSE session ended with an error");
+                }
+            }
+        }
+    }
+
+    /// Stops serving every mount. Control mounts are unmounted; snapshotter mounts are
+    /// left in place (their FUSE connection dies with the process; the next start's
+    /// restore detaches and remounts them).
+    pub fn shutdown(&self) {
+        self.reap();
+        let all = std::mem::take(&mut *lock(&self.mounts));
+        for (mountpoint, mount) in all {
+            match mount.origin {
+                MountOrigin::Control => {
+                    if let Err(failed) = finish(&mountpoint, mount) {
+                        let (e, mount) = *failed;
+                        tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "unmount failed; detaching");
+                        if let Err(e) = detach_stale_mount(&mountpoint) {
+                            tracing::error!(mountpoint = %mountpoint.display(), error = %e, "cannot detach");
+                        }
+                        // Its FUSE threads end when the last user of the mount leaves.
+                        drop(mount);
+                    }
+                }
+                MountOrigin::Snapshotter => {
+                    tracing::info!(mountpoint = %mountpoint.display(), "leaving the lazy layer for restore");
+                    // Dropping the session would unmount it under running containers.
+                    std::mem::forget(mount.session);
+                }
+            }
+        }
+    }
+}
+
+/// Unmounts one mount and waits for its FUSE threads.
+fn finish(
+    mountpoint: &Path,
+    mount: ActiveMount,
+) -> std::result::Result<(), Box<(Error, ActiveMount)>> {
+    if let Err(e) = ferry_fs::unmount(mountpoint) {
+        return Err(Box::new((e.into(), mount)));
+    }
+    let ActiveMount { session, .. } = mount;
+    if let Err(e) = session.join() {
+        tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "FUSE session ended with an error");
+    }
+    tracing::info!(mountpoint = %mountpoint.display(), "unmounted");
+    Ok(())
+}
+
+impl MountBackend for MountManager {
+    /// Opens the image (or one layer of it), mounts it at the request's mount point and
+    /// starts warming it.
+    fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo> {
+        if let Some(layer) = &request.layer {
+            check_layer_digest(layer)?;
+        }
+        let mountpoint = canonical_mountpoint(&request.mountpoint)?;
+        self.reap();
+        if !lock(&self.pending).insert(mountpoint.clone()) {
+            return Err(Error::AlreadyMounted(mountpoint));
+        }
+        let result = self.mount_reserved(request, &mountpoint, origin);
+        lock(&self.pending).remove(&mountpoint);
+        result
+    }
+
+    fn unmount(&self, mountpoint: &Path) -> Result<()> {
+        let mountpoint = canonical_mountpoint(mountpoint)?;
+        self.reap();
+        let Some(mount) = lock(&self.mounts).remove(&mountpoint) else {
+            return Err(Error::NotMounted(mountpoint));
+        };
+        match finish(&mountpoint, mount) {
+            Ok(()) => Ok(()),
+            Err(failed) => {
+                let (e, mount) = *failed;
+                // Still mounted (busy): keep serving it.
+                lock(&self.mounts).insert(mountpoint, mount);
+                Err(e)
+            }
+        }
+    }
+
+    fn list(&self) -> Vec<MountStatus> {
+        self.reap();
+        lock(&self.mounts)
+            .values()
+            .map(|m| MountStatus {
+                info: m.info.clone(),
+                origin: m.origin,
+                stats: m.image.stats.snapshot(),
+            })
+            .collect()
+    }
+
+    fn store_status(&self) -> Option<StoreStatus> {
+        let stats = self.store.stats();
+        Some(StoreStatus {
+            path: self.store.root().to_path_buf(),
+            entries: stats.entries,
+            bytes: stats.bytes,
+            max_bytes: stats.max_bytes,
+        })
+    }
+
+    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)> {
+        check_layer_digest(layer)?;
+        let template = match self.cached(image) {
+            Some(t) => t,
+            None => {
+                self.open_image(image)?;
+                self.cached(image).ok_or_else(|| {
+                    Error::InvalidRequest(format!("image {image} could not be remembered"))
+                })?
+            }
+        };
+        let kind = template
+            .kind(layer)
+            .ok_or_else(|| Error::InvalidRequest(format!("image {image} has no layer {layer}")))?;
+        Ok((kind, template.manifest_digest.clone()))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountpoints_must_be_absolute_and_have_a_real_parent() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        assert_eq!(
+            canonical_mountpoint(&dir.path().join("x")).unwrap(),
+            real.join("x")
+        );
+        assert!(matches!(
+            canonical_mountpoint(Path::new("relative/x")),
+            Err(Error::InvalidRequest(_))
+        ));
+        assert!(canonical_mountpoint(&dir.path().join("missing/x")).is_err());
+        assert!(canonical_mountpoint(Path::new("/")).is_err());
+    }
+
+    #[test]
+    fn layer_digests_are_checked() {
+        check_layer_digest(&format!("sha256:{}", "a".repeat(64))).unwrap();
+        assert!(check_layer_digest("sha256:abc").is_err());
+        assert!(check_layer_digest(&format!("md5:{}", "a".repeat(64))).is_err());
+        assert!(check_layer_digest(&format!("sha256:{}", "z".repeat(64))).is_err());
+    }
+
+    #[test]
+    fn images_are_pinned_to_their_manifest() {
+        let d = format!("sha256:{}", "1".repeat(64));
+        assert_eq!(
+            pin_image("reg.local:5000/a/b:v1", &d).unwrap(),
+            format!("reg.local:5000/a/b:v1@{d}")
+        );
+        assert_eq!(
+            pin_image("oci:/tmp/img:small", &d).unwrap(),
+            format!("oci:/tmp/img@{d}")
+        );
+        assert!(pin_image("", &d).is_err());
+    }
+
+    #[test]
+    fn layer_kind_follows_index_then_toc_annotation() {
+        let plain: Descriptor = serde_json::from_value(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+            "digest": format!("sha256:{}", "2".repeat(64)),
+            "size": 10
+        }))
+        .unwrap();
+        assert_eq!(layer_kind_of(&plain, false), LayerKind::Plain);
+        assert_eq!(layer_kind_of(&plain, true), LayerKind::FerryIndex);
+        let mut esgz = plain.clone();
+        esgz.set_annotations(Some(
+            [(ANNOTATION_ESTARGZ_TOC.to_owned(), "sha256:toc".to_owned())].into(),
+        ));
+        assert_eq!(layer_kind_of(&esgz, false), LayerKind::Estargz);
+        assert!(!LayerKind::Plain.is_lazy() && LayerKind::Estargz.is_lazy());
+    }
+}
