@@ -122,7 +122,9 @@ unmount_ok() {
     fi
 }
 # server_pid MNT: pid of the `ferry mount … MNT --foreground` process
-server_pid() { pgrep -f -- "mount .* $1 --foreground" | head -1; }
+server_pid() { pgrep -f -- "mount .* $1 --foreground" | head -1 || true; }
+# daemon_pid SOCKET: pid of the node daemon `ferry mount` started on that control socket
+daemon_pid() { pgrep -f -- "daemon --socket $1" | head -1 || true; }
 # wait_stats FILE: wait until the stats file exists and counts a fetch or a hit
 wait_stats() {
     local i
@@ -250,9 +252,15 @@ echo "# 3. one layer alone, whiteouts as overlayfs expects"
 UPPER=$(oci_manifest "$IMG" small | jq -r '.layers[-1].digest')
 MNT=$E2E_TMP/mnt-layer
 mkdir -p "$MNT"
-fy "$E2E_TMP/m4.out" "$E2E_TMP/m4.err" mount "oci:$IMG:small" "$MNT" --layer "$UPPER" --store "$E2E_TMP/store1"
+# Served by the node daemon `ferry mount` starts (no --stats-file/--foreground): a private
+# one on its own control socket, stopped at the end of section 4.
+DSOCK=$E2E_TMP/run/daemon.sock
+mkdir -p "$E2E_TMP/run"
+fy "$E2E_TMP/m4.out" "$E2E_TMP/m4.err" mount "oci:$IMG:small" "$MNT" --layer "$UPPER" --store "$E2E_TMP/store1" --socket "$DSOCK"
+DPID=$(daemon_pid "$DSOCK")
+[[ -n $DPID ]] && E2E_PIDS+=("$DPID")
 if [[ $RC == 0 ]]; then
-    PID=$(server_pid "$MNT")
+    PID=""
     wh=$(stat -c '%F %t:%T' "$MNT/tmp/remove-me.txt" 2>&1 || true)
     over=$(cat "$MNT/data/overwritten.txt" 2>&1 || true)
     if [[ $wh == "character special file 0:0" && $over == "new version (layer 2)" && ! -e $MNT/bin/busybox ]]; then
@@ -270,14 +278,26 @@ fi
 echo "# 4. an image without any index (whole layers)"
 MNT=$E2E_TMP/mnt-whole
 mkdir -p "$MNT"
-fy "$E2E_TMP/m5.out" "$E2E_TMP/m5.err" mount "oci:$SMALL:small" "$MNT" --store "$E2E_TMP/store3"
+fy "$E2E_TMP/m5.out" "$E2E_TMP/m5.err" mount "oci:$SMALL:small" "$MNT" --socket "$DSOCK"
 if [[ $RC == 0 ]]; then
-    PID=$(server_pid "$MNT")
-    compare_walk "unindexed layers" "$MNT"
-    unmount_ok "unindexed layers" "$MNT" "$PID"
+    compare_walk "unindexed layers (same daemon)" "$MNT"
+    if "$FERRY" status --json --socket "$DSOCK" | jq -e --arg m "$MNT" '.mounts[] | select(.mountpoint == $m)' >/dev/null; then
+        pass "ferry status lists the daemon's mount of the unindexed image"
+    else
+        fail "ferry status does not list $MNT"
+    fi
+    unmount_ok "unindexed layers" "$MNT"
 else
     fail "ferry mount of the unindexed image: exit $RC"
     show "$E2E_TMP/m5.err"
+fi
+if [[ -n $DPID ]]; then
+    kill -TERM "$DPID"
+    if wait_for 20 "daemon exit" bash -c "! kill -0 $DPID" && [[ ! -S $DSOCK ]]; then
+        pass "the node daemon exits on SIGTERM and removes its socket"
+    else
+        fail "the node daemon (pid $DPID) did not exit cleanly on SIGTERM"
+    fi
 fi
 
 # ---------------------------------------------------------------- 5. SIGTERM

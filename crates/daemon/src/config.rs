@@ -32,6 +32,9 @@ pub struct DaemonConfig {
     pub fuse: FuseSection,
     /// `[warm]`: prefetch and background fill.
     pub warm: WarmConfig,
+    /// `[file_cache]`: fully local files kept decompressed and served by the kernel
+    /// (FUSE passthrough) at native speed.
+    pub file_cache: ferry_fs::FileCacheConfig,
     /// `[control]`: the control socket `ferry mount` / `ferry status` talk to.
     pub control: ControlSection,
     /// `[metrics]`: Prometheus endpoint.

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ferry_fs::{
-    FerryFs, ImageSource, LayerSpec, MountOptions, MountedImage, StatsSnapshot, View, WarmHandle,
+    FerryFs, FileCache, ImageSource, LayerSpec, MountOptions, MountedImage, StatsSnapshot, Trace,
+    View, WarmHandle,
 };
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::source::RangeSource;
@@ -192,6 +193,11 @@ pub struct MountManager {
     /// Mount points with a mount in progress (so two requests cannot race for one).
     pending: Mutex<HashSet<PathBuf>>,
     images: Mutex<HashMap<String, Arc<ImageTemplate>>>,
+    /// Startup traces looked up per image manifest, kept as long as opened images, so
+    /// the layers of one image (one mount each under the snapshotter) ask once.
+    traces: Mutex<HashMap<String, (Instant, Option<Trace>)>>,
+    /// Decompressed copies of fully local files, shared by every mount.
+    file_cache: Option<Arc<FileCache>>,
 }
 
 impl std::fmt::Debug for MountManager {
@@ -310,6 +316,18 @@ impl MountManager {
     pub fn new(store: Arc<Store>, config: DaemonConfig) -> Result<MountManager> {
         let client = Client::new(config.client_config())?;
         let runtime = RangeRuntime::new()?;
+        let file_cache = if config.file_cache.enabled {
+            match FileCache::open(&config.file_cache, Some(store.clone())) {
+                Ok(cache) => Some(Arc::new(cache)),
+                Err(e) => {
+                    // Reads still work, only slower: not a reason to refuse to start.
+                    tracing::warn!(error = %e, "file cache unavailable; cached files are served through FUSE");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(MountManager {
             store,
             client,
@@ -318,7 +336,34 @@ impl MountManager {
             mounts: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(HashSet::new()),
             images: Mutex::new(HashMap::new()),
+            traces: Mutex::new(HashMap::new()),
+            file_cache,
         })
+    }
+
+    /// The startup trace published for `image` (manifest `manifest`), when prefetch is
+    /// on; looked up once per [`IMAGE_CACHE_TTL`]. A trace that cannot be read is logged
+    /// and ignored: the mount works without prefetch.
+    fn trace_for(&self, image: &str, manifest: &str) -> Option<Trace> {
+        if !self.config.warm.prefetch {
+            return None;
+        }
+        if let Some((at, trace)) = lock(&self.traces).get(manifest)
+            && at.elapsed() < IMAGE_CACHE_TTL
+        {
+            return trace.clone();
+        }
+        let trace = match ferry_fs::find_trace(image, manifest, &self.client, &self.runtime) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(image, error = %e, "startup trace not usable; ignored");
+                None
+            }
+        };
+        let mut traces = lock(&self.traces);
+        traces.retain(|_, (at, _)| at.elapsed() < IMAGE_CACHE_TTL);
+        traces.insert(manifest.to_owned(), (Instant::now(), trace.clone()));
+        trace
     }
 
     /// The chunk store.
@@ -401,18 +446,21 @@ impl MountManager {
             Some(d) => View::Layer(d.clone()),
             None => View::Merged,
         };
-        let image = Arc::new(MountedImage::new(
+        let mut image = MountedImage::new(
             source,
             Some(self.store.clone()),
             self.config.fetch_config(),
             &view,
-        )?);
+        )?;
+        image.trace = self.trace_for(&request.image, &image.manifest_digest);
+        let image = Arc::new(image);
         let opts = MountOptions {
             threads: self.config.fuse.threads,
             allow_other: self.config.fuse.allow_other,
             fsname: format!("ferry:{}", image.manifest_digest),
         };
-        let session = ferry_fs::mount(FerryFs::new(image.clone()), mountpoint, &opts)?;
+        let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone());
+        let session = ferry_fs::mount(fs, mountpoint, &opts)?;
         let warm = ferry_fs::warm::start(&image, &self.config.warm, image.trace.clone());
         let info = MountInfo {
             mountpoint: mountpoint.to_path_buf(),
