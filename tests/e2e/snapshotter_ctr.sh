@@ -183,6 +183,10 @@ by_hand() {
     umount "$MNT" || return 1
     ctr_ "${s[@]}" commit hand-committed hand-active || return 1
     ctr_ "${s[@]}" view hand-view hand-committed >/dev/null || return 1
+    # ctr's lease ends with each command: without a GC root containerd's collector may
+    # remove these unreferenced snapshots whenever it runs (e.g. around the restart below).
+    ctr_ "${s[@]}" label hand-committed containerd.io/gc.root=e2e >/dev/null || return 1
+    ctr_ "${s[@]}" label hand-view containerd.io/gc.root=e2e >/dev/null || return 1
     eval "$(ctr_ "${s[@]}" mounts "$MNT" hand-view)" || return 1
 }
 if by_hand; then
