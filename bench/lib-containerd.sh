@@ -1,0 +1,90 @@
+# bench/lib-containerd.sh — helpers for benchmarks that start containers through
+# containerd: fresh containerd roots, a ferry daemon serving the snapshotter, timing to
+# first output. Source after bench/lib.sh.
+# shellcheck shell=bash
+# containerd helpers (start_containerd_with_snapshotter, ctr_, stop_containerd…)
+# shellcheck source=tests/e2e/lib.sh
+source "$BENCH_ROOT/tests/e2e/lib.sh"
+
+# first_output CMD...: runs CMD; writes the seconds from T0 to its first output line to
+# $E2E_TMP/seconds (and the line to $E2E_TMP/first-line)
+first_output() {
+    local line
+    rm -f "$E2E_TMP/seconds" "$E2E_TMP/first-line"
+    "$@" 2>"$E2E_TMP/run.err" | {
+        if IFS= read -r line; then
+            since "$T0" >"$E2E_TMP/seconds"
+            echo "$line" >"$E2E_TMP/first-line"
+            cat >/dev/null
+        fi
+    }
+    [[ -s $E2E_TMP/seconds ]] || { cat "$E2E_TMP/run.err" >&2; e2e_die "the container printed nothing"; }
+}
+
+CTR_ID=0
+fresh_containerd() { # [SNAPSHOTTER_SOCKET]
+    stop_containerd >/dev/null 2>&1 || true
+    rm -rf "$E2E_TMP/containerd"
+    if [[ -n ${1:-} ]]; then
+        start_containerd_with_snapshotter ferry "$1" >/dev/null 2>&1
+    else
+        start_containerd >/dev/null 2>&1
+    fi
+}
+
+DAEMON_PID=
+stop_daemon() {
+    [[ -n $DAEMON_PID ]] || return 0
+    kill "$DAEMON_PID" 2>/dev/null || true
+    wait "$DAEMON_PID" 2>/dev/null || true
+    DAEMON_PID=
+    e2e_umount_under "$E2E_TMP/ferry" 2>/dev/null || true
+}
+start_daemon() { # STORE_DIR PREFETCH(true|false) [BACKGROUND_FILL(true|false), default false]
+    stop_daemon
+    rm -rf "$E2E_TMP/ferry/snapshotter" "$E2E_TMP/ferry/run"
+    mkdir -p "$E2E_TMP/ferry/run" "$1"
+    cat >"$E2E_TMP/ferry/daemon.toml" <<EOF
+[store]
+path = "$1"
+
+[control]
+socket = "$E2E_TMP/ferry/run/daemon.sock"
+
+[snapshotter]
+enabled = true
+socket = "$E2E_TMP/ferry/run/snapshotter.sock"
+root = "$E2E_TMP/ferry/snapshotter"
+
+[warm]
+prefetch = $2
+background_fill = ${3:-false}
+EOF
+    "$FERRY" daemon --config "$E2E_TMP/ferry/daemon.toml" >"$E2E_TMP/ferry/daemon.log" 2>&1 &
+    DAEMON_PID=$!
+    wait_for 30 "ferry daemon" test -S "$E2E_TMP/ferry/run/snapshotter.sock" ||
+        { tail -20 "$E2E_TMP/ferry/daemon.log" >&2; e2e_die "ferry daemon did not start"; }
+}
+status_json() { "$FERRY" status --json --socket "$E2E_TMP/ferry/run/daemon.sock"; }
+# sum of a StatsSnapshot field over every mount the daemon serves
+status_sum() { status_json | jq "[.mounts[].stats.$1] | add // 0"; }
+
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else printf "%.3f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+# pNN PERCENT: the PERCENT-th percentile of the numbers on stdin (nearest rank)
+pct() { sort -g | awk -v p="$1" '{ v[NR] = $1 } END { i = int((p / 100) * NR + 0.999); if (i < 1) i = 1; if (i > NR) i = NR; print v[i] }'; }
+
+# publish_bench_image: $IMG:$TAG, indexed by ferry, into a fresh ferry registry twice:
+# REF (for runs that get a startup trace) and REF_PLAIN (never traced). Sets REG too.
+publish_bench_image() {
+    : >"$E2E_TMP/reg.toml"
+    start_ferry_registry reg "$E2E_TMP/reg.toml" >/dev/null || e2e_die "ferry registry did not start"
+    REG=$REG_ADDR
+    REF=$REG/bench/app:v1
+    REF_PLAIN=$REG/bench/plain:v1
+    local layout=$E2E_TMP/layout
+    clone_layout "$IMG" "$layout"
+    "$FERRY" index "oci:$layout:$TAG" >"$OUT/index.txt"
+    "$FERRY" copy --plain-http "oci:$layout:$TAG" "$REF" >"$OUT/copy.txt" 2>&1
+    "$FERRY" copy --plain-http "oci:$layout:$TAG" "$REF_PLAIN" >>"$OUT/copy.txt" 2>&1
+    e2e_log "image $REF: $(tail -1 "$OUT/index.txt")"
+}
