@@ -62,6 +62,7 @@ background_fill = ${3:-false}
 EOF
     "$FERRY" daemon --config "$E2E_TMP/ferry/daemon.toml" >"$E2E_TMP/ferry/daemon.log" 2>&1 &
     DAEMON_PID=$!
+    E2E_PIDS+=("$DAEMON_PID") # stopped by the exit trap too, should the run die
     wait_for 30 "ferry daemon" test -S "$E2E_TMP/ferry/run/snapshotter.sock" ||
         { tail -20 "$E2E_TMP/ferry/daemon.log" >&2; e2e_die "ferry daemon did not start"; }
 }

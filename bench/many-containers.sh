@@ -31,18 +31,20 @@ publish_bench_image
 # start_all SIDE SNAPSHOTTER_ARGS...: N `ctr run --rm` at once; per-container seconds to
 # first output in $E2E_TMP/SIDE.times, wall time to the last exit in $E2E_TMP/SIDE.wall
 start_all() {
-    local side=$1 i
+    local side=$1 i pids=()
     shift
     : >"$E2E_TMP/$side.times"
     T0=$(now)
     for i in $(seq "$N"); do
         (
             ctr_ run --rm "$@" "$REF" "$side-$i" "$START_CMD" 2>"$E2E_TMP/$side-$i.err" | {
-                if IFS= read -r _; then since "$T0" >>"$E2E_TMP/$side.times"; cat >/dev/null; fi
+                if IFS= read -r _; then echo "$(since "$T0")" >>"$E2E_TMP/$side.times"; cat >/dev/null; fi
             }
         ) &
+        pids+=($!)
     done
-    wait
+    # only these: a bare `wait` would also wait for containerd and the registry
+    wait "${pids[@]}" || true
     since "$T0" >"$E2E_TMP/$side.wall"
     local got
     got=$(wc -l <"$E2E_TMP/$side.times")
