@@ -47,16 +47,6 @@ if [[ ! -x $FERRY ]] || ! "$FERRY" copy --help >/dev/null 2>&1; then
 fi
 e2e_log "ferry: $FERRY"
 
-# fy OUT ERR ARGS...: run ferry ARGS with a timeout, stdout/stderr to files; sets RC
-fy() {
-    local o=$1 e=$2
-    shift 2
-    set +e
-    timeout "$FT" "$FERRY" "$@" >"$o" 2>"$e"
-    RC=$?
-    set -e
-}
-show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
 manifest_digest() {
     jq -r --arg t "$2" '.manifests[] | select(.annotations["org.opencontainers.image.ref.name"] == $t) | .digest' "$1/index.json" | head -1
 }

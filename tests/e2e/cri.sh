@@ -56,7 +56,6 @@ fi
 e2e_log "ferry: $FERRY"
 
 CRI_CLIENT=$FERRY_ROOT/tests/cri/cri_client.py
-show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
 
 # cri CMD ARGS...: one CRI call; response JSON in $CRI_OUT, stderr in $CRI_ERR, exit in RC
 cri() {

@@ -52,16 +52,6 @@ fi
 e2e_log "ferry: $FERRY"
 
 # ---------------------------------------------------------------- helpers
-# fy OUT ERR ARGS...: run ferry ARGS with a timeout, stdout/stderr to files; sets RC
-fy() {
-    local o=$1 e=$2
-    shift 2
-    set +e
-    timeout "$FT" "$FERRY" "$@" >"$o" 2>"$e"
-    RC=$?
-    set -e
-}
-show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
 is_mounted() { grep -q " $1 " /proc/self/mountinfo; }
 # same NAME GOT WANT: files are identical
 same() {

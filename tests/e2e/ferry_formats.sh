@@ -53,17 +53,7 @@ fi
 e2e_log "ferry: $FERRY"
 
 # ---------------------------------------------------------------- helpers
-# fy OUT ERR ARGS...: run ferry ARGS with a timeout, stdout/stderr to files; sets RC
-fy() {
-    local o=$1 e=$2
-    shift 2
-    set +e
-    timeout "$FT" "$FERRY" "$@" >"$o" 2>"$e"
-    RC=$?
-    set -e
-}
 sha() { sha256sum <"$1" | cut -d' ' -f1; }
-show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
 # showdiff WANT_FILE GOT_FILE: print the differing lines as "- want" / "+ got"
 showdiff() { { diff "$1" "$2" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20; } || true; }
 # manifest_digest DIR TAG

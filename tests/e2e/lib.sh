@@ -494,3 +494,17 @@ start_containerd_with_snapshotter() {
     fi
     e2e_log "containerd pid $CONTAINERD_PID with proxy snapshotter $name at $sock"
 }
+
+# ------------------------------------------------------------------ running ferry
+# fy OUT ERR ARGS...: run $FERRY ARGS with a timeout ($FT, else $FERRY_TIMEOUT, else
+# 120 s), stdout and stderr to files; sets RC (never exits on failure)
+fy() {
+    local o=$1 e=$2
+    shift 2
+    set +e
+    timeout "${FT:-${FERRY_TIMEOUT:-120}}" "$FERRY" "$@" >"$o" 2>"$e"
+    RC=$?
+    set -e
+}
+# show FILE [N]: the last N (default 10) lines of FILE, indented, for failure reports
+show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }

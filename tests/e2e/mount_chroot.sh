@@ -53,16 +53,6 @@ fi
 e2e_log "ferry: $FERRY"
 
 # ---------------------------------------------------------------- helpers
-# fy OUT ERR ARGS...: run ferry ARGS with a timeout, stdout/stderr to files; sets RC
-fy() {
-    local o=$1 e=$2
-    shift 2
-    set +e
-    timeout "$FT" "$FERRY" "$@" >"$o" 2>"$e"
-    RC=$?
-    set -e
-}
-show() { sed 's/^/    | /' "$1" | tail -"${2:-10}" || true; }
 showdiff() { { diff "$1" "$2" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20; } || true; }
 # stat_of FILE KEY: a number from a --stats-file JSON
 stat_of() { jq -r ".$2" "$1"; }
