@@ -32,6 +32,9 @@ pub const MAX_LABEL_LEN: usize = 4096;
 pub const MAX_LABELS: usize = 256;
 /// The staging directory's name under the root.
 const STAGING_DIR: &str = "staging";
+/// A staged directory older than this is left over from a pull that died (a pull's
+/// containerd lease lasts an hour), and `Cleanup` removes it.
+pub const STAGING_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(2 * 3600);
 /// Longest parent chain followed (a loop in a corrupt database must not hang us).
 const MAX_CHAIN: usize = 4096;
 
@@ -698,7 +701,37 @@ impl Snapshotter {
                 }
             }
         }
+        self.cleanup_staging(&mut report);
         Ok(report)
+    }
+
+    /// Removes staged layers older than [`STAGING_MAX_AGE`]: a pull that was killed
+    /// leaves its unpacked directories behind; a live pull's are younger.
+    fn cleanup_staging(&self, report: &mut CleanupReport) {
+        let dir = self.staging_dir();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let age = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok());
+            if age.is_none_or(|a| a < STAGING_MAX_AGE) {
+                continue;
+            }
+            match remove_snapshot_dir(&entry.path()) {
+                Ok(()) => {
+                    tracing::info!(dir = %entry.path().display(), "cleanup removed a stale staged layer");
+                    report.removed += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %entry.path().display(), error = %e, "cleanup cannot remove a stale staged layer");
+                    report.skipped += 1;
+                }
+            }
+        }
     }
 }
 

@@ -253,3 +253,28 @@ fn containerd_finds_the_adopted_layer_with_its_walk_filter() {
     assert_eq!(found.len(), 1, "{found:?}");
     assert_eq!(found[0].name, target);
 }
+
+#[test]
+fn cleanup_removes_only_stale_staged_layers() {
+    let root = tempfile::tempdir().unwrap();
+    let s = open(root.path());
+    let fresh = stage(&s, "pull-live", &[("a", "1")]);
+    let stale = stage(&s, "pull-dead", &[("b/c", "2")]);
+    let old = std::time::SystemTime::now()
+        - ferry_snapshotter::snapshotter::STAGING_MAX_AGE
+        - std::time::Duration::from_secs(60);
+    std::fs::File::open(&stale)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let report = s.cleanup().unwrap();
+    assert_eq!(report.removed, 1);
+    assert!(
+        !stale.exists(),
+        "a staged layer older than the limit is removed"
+    );
+    assert!(
+        fresh.join("a").is_file(),
+        "a live pull's staged layer is kept"
+    );
+}
