@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use ferry_oci::layout::{OciLayout, canonical_json, descriptor, media_type};
-use ferry_oci::media::{OCI_EMPTY, OCI_MANIFEST};
+use ferry_oci::layout::{OciLayout, artifact_manifest, descriptor, media_type};
+use ferry_oci::media::OCI_MANIFEST;
 use ferry_oci::{Descriptor, ImageManifest};
 use ferry_registry::client::{Client, RangeRuntime, Repo};
 
@@ -229,28 +229,19 @@ fn now_secs() -> u64 {
 }
 
 /// The artifact manifest of `trace` (whose JSON is `blob`) referring to `subject`.
-fn artifact_manifest(
-    subject: &Descriptor,
-    blob: &[u8],
-    empty_digest: ferry_oci::Digest,
-) -> Result<Vec<u8>> {
-    let blob_digest = ferry_oci::sha256_digest(blob);
-    let subject_desc = descriptor(
-        subject.media_type().as_ref(),
-        subject.digest().clone(),
-        subject.size(),
+fn trace_artifact(subject: &Descriptor, blob: &[u8]) -> Result<Vec<u8>> {
+    let layer = descriptor(
+        TRACE_BLOB_MEDIA_TYPE,
+        ferry_oci::sha256_digest(blob),
+        blob.len() as u64,
         &[],
     );
-    let doc = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": TRACE_MEDIA_TYPE,
-        "config": descriptor(OCI_EMPTY, empty_digest, 2, &[]),
-        "layers": [descriptor(TRACE_BLOB_MEDIA_TYPE, blob_digest, blob.len() as u64, &[])],
-        "subject": subject_desc,
-        "annotations": { ANNOTATION_TRACE_CREATED: now_secs().to_string() },
-    });
-    Ok(canonical_json(&doc)?)
+    Ok(artifact_manifest(
+        TRACE_MEDIA_TYPE,
+        &[layer],
+        subject,
+        &[(ANNOTATION_TRACE_CREATED, now_secs().to_string())],
+    )?)
 }
 
 /// The trace blob's descriptor in an artifact manifest referring to `subject`, if the
@@ -287,9 +278,10 @@ pub fn store_layout_trace(
     trace: &Trace,
 ) -> Result<Descriptor> {
     let json = trace.to_json()?;
-    let empty = layout.write_blob(b"{}")?;
+    // The empty config blob the artifact manifest names, and the trace itself.
+    layout.write_blob(b"{}")?;
     layout.write_blob(&json)?;
-    let manifest = artifact_manifest(subject, &json, empty)?;
+    let manifest = trace_artifact(subject, &json)?;
     let digest = layout.write_blob(&manifest)?;
     let mut desc = descriptor(OCI_MANIFEST, digest, manifest.len() as u64, &[]);
     desc.set_artifact_type(Some(media_type(TRACE_MEDIA_TYPE)));
@@ -343,7 +335,6 @@ pub async fn publish_registry_trace(
 ) -> Result<String> {
     let json = trace.to_json()?;
     let empty: &[u8] = b"{}";
-    let empty_digest = ferry_oci::sha256_digest(empty);
     for blob in [empty, &json[..]] {
         let digest = ferry_oci::sha256_digest(blob).to_string();
         let data = blob.to_vec();
@@ -352,7 +343,7 @@ pub async fn publish_registry_trace(
             .push_blob(repo, &digest, blob.len() as u64, body)
             .await?;
     }
-    let manifest = artifact_manifest(subject, &json, empty_digest)?;
+    let manifest = trace_artifact(subject, &json)?;
     let digest = ferry_oci::sha256_digest(&manifest);
     let mut desc = descriptor(OCI_MANIFEST, digest.clone(), manifest.len() as u64, &[]);
     desc.set_artifact_type(Some(media_type(TRACE_MEDIA_TYPE)));

@@ -11,11 +11,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use ferry_oci::layout::{
-    OciLayout, canonical_json, descriptor, digest as parse_digest, media_type,
+    OciLayout, artifact_manifest, descriptor, digest as parse_digest, media_type,
 };
 use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE, FERRY_INDEX_ARTIFACT,
-    FERRY_LAYER_INDEX, OCI_EMPTY, OCI_MANIFEST, layer_compression,
+    FERRY_LAYER_INDEX, OCI_MANIFEST, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageManifest};
 
@@ -186,7 +186,8 @@ pub fn store_layout_artifact(
     subject: &Descriptor,
     indexes: &[(Descriptor, LayerIndex)],
 ) -> Result<StoredArtifact> {
-    let empty = layout.write_blob(b"{}")?;
+    // The empty config blob the artifact manifest names.
+    layout.write_blob(b"{}")?;
     let mut blobs = Vec::new();
     let mut index_sizes = Vec::with_capacity(indexes.len());
     for (layer, index) in indexes {
@@ -203,21 +204,7 @@ pub fn store_layout_artifact(
             ],
         ));
     }
-    let subject_desc = descriptor(
-        subject.media_type().as_ref(),
-        subject.digest().clone(),
-        subject.size(),
-        &[],
-    );
-    let doc = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": OCI_MANIFEST,
-        "artifactType": FERRY_INDEX_ARTIFACT,
-        "config": descriptor(OCI_EMPTY, empty, 2, &[]),
-        "layers": blobs,
-        "subject": subject_desc,
-    });
-    let bytes = canonical_json(&doc)?;
+    let bytes = artifact_manifest(FERRY_INDEX_ARTIFACT, &blobs, subject, &[])?;
     let digest = layout.write_blob(&bytes)?;
     let mut desc = descriptor(OCI_MANIFEST, digest, bytes.len() as u64, &[]);
     desc.set_artifact_type(Some(media_type(FERRY_INDEX_ARTIFACT)));

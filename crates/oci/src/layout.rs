@@ -356,6 +356,42 @@ impl BlobWriter {
     }
 }
 
+/// The canonical JSON of an OCI 1.1 artifact manifest of `artifact_type` holding
+/// `layers` and referring to `subject` (the empty config, as the spec recommends), with
+/// `annotations` when any. Deterministic: the same arguments give the same bytes.
+pub fn artifact_manifest(
+    artifact_type: &str,
+    layers: &[Descriptor],
+    subject: &Descriptor,
+    annotations: &[(&str, String)],
+) -> Result<Vec<u8>> {
+    let empty = crate::digest::sha256_digest(b"{}");
+    let subject = descriptor(
+        subject.media_type().as_ref(),
+        subject.digest().clone(),
+        subject.size(),
+        &[],
+    );
+    let mut doc = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": crate::media::OCI_MANIFEST,
+        "artifactType": artifact_type,
+        "config": descriptor(crate::media::OCI_EMPTY, empty, 2, &[]),
+        "layers": layers,
+        "subject": subject,
+    });
+    if !annotations.is_empty()
+        && let Some(obj) = doc.as_object_mut()
+    {
+        let map: serde_json::Map<String, serde_json::Value> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone())))
+            .collect();
+        obj.insert("annotations".into(), serde_json::Value::Object(map));
+    }
+    canonical_json(&doc)
+}
+
 /// Builds a descriptor with optional annotations (sorted on output by [`canonical_json`]).
 pub fn descriptor(
     media_type: &str,
