@@ -701,23 +701,27 @@ impl Snapshotter {
                 }
             }
         }
-        self.cleanup_staging(&mut report);
+        self.cleanup_staging(std::time::SystemTime::now(), &mut report);
         Ok(report)
     }
 
-    /// Removes staged layers older than [`STAGING_MAX_AGE`]: a pull that was killed
-    /// leaves its unpacked directories behind; a live pull's are younger.
-    fn cleanup_staging(&self, report: &mut CleanupReport) {
+    /// Removes staged layers untouched for [`STAGING_MAX_AGE`] before `now`: a pull that
+    /// was killed leaves its unpacked directories behind. Age is the directory's inode
+    /// change time, which unpacking refreshes and nothing can set back (its mtime is the
+    /// layer's own, often days old, so it says nothing about the pull).
+    pub fn cleanup_staging(&self, now: std::time::SystemTime, report: &mut CleanupReport) {
+        use std::os::unix::fs::MetadataExt;
         let dir = self.staging_dir();
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return;
         };
         for entry in entries.flatten() {
-            let age = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok());
+            let changed = entry.metadata().ok().and_then(|m| {
+                std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_secs(
+                    u64::try_from(m.ctime()).ok()?,
+                ))
+            });
+            let age = changed.and_then(|c| now.duration_since(c).ok());
             if age.is_none_or(|a| a < STAGING_MAX_AGE) {
                 continue;
             }

@@ -256,25 +256,29 @@ fn containerd_finds_the_adopted_layer_with_its_walk_filter() {
 
 #[test]
 fn cleanup_removes_only_stale_staged_layers() {
+    use ferry_snapshotter::snapshotter::{CleanupReport, STAGING_MAX_AGE};
+    use std::time::{Duration, SystemTime};
     let root = tempfile::tempdir().unwrap();
     let s = open(root.path());
-    let fresh = stage(&s, "pull-live", &[("a", "1")]);
-    let stale = stage(&s, "pull-dead", &[("b/c", "2")]);
-    let old = std::time::SystemTime::now()
-        - ferry_snapshotter::snapshotter::STAGING_MAX_AGE
-        - std::time::Duration::from_secs(60);
-    std::fs::File::open(&stale)
+    let staged = stage(&s, "pull-1-a-1", &[("b/c", "2")]);
+    // A layer's own mtime says nothing about the pull: an old one must not get it removed.
+    let old = SystemTime::now() - STAGING_MAX_AGE - Duration::from_secs(3600);
+    std::fs::File::open(&staged)
         .unwrap()
         .set_modified(old)
         .unwrap();
     let report = s.cleanup().unwrap();
-    assert_eq!(report.removed, 1);
+    assert_eq!(report.removed, 0);
     assert!(
-        !stale.exists(),
-        "a staged layer older than the limit is removed"
-    );
-    assert!(
-        fresh.join("a").is_file(),
+        staged.join("b/c").is_file(),
         "a live pull's staged layer is kept"
     );
+    // Untouched for longer than the limit (seen from the future): removed.
+    let mut report = CleanupReport::default();
+    s.cleanup_staging(
+        SystemTime::now() + STAGING_MAX_AGE + Duration::from_secs(60),
+        &mut report,
+    );
+    assert_eq!(report.removed, 1);
+    assert!(!staged.exists(), "a stale staged layer is removed");
 }
