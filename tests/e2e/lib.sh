@@ -300,11 +300,13 @@ oci_manifest() {
     [[ -n $digest && $digest != null ]] || { e2e_log "no manifest for tag '$tag' in $dir"; return 1; }
     cat "$dir/blobs/sha256/${digest#sha256:}"
 }
-# oci_extract DIR TAG DEST: apply all layers of DIR:TAG with tar -xzf, honouring
-# OCI whiteouts (.wh.NAME deletes NAME from lower layers, .wh..wh..opq empties
-# the directory's lower content). Whiteout markers are not left in DEST.
+# oci_extract DIR TAG DEST [TAR_OPTION...]: apply all layers of DIR:TAG with tar -xzf
+# (plus TAR_OPTIONs, e.g. --xattrs), honouring OCI whiteouts (.wh.NAME deletes NAME
+# from lower layers, .wh..wh..opq empties the directory's lower content). Whiteout
+# markers are not left in DEST.
 oci_extract() {
     local dir=$1 tag=$2 dest=$3 l blob name base parent
+    shift 3
     mkdir -p "$dest"
     for l in $(oci_manifest "$dir" "$tag" | jq -r '.layers[].digest'); do
         blob=$dir/blobs/sha256/${l#sha256:}
@@ -322,7 +324,7 @@ oci_extract() {
             fi
         done < <(tar -tzf "$blob")
         # 2. extract the layer, 3. drop the markers
-        tar --numeric-owner -xzf "$blob" -C "$dest"
+        tar --numeric-owner "$@" -xzf "$blob" -C "$dest"
         find "$dest" -name '.wh.*' -exec rm -rf {} +
     done
 }

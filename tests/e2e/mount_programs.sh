@@ -86,28 +86,6 @@ e2e_log "ferry: $FERRY"
 showdiff() { { diff "$1" "$2" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20; } || true; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 
-# extract_ref DIR TAG DEST: oci_extract, plus the layers' xattrs (user.*)
-extract_ref() {
-    local dir=$1 tag=$2 dest=$3 l blob name base parent
-    mkdir -p "$dest"
-    for l in $(oci_manifest "$dir" "$tag" | jq -r '.layers[].digest'); do
-        blob=$dir/blobs/sha256/${l#sha256:}
-        while IFS= read -r name; do
-            name=${name#./}
-            base=${name##*/}
-            parent=.
-            [[ $name == */* ]] && parent=${name%/*}
-            [[ $base == .wh.* ]] || continue
-            if [[ $base == .wh..wh..opq ]]; then
-                [[ -d $dest/$parent ]] && find "$dest/$parent" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
-            else
-                rm -rf "${dest:?}/$parent/${base#.wh.}"
-            fi
-        done < <(tar -tzf "$blob")
-        tar --numeric-owner --xattrs --xattrs-include='user.*' -xzf "$blob" -C "$dest"
-        find "$dest" -name '.wh.*' -exec rm -rf {} +
-    done
-}
 
 # container_root NAME LOWER: overlayfs over LOWER at $WORK/NAME/root with proc and
 # a minimal /dev (tmpfs + null, zero, random, urandom); prints the root
@@ -377,7 +355,7 @@ if [[ $RC == 0 ]]; then pass "ferry copy the indexed image to $REF_IMAGE"; else
 
 t0=$SECONDS
 REF=$WORK/ref
-extract_ref "$MEDIUM" medium "$REF"
+oci_extract "$MEDIUM" medium "$REF" --xattrs --xattrs-include='user.*'
 e2e_log "reference tree extracted in $((SECONDS - t0)) s"
 
 MNT=$WORK/mnt

@@ -31,16 +31,12 @@ pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
 /// Test files: path and content.
 pub(crate) type Files = Vec<(String, Vec<u8>)>;
 
-/// A gzip layer with files `a` (300 KiB), `b` (5 bytes) and `dir/c` (200 KiB), and its
+/// A gzip layer of `files` (one gzip member per 64 KiB of tar, as `ferry pack` writes:
+/// every member start is a checkpoint candidate, so the layer has many spans) and its
 /// ferry index with 64 KiB spans.
-pub(crate) fn gzip_layer() -> (Vec<u8>, LayerIndex, Files) {
-    let files = vec![
-        ("a".to_string(), noise(300 << 10, 1)),
-        ("b".to_string(), b"hello".to_vec()),
-        ("dir/c".to_string(), noise(200 << 10, 2)),
-    ];
+pub(crate) fn indexed_gzip_layer(files: &[(&str, Vec<u8>)]) -> (Vec<u8>, LayerIndex) {
     let mut tar = tar::Builder::new(Vec::new());
-    for (path, data) in &files {
+    for (path, data) in files {
         let mut h = tar::Header::new_ustar();
         h.set_size(data.len() as u64);
         h.set_mode(0o644);
@@ -49,8 +45,6 @@ pub(crate) fn gzip_layer() -> (Vec<u8>, LayerIndex, Files) {
         tar.append_data(&mut h, path, &data[..]).unwrap();
     }
     let tar = tar.into_inner().unwrap();
-    // One gzip member per 64 KiB (as `ferry pack` does): every member start is a
-    // checkpoint candidate, so the layer has many spans.
     let mut blob = Vec::new();
     for piece in tar.chunks(64 << 10) {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -58,6 +52,19 @@ pub(crate) fn gzip_layer() -> (Vec<u8>, LayerIndex, Files) {
         blob.extend(gz.finish().unwrap());
     }
     let index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
+    (blob, index)
+}
+
+/// A gzip layer with files `a` (300 KiB), `b` (5 bytes) and `dir/c` (200 KiB), and its
+/// ferry index with 64 KiB spans.
+pub(crate) fn gzip_layer() -> (Vec<u8>, LayerIndex, Files) {
+    let files = vec![
+        ("a".to_string(), noise(300 << 10, 1)),
+        ("b".to_string(), b"hello".to_vec()),
+        ("dir/c".to_string(), noise(200 << 10, 2)),
+    ];
+    let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, d)| (p.as_str(), d.clone())).collect();
+    let (blob, index) = indexed_gzip_layer(&named);
     assert!(
         index.span_digests.len() >= 6,
         "the test needs several spans, got {}",

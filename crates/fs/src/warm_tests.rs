@@ -4,7 +4,6 @@
 //! layer.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -16,7 +15,7 @@ use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LAYER_TAR_GZIP};
 
 use super::*;
 use crate::device::FetchConfig;
-use crate::device::tests::{gzip_layer, noise, open_store};
+use crate::device::tests::{gzip_layer, indexed_gzip_layer, noise, open_store};
 use crate::image::{ImageSource, LayerSpec, View};
 
 /// A backend that logs every range asked of it and can hold calls until opened.
@@ -70,28 +69,6 @@ impl RangeSource for LogBackend {
         drop(gated);
         MemSource(self.blob.clone()).read_range(range)
     }
-}
-
-/// A gzip layer of `files` (one gzip member per 64 KiB of tar) and its index.
-fn indexed_layer(files: &[(&str, Vec<u8>)]) -> (Vec<u8>, LayerIndex) {
-    let mut tar = tar::Builder::new(Vec::new());
-    for (path, data) in files {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_cksum();
-        tar.append_data(&mut h, path, &data[..]).unwrap();
-    }
-    let tar = tar.into_inner().unwrap();
-    let mut blob = Vec::new();
-    for piece in tar.chunks(64 << 10) {
-        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-        gz.write_all(piece).unwrap();
-        blob.extend(gz.finish().unwrap());
-    }
-    let index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
-    (blob, index)
 }
 
 fn spec(blob: &[u8], index: Option<LayerIndex>, backend: Arc<LogBackend>) -> LayerSpec {
@@ -274,8 +251,8 @@ fn fill_stops_when_the_handle_is_dropped() {
 
 #[test]
 fn single_layer_mount_warms_only_its_layer() {
-    let (blob0, index0) = indexed_layer(&[("lower/x", noise(150 << 10, 7))]);
-    let (blob1, index1) = indexed_layer(&[("upper/y", noise(150 << 10, 8))]);
+    let (blob0, index0) = indexed_gzip_layer(&[("lower/x", noise(150 << 10, 7))]);
+    let (blob1, index1) = indexed_gzip_layer(&[("upper/y", noise(150 << 10, 8))]);
     let b0 = LogBackend::new(blob0.clone());
     let b1 = LogBackend::new(blob1.clone());
     let dir = tempfile::tempdir().unwrap();
