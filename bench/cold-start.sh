@@ -28,16 +28,7 @@ source "$HERE/lib.sh"
 source "$HERE/lib-containerd.sh"
 
 RUNS=${1:-1}
-START_CMD=${START_CMD:-/app/start.sh}
-OUT=${OUT:-$BENCH_ROOT/bench/out/cold-start}
-mkdir -p "$OUT"
-loopback_only
-need_root "containerd, FUSE"
-ensure_ferry
-ensure_image
-e2e_init
-
-publish_bench_image  # sets REF (gets a trace: phases c, d) and REF_PLAIN (never traced: b)
+bench_setup cold-start # publishes REF (gets a trace: phases c, d) and REF_PLAIN (never traced: b)
 
 run_containerd() {
     fresh_containerd
@@ -53,8 +44,7 @@ run_ferry() { # REF STORE PREFETCH
     start_daemon "$1" "$2"
     fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
     T0=$(now)
-    "$FERRY" pull --plain-http --address "$CONTAINERD_SOCK" --namespace "$CTR_NAMESPACE" --snapshotter-root "$E2E_TMP/ferry/snapshotter" \
-        "$ref" >"$E2E_TMP/pull.log" 2>&1 || { cat "$E2E_TMP/pull.log" >&2; e2e_die "ferry pull failed"; }
+    ferry_pull_ctr "$ref"
     since "$T0" >"$E2E_TMP/pull-seconds"
     CTR_ID=$((CTR_ID + 1))
     first_output ctr_ run --rm --snapshotter ferry "$ref" "bench-$CTR_ID" "$START_CMD"

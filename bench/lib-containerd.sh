@@ -89,3 +89,27 @@ publish_bench_image() {
     "$FERRY" copy --plain-http "oci:$layout:$TAG" "$REF_PLAIN" >>"$OUT/copy.txt" 2>&1
     e2e_log "image $REF: $(tail -1 "$OUT/index.txt")"
 }
+
+# bench_setup NAME: what every containerd benchmark does first: START_CMD (default
+# /app/start.sh) and OUT (default bench/out/NAME, created); loopback only, root, the
+# ferry binary and the bench image ($IMG) checked or built, the temp dir, and the image
+# published to a fresh ferry registry (publish_bench_image: REG, REF, REF_PLAIN)
+bench_setup() {
+    START_CMD=${START_CMD:-/app/start.sh}
+    OUT=${OUT:-$BENCH_ROOT/bench/out/$1}
+    mkdir -p "$OUT"
+    loopback_only
+    need_root "containerd, FUSE"
+    ensure_ferry
+    ensure_image
+    e2e_init
+    publish_bench_image
+}
+
+# ferry_pull_ctr REF: `ferry pull` REF into the running containerd through the daemon's
+# snapshotter (start_daemon, fresh_containerd SOCKET first); dies on failure
+ferry_pull_ctr() {
+    "$FERRY" pull --plain-http --address "$CONTAINERD_SOCK" --namespace "$CTR_NAMESPACE" \
+        --snapshotter-root "$E2E_TMP/ferry/snapshotter" "$1" >"$E2E_TMP/pull.log" 2>&1 ||
+        { cat "$E2E_TMP/pull.log" >&2; e2e_die "ferry pull failed"; }
+}

@@ -18,15 +18,7 @@ source "$HERE/lib.sh"
 source "$HERE/lib-containerd.sh"
 
 N=${1:-50}
-START_CMD=${START_CMD:-/app/start.sh}
-OUT=${OUT:-$BENCH_ROOT/bench/out/many-containers}
-mkdir -p "$OUT"
-loopback_only
-need_root "containerd, FUSE"
-ensure_ferry
-ensure_image
-e2e_init
-publish_bench_image
+bench_setup many-containers
 
 # start_all SIDE SNAPSHOTTER_ARGS...: N `ctr run --rm` at once; per-container seconds to
 # first output in $E2E_TMP/SIDE.times, wall time to the last exit in $E2E_TMP/SIDE.wall
@@ -60,8 +52,7 @@ start_all overlay
 start_daemon "$E2E_TMP/store" true false
 fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
 T0=$(now)
-"$FERRY" pull --plain-http --address "$CONTAINERD_SOCK" --namespace "$CTR_NAMESPACE" --snapshotter-root "$E2E_TMP/ferry/snapshotter" "$REF" >"$E2E_TMP/pull.log" 2>&1 ||
-    { cat "$E2E_TMP/pull.log" >&2; e2e_die "ferry pull failed"; }
+ferry_pull_ctr "$REF"
 pull_ferry=$(since "$T0")
 start_all ferry --snapshotter ferry
 rss=$(mem_of "$DAEMON_PID" | cut -d' ' -f2)

@@ -31,16 +31,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 need_cmd docker-registry skopeo jq curl sha256sum cmp timeout
 
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 FT=${FERRY_TIMEOUT:-120}
 find_ferry
 e2e_init
 
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]] || ! "$FERRY" copy --help >/dev/null 2>&1; then
     fail "ferry binary without 'copy': $FERRY (set FERRY= or cargo build -p ferry)"
     e2e_summary || exit 1

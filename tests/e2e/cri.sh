@@ -44,11 +44,7 @@ find_ferry
 e2e_init
 T_START=$SECONDS
 
-SMALL=$FERRY_ROOT/tests/e2e/out/small
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]] || ! "$FERRY" snapshotter --help >/dev/null 2>&1; then
     fail "no ferry binary with the snapshotter command: $FERRY (cargo build --release -p ferry)"
     e2e_summary || exit 1
@@ -134,7 +130,7 @@ EXPECTED=$E2E_TMP/expected.txt
 # [proxy_plugins.SNAPSHOTTER] and turns snapshot annotations on for it
 start_cri_containerd() {
     local d=$1 snap=$2 proxy=${3:-} annotations=true
-    mkdir -p "$d/root" "$d/state" "$d/opt" "$d/cni/bin" "$d/cni/conf" "$d/certs.d/$REGISTRY"
+    mkdir -p "$d/cni/bin" "$d/cni/conf" "$d/certs.d/$REGISTRY"
     [[ -n $proxy ]] && annotations=false
     cat >"$d/certs.d/$REGISTRY/hosts.toml" <<EOF
 server = "http://$REGISTRY"
@@ -142,38 +138,9 @@ server = "http://$REGISTRY"
 [host."http://$REGISTRY"]
   capabilities = ["pull", "resolve"]
 EOF
-    CONTAINERD_SOCK=$d/containerd.sock
-    CONTAINERD_CONFIG=$d/config.toml
-    cat >"$CONTAINERD_CONFIG" <<EOF
-version = 2
-root = "$d/root"
-state = "$d/state"
-disabled_plugins = [
-  "io.containerd.snapshotter.v1.aufs",
-  "io.containerd.snapshotter.v1.btrfs",
-  "io.containerd.snapshotter.v1.zfs",
-  "io.containerd.snapshotter.v1.devmapper",
-  "io.containerd.tracing.processor.v1.otlp",
-  "io.containerd.internal.v1.tracing",
-]
-
-[grpc]
-  address = "$CONTAINERD_SOCK"
-
-[ttrpc]
-  address = "$d/containerd.sock.ttrpc"
-
-[debug]
-  level = "info"
-
-[metrics]
-  address = ""
-
-[plugins]
-  [plugins."io.containerd.internal.v1.opt"]
-    path = "$d/opt"
-  [plugins."io.containerd.snapshotter.v1.overlayfs"]
-    root_path = "$d/root/io.containerd.snapshotter.v1.overlayfs"
+    # lib.sh's base config (state under DIR) with the CRI plugin left on, plus its section
+    containerd_config "$d" true
+    cat >>"$CONTAINERD_CONFIG" <<EOF
   [plugins."io.containerd.grpc.v1.cri"]
     sandbox_image = "$PAUSE_IMAGE"
     stream_server_address = "127.0.0.1"
@@ -195,13 +162,9 @@ disabled_plugins = [
     [plugins."io.containerd.grpc.v1.cri".registry]
       config_path = "$d/certs.d"
 EOF
-    if [[ -n $proxy ]]; then
-        printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
-            "$snap" "$proxy" >>"$CONTAINERD_CONFIG"
-    fi
+    [[ -z $proxy ]] || containerd_add_proxy_snapshotter "$snap" "$proxy"
     CONTAINERD_LOG=$d/containerd.log
-    containerd --config "$CONTAINERD_CONFIG" >"$CONTAINERD_LOG" 2>&1 &
-    CONTAINERD_PID=$!
+    launch_containerd "CRI, snapshotter $snap"
     if ! wait_for 30 "containerd CRI" "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" --timeout 2 version; then
         tail -30 "$CONTAINERD_LOG" >&2
         e2e_die "containerd with CRI did not come up (log: $CONTAINERD_LOG)"
@@ -326,10 +289,7 @@ t_variant=$SECONDS
 cri_variant overlayfs overlayfs
 e2e_log "overlayfs variant: $((SECONDS - t_variant)) s"
 
-SNAP_ROOT=$E2E_TMP/ferry-snapshotter
-SNAP_SOCK=$E2E_TMP/run/ferry-snapshotter.sock
-SNAP_LOG=$E2E_TMP/ferry-snapshotter.log
-mkdir -p "$E2E_TMP/run"
+snap_paths # SNAP_ROOT, SNAP_SOCK, SNAP_LOG (lib.sh)
 # The node daemon (store + lazy layers + snapshotter) when this build has it, else the
 # standalone snapshotter (ordinary unpack through ferry).
 FERRY_BACKEND=${FERRY_CRI_BACKEND:-auto}
@@ -350,28 +310,17 @@ enabled = true
 socket = "$SNAP_SOCK"
 root = "$SNAP_ROOT"
 EOF
-    "$FERRY" --log "ferry_snapshotter=debug,ferry_daemon=debug,info" daemon --config "$E2E_TMP/daemon.toml" \
-        >"$SNAP_LOG" 2>&1 &
+    start_ferry_daemon "$E2E_TMP/daemon.toml"
 else
-    "$FERRY" --log "ferry_snapshotter=debug,info" snapshotter --socket "$SNAP_SOCK" --root "$SNAP_ROOT" \
-        >"$SNAP_LOG" 2>&1 &
+    start_ferry_snapshotter
 fi
-SNAP_PID=$!
-E2E_PIDS+=("$SNAP_PID")
-e2e_log "ferry backend: ferry $FERRY_BACKEND (pid $SNAP_PID)"
-if wait_for 30 "ferry snapshotter" test -S "$SNAP_SOCK"; then
-    t_variant=$SECONDS
-    cri_variant ferry ferry "$SNAP_SOCK"
-    e2e_log "ferry variant ($FERRY_BACKEND): $((SECONDS - t_variant)) s"
-    if grep -q 'cri.image-ref\|cri.layer-digest\|snapshot/cri' "$SNAP_LOG"; then
-        e2e_log "ferry snapshotter saw CRI's snapshot annotations (image ref / layer digests)"
-    fi
-else
-    fail "ferry $FERRY_BACKEND did not come up (no $SNAP_SOCK)"
-    show "$SNAP_LOG"
+t_variant=$SECONDS
+cri_variant ferry ferry "$SNAP_SOCK"
+e2e_log "ferry variant ($FERRY_BACKEND): $((SECONDS - t_variant)) s"
+if grep -q 'cri.image-ref\|cri.layer-digest\|snapshot/cri' "$SNAP_LOG"; then
+    e2e_log "ferry snapshotter saw CRI's snapshot annotations (image ref / layer digests)"
 fi
-kill "$SNAP_PID" 2>/dev/null || true
-wait "$SNAP_PID" 2>/dev/null || true
+stop_ferry_snapshotter
 e2e_umount_under "$SNAP_ROOT"
 
 e2e_log "total $((SECONDS - T_START)) s"

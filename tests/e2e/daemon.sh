@@ -35,16 +35,11 @@ need_root "FUSE mounts"
 need_cmd jq curl tar gzip timeout mountpoint cmp
 [[ -e /dev/fuse ]] || skip "no /dev/fuse"
 
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 FT=${FERRY_TIMEOUT:-120}
 find_ferry
 e2e_init
 
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]] || ! "$FERRY" daemon --help >/dev/null 2>&1; then
     fail "ferry binary with \`daemon\` not found: $FERRY (set FERRY= or cargo build --release -p ferry)"
     e2e_summary || exit 1

@@ -36,16 +36,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 need_root "private containerd"
 need_cmd containerd ctr runc docker-registry skopeo jq curl tar gzip sha256sum cmp python3 timeout
 
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 FT=${FERRY_TIMEOUT:-120}
 find_ferry
 e2e_init
 
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]]; then
     fail "ferry binary not found or not executable: $FERRY (set FERRY= or cargo build --release -p ferry)"
     e2e_summary || exit 1

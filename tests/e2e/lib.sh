@@ -16,6 +16,9 @@
 #   pass NAME / fail NAME [MSG] / e2e_summary    "N passed, M failed"; non-zero if M>0
 #   e2e_defer CMD            run CMD (eval'd) at cleanup, LIFO
 #   find_ferry               set $FERRY (env, else target/release, else target/debug)
+#   small_image              set $SMALL to the small test image (built once, cached)
+#   start_ferry_snapshotter / start_ferry_daemon CONFIG / stop_ferry_snapshotter
+#                            ferry as containerd's proxy snapshotter ($SNAP_SOCK, $SNAP_ROOT)
 #
 # Env knobs:
 #   E2E_TMPDIR    parent of the temp dir (default /tmp)
@@ -83,7 +86,11 @@ e2e_umount_under() {
     # mountinfo field 5 = mount point (octal-escaped); sort deepest first
     while read -r mp; do
         mp=$(printf '%b' "$mp")
-        umount "$mp" 2>/dev/null || umount -l "$mp" 2>/dev/null ||
+        # bounded: umount(8) statfs()es its target, which waits forever on a FUSE
+        # mount whose connection is alive but no longer served; umount2(MNT_DETACH)
+        # from python does not touch it
+        timeout -s KILL 10 umount "$mp" 2>/dev/null ||
+            timeout -s KILL 10 python3 -c 'import ctypes, sys; sys.exit(ctypes.CDLL(None, use_errno=True).umount2(sys.argv[1].encode(), 2) != 0)' "$mp" 2>/dev/null ||
             e2e_log "warning: could not unmount $mp"
     done < <(awk -v d="$dir" '$5 == d || index($5, d "/") == 1 { print $5 }' /proc/self/mountinfo |
         awk '{ print length($0) " " $0 }' | sort -rn | cut -d' ' -f2-)
@@ -133,21 +140,23 @@ free_port() {
 }
 
 # ------------------------------------------------------------------ containerd
-start_containerd() {
-    need_root "containerd"
-    need_cmd containerd ctr
-    e2e_init
-    local d=$E2E_TMP/containerd
+# containerd_config DIR [CRI]: write DIR/config.toml for a private containerd whose state
+# lives under DIR (sets CONTAINERD_SOCK, CONTAINERD_CONFIG). CRI=false (the default)
+# disables the CRI plugin; CRI=true keeps it, for the caller to append its
+# [plugins."io.containerd.grpc.v1.cri"] section.
+containerd_config() {
+    local d=$1 cri=${2:-false} no_cri=
     mkdir -p "$d/root" "$d/state" "$d/opt"
+    [[ $cri == true ]] || no_cri='"io.containerd.grpc.v1.cri",'
     CONTAINERD_SOCK=$d/containerd.sock
     CONTAINERD_CONFIG=$d/config.toml
     cat >"$CONTAINERD_CONFIG" <<EOF
 version = 2
 root = "$d/root"
 state = "$d/state"
-# CRI is not needed; aufs/btrfs/zfs/devmapper only produce noise
+# aufs/btrfs/zfs/devmapper/tracing only produce noise
 disabled_plugins = [
-  "io.containerd.grpc.v1.cri",
+  $no_cri
   "io.containerd.snapshotter.v1.aufs",
   "io.containerd.snapshotter.v1.btrfs",
   "io.containerd.snapshotter.v1.zfs",
@@ -177,17 +186,41 @@ disabled_plugins = [
   [plugins."io.containerd.runtime.v1.linux"]
     shim_debug = false
 EOF
+}
+
+# containerd_add_proxy_snapshotter NAME SOCKET: register the proxy snapshotter NAME
+# (`[proxy_plugins.NAME] type = "snapshot"`) in $CONTAINERD_CONFIG
+containerd_add_proxy_snapshotter() {
+    printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
+        "$1" "$2" >>"$CONTAINERD_CONFIG"
+}
+
+# launch_containerd [WHAT]: run containerd on $CONTAINERD_CONFIG (log $CONTAINERD_LOG,
+# default $E2E_TMP/containerd.log, appended) and wait until `ctr version` answers
+launch_containerd() {
+    CONTAINERD_LOG=${CONTAINERD_LOG:-$E2E_TMP/containerd.log}
+    containerd --config "$CONTAINERD_CONFIG" >>"$CONTAINERD_LOG" 2>&1 &
+    CONTAINERD_PID=$!
+    if ! wait_for 30 "containerd socket" ctr -a "$CONTAINERD_SOCK" version ||
+        ! kill -0 "$CONTAINERD_PID" 2>/dev/null; then
+        tail -30 "$CONTAINERD_LOG" >&2
+        e2e_die "containerd${1:+ with $1} did not come up (log: $CONTAINERD_LOG)"
+    fi
+    e2e_log "containerd pid $CONTAINERD_PID on $CONTAINERD_SOCK${1:+ with $1}"
+}
+
+# start_containerd [NAME SOCKET]: a private containerd (overlayfs, no CRI) under
+# $E2E_TMP/containerd; with NAME and SOCKET also the proxy snapshotter NAME at SOCKET
+start_containerd() {
+    need_root "containerd"
+    need_cmd containerd ctr
+    e2e_init
+    containerd_config "$E2E_TMP/containerd"
+    [[ -z ${1:-} ]] || containerd_add_proxy_snapshotter "$1" "$2"
     # ctr/ctr-remote pick their snapshotter from this (overlayfs is the default anyway)
     export CONTAINERD_SNAPSHOTTER=overlayfs
     export CONTAINERD_ADDRESS=$CONTAINERD_SOCK CONTAINERD_NAMESPACE=$CTR_NAMESPACE
-    containerd --config "$CONTAINERD_CONFIG" >"$E2E_TMP/containerd.log" 2>&1 &
-    CONTAINERD_PID=$!
-    if ! wait_for 30 "containerd socket" ctr -a "$CONTAINERD_SOCK" version; then
-        tail -30 "$E2E_TMP/containerd.log" >&2
-        e2e_die "containerd did not come up (log: $E2E_TMP/containerd.log)"
-    fi
-    kill -0 "$CONTAINERD_PID" 2>/dev/null || e2e_die "containerd exited (log: $E2E_TMP/containerd.log)"
-    e2e_log "containerd pid $CONTAINERD_PID on $CONTAINERD_SOCK"
+    launch_containerd "${1:+proxy snapshotter $1 at ${2:-}}"
 }
 
 stop_containerd() {
@@ -341,14 +374,27 @@ find_ferry() {
     export FERRY
 }
 
+# small_image: set $SMALL to the small test image's OCI layout ($OUT/small; OUT defaults
+# to tests/e2e/out), building it with `bench/make-image.sh --small` when absent (cached
+# across runs). Sets OUT if unset.
+small_image() {
+    e2e_init
+    OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
+    SMALL=$OUT/small
+    [[ -f $SMALL/index.json ]] && return 0
+    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
+        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
+}
+
 # ------------------------------------------------------------------ registries under test
 # (used by registry_clients.sh / registry_badinput.sh)
 #
 #   make_htpasswd FILE USER PASS [USER PASS]...   bcrypt htpasswd file ($2y$/$2b$, cost 5):
 #                            `htpasswd -B` (apache2-utils) if present, else python3
 #                            (bcrypt module, else the stdlib crypt module)
-#   start_ferry_registry NAME CONFIG    `$FERRY registry serve --config CONFIG --addr
-#                            127.0.0.1:<free port> --root $E2E_TMP/NAME/data`
+#   start_ferry_registry NAME CONFIG [ADDR]    `$FERRY registry serve --config CONFIG
+#                            --addr ADDR --root $E2E_TMP/NAME/data` (ADDR default
+#                            127.0.0.1:<free port>; pass the old one to restart NAME)
 #   start_docker_registry NAME [HTPASSWD]   a further Debian docker-registry instance
 #                            (optionally with htpasswd auth), for checking the checks
 #   Both set REG_ADDR (host:port), REG_PID, REG_DATA (storage dir), REG_LOG, return
@@ -404,16 +450,15 @@ _wait_registry_up() {
 }
 
 start_ferry_registry() {
-    local name=$1 config=$2 port
+    local name=$1 config=$2
     e2e_init
     find_ferry
     [[ -x $FERRY ]] || { e2e_log "ferry binary not found: $FERRY"; return 1; }
-    port=$(free_port)
-    REG_ADDR=127.0.0.1:$port
+    REG_ADDR=${3:-127.0.0.1:$(free_port)}
     REG_DATA=$E2E_TMP/$name/data
     REG_LOG=$E2E_TMP/$name.log
     mkdir -p "$REG_DATA"
-    "$FERRY" registry serve --config "$config" --addr "$REG_ADDR" --root "$REG_DATA" >"$REG_LOG" 2>&1 &
+    "$FERRY" registry serve --config "$config" --addr "$REG_ADDR" --root "$REG_DATA" >>"$REG_LOG" 2>&1 &
     REG_PID=$!
     E2E_PIDS+=("$REG_PID")
     _wait_registry_up "ferry registry $name"
@@ -479,22 +524,68 @@ http_header() {
 }
 
 # ------------------------------------------------------------------ proxy snapshotters
-# start_containerd_with_snapshotter NAME SOCKET: start_containerd, then register the
-# proxy snapshotter NAME (`[proxy_plugins.NAME] type = "snapshot" address = SOCKET`) in
-# its config and restart it, so `ctr --snapshotter NAME` talks to SOCKET.
-start_containerd_with_snapshotter() {
-    local name=$1 sock=$2
-    start_containerd
-    stop_containerd || true # its `wait` returns the killed daemon's status
-    printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
-        "$name" "$sock" >>"$CONTAINERD_CONFIG"
-    containerd --config "$CONTAINERD_CONFIG" >>"$E2E_TMP/containerd.log" 2>&1 &
-    CONTAINERD_PID=$!
-    if ! wait_for 30 "containerd socket" ctr -a "$CONTAINERD_SOCK" version; then
-        tail -30 "$E2E_TMP/containerd.log" >&2
-        e2e_die "containerd did not come up with proxy snapshotter $name (log: $E2E_TMP/containerd.log)"
+# start_containerd_with_snapshotter NAME SOCKET: start_containerd with the proxy
+# snapshotter NAME (`[proxy_plugins.NAME] type = "snapshot" address = SOCKET`) in its
+# config, so `ctr --snapshotter NAME` talks to SOCKET.
+start_containerd_with_snapshotter() { start_containerd "$1" "$2"; }
+
+# ferry as containerd's snapshotter, standalone (`ferry snapshotter`) or inside the node
+# daemon (`ferry daemon --config`), at SNAP_SOCK with its root at SNAP_ROOT (defaults
+# under $E2E_TMP; set them before the first start to change them), log SNAP_LOG
+# (appended), pid SNAP_PID; a start after kill -9 is fine (the stale socket is replaced).
+# A start waits until the log gains a new "serving on" line (the socket file of a killed
+# one may still exist, so the file alone proves nothing) and dies after 30 s. Stopped
+# (SIGTERM) at exit. SNAP_LOG_LEVEL sets --log (default: snapshotter/daemon debug).
+snap_paths() {
+    e2e_init
+    SNAP_ROOT=${SNAP_ROOT:-$E2E_TMP/ferry-snapshotter}
+    SNAP_SOCK=${SNAP_SOCK:-$E2E_TMP/run/ferry-snapshotter.sock}
+    SNAP_LOG=${SNAP_LOG:-$E2E_TMP/ferry-snapshotter.log}
+    SNAP_PID=${SNAP_PID:-}
+    mkdir -p "$(dirname "$SNAP_SOCK")"
+    if [[ -z ${SNAP_DEFERRED:-} ]]; then
+        SNAP_DEFERRED=1
+        e2e_defer stop_ferry_snapshotter
     fi
-    e2e_log "containerd pid $CONTAINERD_PID with proxy snapshotter $name at $sock"
+}
+snap_serving_count() {
+    local n=0
+    [[ -f $SNAP_LOG ]] && n=$(grep -c ': serving on ' "$SNAP_LOG" || true)
+    echo "${n:-0}"
+}
+_snap_serving_more_than() { (($(snap_serving_count) > $1)); }
+# _snap_start WHAT ARGS...: run $FERRY ARGS in the background and wait for it to serve
+_snap_start() {
+    local what=$1 before
+    shift
+    find_ferry
+    snap_paths
+    before=$(snap_serving_count)
+    "$FERRY" --log "${SNAP_LOG_LEVEL:-ferry_snapshotter=debug,ferry_daemon=debug,info}" "$@" >>"$SNAP_LOG" 2>&1 &
+    SNAP_PID=$!
+    if ! wait_for 30 "$what serving" _snap_serving_more_than "$before"; then
+        tail -20 "$SNAP_LOG" >&2
+        e2e_die "$what did not come up (log $SNAP_LOG)"
+    fi
+    e2e_log "$what pid $SNAP_PID on $SNAP_SOCK"
+}
+# start_ferry_snapshotter: `ferry snapshotter --socket $SNAP_SOCK --root $SNAP_ROOT` with
+# its own store and control socket under $E2E_TMP (never the node's /run/ferry ones)
+start_ferry_snapshotter() {
+    snap_paths
+    _snap_start "ferry snapshotter" snapshotter --socket "$SNAP_SOCK" --root "$SNAP_ROOT" \
+        --store "$E2E_TMP/snapshotter-store" --control-socket "$(dirname "$SNAP_SOCK")/daemon.sock"
+}
+# start_ferry_daemon CONFIG: `ferry daemon --config CONFIG`; CONFIG's [snapshotter] must
+# name $SNAP_SOCK and $SNAP_ROOT (write it after snap_paths)
+start_ferry_daemon() {
+    _snap_start "ferry daemon" daemon --config "$1"
+}
+stop_ferry_snapshotter() {
+    [[ -n ${SNAP_PID:-} ]] || return 0
+    kill "$SNAP_PID" 2>/dev/null || true
+    wait "$SNAP_PID" 2>/dev/null || true
+    SNAP_PID=""
 }
 
 # ------------------------------------------------------------------ running ferry

@@ -27,25 +27,13 @@ need_cmd containerd ctr runc docker-registry skopeo jq curl timeout
 find_ferry
 e2e_init
 
-SMALL=$FERRY_ROOT/tests/e2e/out/small
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]] || ! "$FERRY" pull --help >/dev/null 2>&1; then
     fail "no ferry binary with the pull command: $FERRY (cargo build --release -p ferry)"
     e2e_summary || exit 1
 fi
 
-SNAP_ROOT=$E2E_TMP/ferry-snapshotter
-SNAP_SOCK=$E2E_TMP/run/ferry-snapshotter.sock
-SNAP_LOG=$E2E_TMP/ferry-snapshotter.log
-"$FERRY" --log "ferry_snapshotter=debug,info" snapshotter --socket "$SNAP_SOCK" --root "$SNAP_ROOT" >>"$SNAP_LOG" 2>&1 &
-SNAP_PID=$!
-stop_snap() { kill "$SNAP_PID" 2>/dev/null || true; wait "$SNAP_PID" 2>/dev/null || true; }
-e2e_defer stop_snap
-wait_for 30 "snapshotter socket" test -S "$SNAP_SOCK" ||
-    { tail -20 "$SNAP_LOG" >&2; e2e_die "ferry snapshotter did not come up"; }
+start_ferry_snapshotter # SNAP_ROOT, SNAP_SOCK, SNAP_LOG (lib.sh)
 
 start_registry
 start_containerd_with_snapshotter ferry "$SNAP_SOCK"

@@ -45,16 +45,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 need_cmd skopeo jq curl sha256sum python3 timeout head
 
 TARGET=${REGISTRY_UNDER_TEST:-ferry}
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 IDLE=${IDLE:-3}
 find_ferry
 e2e_init
-if [[ ! -f $SMALL/index.json ]]; then
-    need_root "building the small image"
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 SRC_DIGEST=$(jq -r '.manifests[0].digest' "$SMALL/index.json")
 SRC_MANIFEST=$(oci_manifest "$SMALL" small)
 SRC_CONFIG=$(jq -r .config.digest <<<"$SRC_MANIFEST")

@@ -51,14 +51,9 @@ need_root "private containerd"
 need_cmd containerd ctr ctr-remote runc skopeo podman jq curl sha256sum python3 timeout
 
 TARGET=${REGISTRY_UNDER_TEST:-ferry}
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 find_ferry
 e2e_init
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 
 ALICE=alice:alice-secret-pw
 BOB=bob:bob-secret-pw

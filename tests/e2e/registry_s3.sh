@@ -29,15 +29,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 need_cmd skopeo jq curl sha256sum python3 timeout
 python3 -c 'import boto3' 2>/dev/null || skip "python3 boto3 missing (comes with moto: pip install 'moto[server]')"
 
-OUT=$(realpath -m "${OUT:-$FERRY_ROOT/tests/e2e/out}")
-SMALL=$OUT/small
 find_ferry
 e2e_init
 [[ -x $FERRY ]] || e2e_die "ferry binary not found: $FERRY"
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 
 SRC_DIGEST=$(jq -r '.manifests[0].digest' "$SMALL/index.json")
 SRC_MANIFEST=$(oci_manifest "$SMALL" small)

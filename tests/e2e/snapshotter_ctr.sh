@@ -32,49 +32,16 @@ need_cmd containerd ctr runc docker-registry skopeo jq curl sha256sum timeout mo
 find_ferry
 e2e_init
 
-SMALL=$FERRY_ROOT/tests/e2e/out/small
-if [[ ! -f $SMALL/index.json ]]; then
-    SMALL_OUT=$SMALL "$FERRY_ROOT/bench/make-image.sh" --small >"$E2E_TMP/make-image.log" 2>&1 ||
-        { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
-fi
+small_image
 if [[ ! -x $FERRY ]] || ! "$FERRY" snapshotter --help >/dev/null 2>&1; then
     fail "no ferry binary with the snapshotter command: $FERRY (cargo build --release -p ferry)"
     e2e_summary || exit 1
 fi
 e2e_log "ferry: $FERRY"
 
-SNAP_ROOT=$E2E_TMP/ferry-snapshotter
-SNAP_SOCK=$E2E_TMP/run/ferry-snapshotter.sock
-SNAP_LOG=$E2E_TMP/ferry-snapshotter.log
-SNAP_PID=""
-
-serving_count() {
-    local n=0
-    [[ -f $SNAP_LOG ]] && n=$(grep -c 'ferry snapshotter: serving on' "$SNAP_LOG" || true)
-    echo "${n:-0}"
-}
-serving_more_than() { (($(serving_count) > $1)); }
-# start_snap: start it and wait until it says it serves (a stale socket file from a
-# killed one may already exist, so the file alone proves nothing)
-start_snap() {
-    local before
-    before=$(serving_count)
-    "$FERRY" --log "ferry_snapshotter=debug,info" snapshotter --socket "$SNAP_SOCK" --root "$SNAP_ROOT" \
-        >>"$SNAP_LOG" 2>&1 &
-    SNAP_PID=$!
-    if ! wait_for 30 "snapshotter serving" serving_more_than "$before"; then
-        tail -20 "$SNAP_LOG" >&2
-        e2e_die "ferry snapshotter did not come up (log $SNAP_LOG)"
-    fi
-    e2e_log "ferry snapshotter pid $SNAP_PID on $SNAP_SOCK"
-}
-stop_snap() {
-    [[ -n $SNAP_PID ]] || return 0
-    kill "$SNAP_PID" 2>/dev/null || true
-    wait "$SNAP_PID" 2>/dev/null || true
-    SNAP_PID=""
-}
-e2e_defer stop_snap
+# ferry snapshotter: start_ferry_snapshotter / stop_ferry_snapshotter (lib.sh) set
+# SNAP_ROOT, SNAP_SOCK, SNAP_LOG, SNAP_PID; a start waits for a new "serving on" line
+snap_paths
 
 # run NAME ARGS...: ctr run with a timeout; output in $OUT, exit code in $RC
 run() {
@@ -95,7 +62,7 @@ layer_sums() {
 }
 snap_ls() { ctr_ snapshots --snapshotter ferry ls | tail -n +2 | awk '{print $1, $2, $3}' | LC_ALL=C sort; }
 
-start_snap
+start_ferry_snapshotter
 start_registry
 start_containerd_with_snapshotter ferry "$SNAP_SOCK"
 REF=$REGISTRY/snap/small:small
@@ -240,7 +207,7 @@ BEFORE=$(snap_ls)
 kill -9 "$SNAP_PID"
 wait "$SNAP_PID" 2>/dev/null || true
 SNAP_PID=""
-start_snap
+start_ferry_snapshotter
 # containerd redials the proxy with backoff after the connection broke
 wait_for 60 "containerd reconnects" ctr -a "$CONTAINERD_SOCK" -n "$CTR_NAMESPACE" snapshots --snapshotter ferry ls ||
     fail "containerd did not reconnect to the restarted snapshotter within 60s"

@@ -93,8 +93,9 @@ impl std::fmt::Debug for Snapshotter {
 }
 
 impl Snapshotter {
-    /// Opens (creating if needed) the snapshotter rooted at `root`, and restores the
-    /// remote mounts of committed snapshots through `remote`.
+    /// Opens (creating if needed) the snapshotter rooted at `root`, detaches what a crash
+    /// left mounted on snapshots that are not remote layers, and restores the remote
+    /// mounts of committed snapshots through `remote`.
     pub fn open(root: &Path, remote: Arc<dyn RemoteLayers>) -> Result<Snapshotter> {
         let snapshots = root.join("snapshots");
         std::fs::create_dir_all(&snapshots).map_err(|e| Error::io("create", &snapshots, e))?;
@@ -107,7 +108,9 @@ impl Snapshotter {
             remote,
             changes: Mutex::new(()),
         };
-        for (ns, key, record) in snapshotter.meta.list(None)? {
+        let records = snapshotter.meta.list(None)?;
+        snapshotter.detach_crash_leftovers(&records);
+        for (ns, key, record) in records {
             if let Some(mount) = &record.remote {
                 let dir = snapshotter.fs_dir(record.id);
                 match snapshotter.remote.restore(mount, &dir) {
@@ -121,6 +124,43 @@ impl Snapshotter {
             }
         }
         Ok(snapshotter)
+    }
+
+    /// Only the remote hook mounts anything on a snapshot's directory, and only for the
+    /// snapshot it then commits as a remote layer. A crash between that mount and the
+    /// commit leaves the mount (dead with the process that served it) on an active
+    /// snapshot that containerd will remove; until then it would show as a mount nobody
+    /// serves. Detach those; remote layers' own mounts are left to `restore`.
+    fn detach_crash_leftovers(&self, records: &[(String, String, Record)]) {
+        let snapshots = self.root.join("snapshots");
+        let mounted = match mounts_under(&snapshots) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for mounts a crash left behind");
+                return;
+            }
+        };
+        if mounted.is_empty() {
+            return;
+        }
+        let base = std::fs::canonicalize(&snapshots).unwrap_or(snapshots);
+        for (ns, key, record) in records {
+            if record.remote.is_some() {
+                continue;
+            }
+            let dir = base.join(record.id.to_string());
+            for mount_point in mounted.iter().filter(|m| m.starts_with(&dir)) {
+                match detach(mount_point) {
+                    Ok(()) => tracing::info!(
+                        ns,
+                        key,
+                        path = %mount_point.display(),
+                        "detached a mount a crash left on a snapshot that is not a remote layer"
+                    ),
+                    Err(e) => tracing::warn!(ns, key, error = %e, "cannot detach a leftover mount"),
+                }
+            }
+        }
     }
 
     /// The root directory.
