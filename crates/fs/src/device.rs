@@ -14,6 +14,14 @@
 //! bytes that only the format reader sees) get the same single-flight, timeout and
 //! accounting per requested range, but nothing is stored: the format reader verifies.
 //!
+//! A version-2 index keeps its inflate windows in a separate windows blob. The source
+//! is then also the layer's [`WindowSource`]: a window a read needs is served from the
+//! chunk store (keyed by its SHA-256, so layers sharing a window share the entry) or
+//! fetched by Range from the windows blob with the same single flight, deadline,
+//! verification, fallback and accounting as spans (window bytes count in
+//! `bytes_fetched`); warm-up and fill fetch the windows of the spans they fetch, at the
+//! same time and merged into as few requests as the spans.
+//!
 //! Warm-up ([`crate::warm`]) goes through the same paths: [`LayerSource::warm_range`]
 //! makes a range local ahead of the reads (spans into the store; for eStargz, bytes held
 //! in memory up to a bound), and [`LayerSource::fill`] fetches what is still missing
@@ -32,8 +40,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use ferry_index::ferryidx::LayerIndex;
+use ferry_index::ferryidx::{LayerIndex, WindowRef};
 use ferry_index::source::RangeSource;
+use ferry_index::windows::WindowSource;
 use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
@@ -176,17 +185,93 @@ impl Flight {
     }
 }
 
-/// Span table of an indexed layer.
+/// What a verified piece of an indexed layer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum PieceKind {
+    /// A span of the layer blob.
+    Span,
+    /// An inflate window in the index's windows blob.
+    Window,
+}
+
+impl PieceKind {
+    fn name(self) -> &'static str {
+        match self {
+            PieceKind::Span => "span",
+            PieceKind::Window => "window",
+        }
+    }
+}
+
+/// A table of verified pieces of one blob: the spans of an indexed layer, or the
+/// windows in its windows blob (ranges sorted, back to back for windows).
 #[derive(Debug)]
 struct Spans {
+    kind: PieceKind,
     ranges: Vec<Range<u64>>,
     digests: Vec<[u8; 32]>,
 }
 
-/// Where a flight is filed: a span number, or an exact range for unindexed layers.
+/// The windows blob of a version-2 index, as pieces.
+struct Windows {
+    /// One piece per window, in checkpoint order.
+    pieces: Spans,
+    /// `first[k]`: windows before checkpoint `k` (`first.len()` = checkpoints + 1), so
+    /// the windows of checkpoints `k..l` are pieces `first[k]..first[l]`.
+    first: Vec<usize>,
+    /// Where windows are fetched; `None` until [`LayerSource::with_windows`].
+    backend: Option<Arc<dyn RangeSource>>,
+    fallback: Option<Arc<dyn RangeSource>>,
+}
+
+impl std::fmt::Debug for Windows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Windows")
+            .field("windows", &self.pieces.ranges.len())
+            .field("reachable", &self.backend.is_some())
+            .finish()
+    }
+}
+
+impl Windows {
+    fn of(index: &LayerIndex) -> Option<Windows> {
+        index.windows.as_ref()?;
+        let mut first = Vec::with_capacity(index.checkpoints.len() + 1);
+        let mut ranges = Vec::new();
+        let mut digests = Vec::new();
+        for cp in &index.checkpoints {
+            first.push(ranges.len());
+            if let Some(w) = &cp.window {
+                ranges.push(w.range());
+                digests.push(w.sha256);
+            }
+        }
+        first.push(ranges.len());
+        Some(Windows {
+            pieces: Spans {
+                kind: PieceKind::Window,
+                ranges,
+                digests,
+            },
+            first,
+            backend: None,
+            fallback: None,
+        })
+    }
+
+    /// Window pieces of checkpoints `ks` (clamped to the table).
+    fn of_checkpoints(&self, ks: Range<usize>) -> Range<usize> {
+        let last = self.first.len() - 1;
+        let lo = self.first[ks.start.min(last)];
+        let hi = self.first[ks.end.min(last)];
+        lo..hi.max(lo)
+    }
+}
+
+/// Where a flight is filed: a piece number, or an exact range for unindexed layers.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum FlightKey {
-    Span(usize),
+    Piece(PieceKind, usize),
     Range(u64, u64),
 }
 
@@ -236,8 +321,10 @@ pub struct LayerSource {
     /// Spans whose fetch just failed, and when: a read of one of them within
     /// [`FAILURE_MEMORY`] fails at once instead of waiting out another timeout (the
     /// kernel retries a failed readahead with a synchronous read right away).
-    recent_failures: Mutex<HashMap<usize, Instant>>,
+    recent_failures: Mutex<HashMap<(PieceKind, usize), Instant>>,
     spans: Option<Spans>,
+    /// The windows blob of a version-2 index.
+    windows: Option<Windows>,
     store: Option<Arc<Store>>,
     limiter: Arc<Limiter>,
     config: FetchConfig,
@@ -274,6 +361,7 @@ impl LayerSource {
         let n = index.span_digests.len();
         let ranges: Vec<Range<u64>> = (0..n).filter_map(|i| index.span_range(i)).collect();
         let spans = (ranges.len() == n).then(|| Spans {
+            kind: PieceKind::Span,
             ranges,
             digests: index.span_digests.clone(),
         });
@@ -282,6 +370,7 @@ impl LayerSource {
             fallback: None,
             recent_failures: Mutex::new(HashMap::new()),
             spans,
+            windows: Windows::of(index),
             store,
             limiter,
             config,
@@ -305,6 +394,7 @@ impl LayerSource {
             fallback: None,
             recent_failures: Mutex::new(HashMap::new()),
             spans: None,
+            windows: None,
             store: None,
             limiter,
             config,
@@ -323,6 +413,26 @@ impl LayerSource {
     pub fn with_fallback(mut self, fallback: Arc<dyn RangeSource>) -> LayerSource {
         self.fallback = Some(fallback);
         self
+    }
+
+    /// Where the windows of a version-2 index are fetched: `backend` reads the index's
+    /// windows blob; windows that do not verify are fetched once more from `fallback`.
+    /// Ignored when the index keeps no windows in a windows blob.
+    pub fn with_windows(
+        mut self,
+        backend: Arc<dyn RangeSource>,
+        fallback: Option<Arc<dyn RangeSource>>,
+    ) -> LayerSource {
+        if let Some(w) = &mut self.windows {
+            w.backend = Some(backend);
+            w.fallback = fallback;
+        }
+        self
+    }
+
+    /// True when the layer's index keeps its windows in a windows blob.
+    pub fn has_window_blob(&self) -> bool {
+        self.windows.is_some()
     }
 
     pub fn with_whole_blob(mut self, store: Arc<Store>, layer_digest: &str) -> LayerSource {
@@ -360,6 +470,7 @@ impl LayerSource {
                 Some(store) => spans
                     .digests
                     .iter()
+                    .chain(self.windows.iter().flat_map(|w| &w.pieces.digests))
                     .all(|d| store.contains(&ChunkKey::from_raw(*d))),
                 None => false,
             },
@@ -394,7 +505,7 @@ impl LayerSource {
                 {
                     l += 1;
                 }
-                self.spans_bytes(spans, k..l, &mut fetched)?;
+                self.spans_and_windows(spans, k..l, &mut fetched)?;
                 k = l;
             }
             return Ok(fetched);
@@ -445,7 +556,7 @@ impl LayerSource {
         let mut out = Vec::new();
         let mut run: Option<Range<usize>> = None;
         for k in 0..spans.ranges.len() {
-            if store.contains(&ChunkKey::from_raw(spans.digests[k])) {
+            if !self.checkpoint_missing(store, spans, k) {
                 if let Some(r) = run.take() {
                     out.push(FillWork::Spans(r));
                 }
@@ -471,13 +582,40 @@ impl LayerSource {
         out
     }
 
-    /// Compressed bytes `work` covers.
+    /// True when span `k` or its checkpoint's window (if kept in a windows blob) is not
+    /// in `store`.
+    fn checkpoint_missing(&self, store: &Store, spans: &Spans, k: usize) -> bool {
+        let has = |d: &[u8; 32]| store.contains(&ChunkKey::from_raw(*d));
+        !has(&spans.digests[k])
+            || self.windows.as_ref().is_some_and(|w| {
+                w.pieces.digests[w.of_checkpoints(k..k + 1)]
+                    .iter()
+                    .any(|d| !has(d))
+            })
+    }
+
+    /// Compressed bytes of the windows of checkpoints `ks` (0 without a windows blob).
+    fn window_bytes(&self, ks: Range<usize>) -> u64 {
+        match &self.windows {
+            Some(w) => {
+                let ws = w.of_checkpoints(ks);
+                if ws.is_empty() {
+                    return 0;
+                }
+                w.pieces.ranges[ws.end - 1].end - w.pieces.ranges[ws.start].start
+            }
+            None => 0,
+        }
+    }
+
+    /// Compressed bytes `work` covers (spans and their windows).
     pub fn work_bytes(&self, work: &FillWork) -> u64 {
         match (work, &self.spans) {
             (FillWork::Spans(ks), Some(spans))
                 if ks.start < ks.end && ks.end <= spans.ranges.len() =>
             {
                 spans.ranges[ks.end - 1].end - spans.ranges[ks.start].start
+                    + self.window_bytes(ks.clone())
             }
             (FillWork::Whole, None) => self.backend.len(),
             _ => 0,
@@ -496,19 +634,20 @@ impl LayerSource {
                     return Ok(0);
                 }
                 let store = self.store.as_ref();
-                let missing = |k: &usize| {
-                    !store.is_some_and(|s| s.contains(&ChunkKey::from_raw(spans.digests[*k])))
-                };
+                let missing =
+                    |k: &usize| store.is_none_or(|s| self.checkpoint_missing(s, spans, *k));
                 let (Some(lo), Some(hi)) =
                     (ks.clone().find(missing), ks.clone().rev().find(missing))
                 else {
                     return Ok(0);
                 };
-                if !gate(spans.ranges[hi].end - spans.ranges[lo].start) {
+                if !gate(
+                    spans.ranges[hi].end - spans.ranges[lo].start + self.window_bytes(lo..hi + 1),
+                ) {
                     return Err(interrupted());
                 }
                 let mut fetched = 0;
-                self.spans_bytes(spans, lo..hi + 1, &mut fetched)?;
+                self.spans_and_windows(spans, lo..hi + 1, &mut fetched)?;
                 Ok(fetched)
             }
             (FillWork::Whole, None) => self.fill_whole(gate),
@@ -655,12 +794,12 @@ impl LayerSource {
                 out[slot] = Some(b);
                 continue;
             }
-            match self.claim(FlightKey::Span(k)) {
+            match self.claim(FlightKey::Piece(spans.kind, k)) {
                 Ok(f) => {
                     // Another reader may have stored it between the check and the claim.
                     if let Some(b) = self.cached(spans, k) {
                         MountStats::add(&self.stats.cache_hits, 1);
-                        self.land(&FlightKey::Span(k), &f, Ok(b.clone()));
+                        self.land(&FlightKey::Piece(spans.kind, k), &f, Ok(b.clone()));
                         out[slot] = Some(b);
                     } else {
                         MountStats::add(&self.stats.cache_misses, 1);
@@ -687,11 +826,12 @@ impl LayerSource {
             let end = spans.ranges[run[run.len() - 1].0].end;
             let fetched = if first_err.is_some() {
                 Err(io::Error::other("an earlier fetch of this read failed"))
-            } else if let Some(e) = self.failed_recently(run.iter().map(|(k, _)| *k)) {
+            } else if let Some(e) = self.failed_recently(spans.kind, run.iter().map(|(k, _)| *k)) {
                 Err(e)
             } else {
-                self.fetch(start..end, deadline)
-                    .inspect_err(|_| self.remember_failure(run.iter().map(|(k, _)| *k)))
+                self.origin(spans.kind)
+                    .and_then(|(backend, _)| self.fetch_from(backend, start..end, deadline))
+                    .inspect_err(|_| self.remember_failure(spans.kind, run.iter().map(|(k, _)| *k)))
             };
             match fetched {
                 Ok(data) => {
@@ -712,13 +852,13 @@ impl LayerSource {
                                 first_err = Some(io::Error::new(e.kind(), e.to_string()));
                             }
                         });
-                        self.land(&FlightKey::Span(*k), f, outcome);
+                        self.land(&FlightKey::Piece(spans.kind, *k), f, outcome);
                     }
                 }
                 Err(e) => {
                     for (k, f) in run {
                         self.land(
-                            &FlightKey::Span(*k),
+                            &FlightKey::Piece(spans.kind, *k),
                             f,
                             Err(io::Error::new(e.kind(), e.to_string())),
                         );
@@ -740,6 +880,72 @@ impl LayerSource {
             .collect()
     }
 
+    /// Where pieces of `kind` are fetched, and where they are fetched again when they do
+    /// not verify.
+    #[allow(clippy::type_complexity)]
+    fn origin(
+        &self,
+        kind: PieceKind,
+    ) -> io::Result<(&Arc<dyn RangeSource>, Option<&Arc<dyn RangeSource>>)> {
+        match kind {
+            PieceKind::Span => Ok((&self.backend, self.fallback.as_ref())),
+            PieceKind::Window => {
+                let windows = self.windows.as_ref();
+                match windows.and_then(|w| w.backend.as_ref()) {
+                    Some(b) => Ok((b, windows.and_then(|w| w.fallback.as_ref()))),
+                    None => Err(io::Error::new(
+                        io::ErrorKind::NotFound,
+                        "the layer's index keeps its windows in a windows blob this mount \
+                         cannot reach",
+                    )),
+                }
+            }
+        }
+    }
+
+    /// Makes spans `ks` local (as [`LayerSource::spans_bytes`]) and, at the same time,
+    /// the windows of their checkpoints that are not in the store yet (merged into as
+    /// few requests as they allow). Windows are only fetched ahead when there is a store
+    /// to keep them in.
+    fn spans_and_windows(
+        &self,
+        spans: &Spans,
+        ks: Range<usize>,
+        fetched_bytes: &mut u64,
+    ) -> io::Result<()> {
+        let missing_windows = match (&self.windows, &self.store) {
+            (Some(w), Some(store)) if w.backend.is_some() => {
+                let ws = w.of_checkpoints(ks.clone());
+                let missing =
+                    |i: &usize| !store.contains(&ChunkKey::from_raw(w.pieces.digests[*i]));
+                match (ws.clone().find(missing), ws.rev().find(missing)) {
+                    (Some(lo), Some(hi)) => Some((w, lo..hi + 1)),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let Some((windows, ws)) = missing_windows else {
+            self.spans_bytes(spans, ks, fetched_bytes)?;
+            return Ok(());
+        };
+        std::thread::scope(|scope| {
+            let fetching = std::thread::Builder::new()
+                .name("ferry-windows".into())
+                .spawn_scoped(scope, || {
+                    let mut n = 0;
+                    self.spans_bytes(&windows.pieces, ws, &mut n).map(|_| n)
+                })?;
+            let spans_outcome = self.spans_bytes(spans, ks, fetched_bytes);
+            let windows_outcome = fetching
+                .join()
+                .map_err(|_| io::Error::other("fetching windows panicked"))?;
+            spans_outcome?;
+            *fetched_bytes += windows_outcome?;
+            Ok(())
+        })
+    }
+
     /// Span `k` did not verify (`err`): fetch it once more from the fallback source, if
     /// there is one, and verify that.
     fn refetch_from_fallback(
@@ -749,44 +955,51 @@ impl LayerSource {
         deadline: Instant,
         err: io::Error,
     ) -> io::Result<Arc<Vec<u8>>> {
-        let Some(fallback) = &self.fallback else {
+        let Some(fallback) = self.origin(spans.kind).ok().and_then(|(_, f)| f) else {
             return Err(err);
         };
         if err.kind() != io::ErrorKind::InvalidData {
             return Err(err);
         }
-        tracing::warn!(span = k, error = %err, "span did not verify; fetching it again from the registry");
+        tracing::warn!(kind = spans.kind.name(), piece = k, error = %err, "piece did not verify; fetching it again from the registry");
         let piece = self.fetch_from(fallback, spans.ranges[k].clone(), deadline)?;
         self.verify_and_store(spans, k, &piece)
     }
 
     /// An error when one of `ks` failed to fetch within the last [`FAILURE_MEMORY`].
-    fn failed_recently(&self, ks: impl Iterator<Item = usize>) -> Option<io::Error> {
+    fn failed_recently(
+        &self,
+        kind: PieceKind,
+        ks: impl Iterator<Item = usize>,
+    ) -> Option<io::Error> {
         let failures = lock(&self.recent_failures);
         if failures.is_empty() {
             return None;
         }
         let now = Instant::now();
         for k in ks {
-            if let Some(at) = failures.get(&k)
+            if let Some(at) = failures.get(&(kind, k))
                 && now.saturating_duration_since(*at) < FAILURE_MEMORY
             {
                 MountStats::add(&self.stats.fetch_errors, 1);
                 return Some(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("span {k} failed to fetch moments ago; not waiting again yet"),
+                    format!(
+                        "{} {k} failed to fetch moments ago; not waiting again yet",
+                        kind.name()
+                    ),
                 ));
             }
         }
         None
     }
 
-    fn remember_failure(&self, ks: impl Iterator<Item = usize>) {
+    fn remember_failure(&self, kind: PieceKind, ks: impl Iterator<Item = usize>) {
         let mut failures = lock(&self.recent_failures);
         let now = Instant::now();
         failures.retain(|_, at| now.saturating_duration_since(*at) < FAILURE_MEMORY);
         for k in ks {
-            failures.insert(k, now);
+            failures.insert((kind, k), now);
         }
     }
 
@@ -798,7 +1011,8 @@ impl LayerSource {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
-                    "span {k}: digest mismatch (expected sha256:{}, got sha256:{})",
+                    "{} {k}: digest mismatch (expected sha256:{}, got sha256:{})",
+                    spans.kind.name(),
                     hex::encode(spans.digests[k]),
                     hex::encode(actual)
                 ),
@@ -807,7 +1021,7 @@ impl LayerSource {
         if let Some(store) = &self.store
             && let Err(e) = store.put(&ChunkKey::from_raw(actual), piece)
         {
-            tracing::warn!(error = %e, span = k, "could not store a verified span; serving it anyway");
+            tracing::warn!(error = %e, kind = spans.kind.name(), piece = k, "could not store a verified piece; serving it anyway");
         }
         Ok(Arc::new(piece.to_vec()))
     }
@@ -949,6 +1163,81 @@ impl RangeSource for LayerSource {
         match &self.spans {
             Some(spans) => self.read_spans(spans, range),
             None => self.read_shared(range),
+        }
+    }
+}
+
+impl LayerSource {
+    /// The chunk-store entries [`LayerSource::warm_range`] makes local for `range`, each
+    /// with its size: what a mount pins as its hot set (see `crate::warm`). For an
+    /// indexed layer with a store, the spans covering `range` and, when the index keeps
+    /// its inflate windows in a windows blob, their checkpoints' windows (a read of a
+    /// span needs both); otherwise nothing (eStargz warm-up holds bytes in memory, and a
+    /// whole-blob entry is fill, not hot).
+    pub fn hot_keys(&self, range: Range<u64>) -> Vec<(ChunkKey, u64)> {
+        let (Some(spans), Some(_)) = (&self.spans, &self.store) else {
+            return Vec::new();
+        };
+        if range.start >= range.end || range.end > self.backend.len() {
+            return Vec::new();
+        }
+        let first = spans.ranges.partition_point(|r| r.end <= range.start);
+        let last = spans.ranges.partition_point(|r| r.start < range.end);
+        let ks = first..last.max(first);
+        let pieces = |table: &Spans, ks: Range<usize>| {
+            ks.map(|k| {
+                (
+                    ChunkKey::from_raw(table.digests[k]),
+                    span_len(&table.ranges[k]),
+                )
+            })
+            .collect::<Vec<_>>()
+        };
+        let mut keys = pieces(spans, ks.clone());
+        if let Some(w) = &self.windows {
+            keys.extend(pieces(&w.pieces, w.of_checkpoints(ks)));
+        }
+        keys
+    }
+}
+
+impl WindowSource for LayerSource {
+    /// Checkpoint `k`'s window: from the store, else fetched from the windows blob (one
+    /// flight per window however many readers want it), verified and stored.
+    fn window(&self, k: usize, at: &WindowRef) -> io::Result<Vec<u8>> {
+        let windows = self.windows.as_ref().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "this layer's index has no windows blob",
+            )
+        })?;
+        let w = windows.of_checkpoints(k..k + 1);
+        if w.len() != 1 || windows.pieces.digests[w.start] != at.sha256 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("checkpoint {k} has no window in this layer's windows blob"),
+            ));
+        }
+        let mut bytes = self.spans_bytes(&windows.pieces, w, &mut 0)?;
+        let window = bytes
+            .pop()
+            .ok_or_else(|| io::Error::other("window missing after fetch"))?;
+        Ok(Arc::unwrap_or_clone(window))
+    }
+
+    fn is_local(&self, _k: usize, at: &WindowRef) -> bool {
+        self.store
+            .as_ref()
+            .is_some_and(|s| s.contains(&ChunkKey::from_raw(at.sha256)))
+    }
+
+    fn span_is_local(&self, k: usize) -> bool {
+        match (&self.spans, &self.store) {
+            (Some(spans), Some(store)) => spans
+                .digests
+                .get(k)
+                .is_some_and(|d| store.contains(&ChunkKey::from_raw(*d))),
+            _ => false,
         }
     }
 }

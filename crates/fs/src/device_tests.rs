@@ -514,3 +514,333 @@ fn fill_work_skips_stored_spans_and_fill_makes_the_layer_local() {
     }
     assert_eq!(backend.calls.load(Ordering::SeqCst), calls);
 }
+
+// ---------------------------------------------------------------------------------------
+// Version-2 indexes: windows in a windows blob.
+
+/// A single-member gzip layer (so checkpoints sit at block boundaries and carry
+/// windows) of files `a` (300 KiB of text-like bytes) and `b` (200 KiB), its index with
+/// 64 KiB spans split into a version-2 index, and the windows blob.
+fn windowed_layer() -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
+    let text = |len: usize, seed: u64| -> Vec<u8> {
+        noise(len, seed)
+            .iter()
+            .map(|b| b"abcdefgh \n"[(*b % 10) as usize])
+            .collect()
+    };
+    let files = vec![
+        ("a".to_string(), text(300 << 10, 3)),
+        ("b".to_string(), text(200 << 10, 4)),
+    ];
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in &files {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    let tar = tar.into_inner().unwrap();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&tar).unwrap();
+    let blob = gz.finish().unwrap();
+    let mut index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
+    let windows = index.split_windows();
+    let index = LayerIndex::decode(&index.encode().unwrap()).unwrap();
+    assert!(
+        index
+            .checkpoints
+            .iter()
+            .filter(|c| c.window.is_some())
+            .count()
+            >= 4,
+        "the test needs several windows"
+    );
+    (blob, index, windows, files)
+}
+
+/// A reader over a version-2 layer whose spans come from `spans` and windows from
+/// `windows` (and, when given, `fallback` for windows that do not verify).
+struct WindowRig {
+    spans: Arc<TestBackend>,
+    windows: Arc<TestBackend>,
+    source: Arc<LayerSource>,
+    reader: LayerReader,
+    stats: Arc<MountStats>,
+    files: Files,
+    index: Arc<LayerIndex>,
+}
+
+impl WindowRig {
+    fn new(store: Option<Arc<Store>>, fallback: Option<Arc<TestBackend>>) -> WindowRig {
+        let (blob, index, windows, files) = windowed_layer();
+        let spans = TestBackend::new(blob);
+        let windows = TestBackend::new(windows);
+        let stats = Arc::new(MountStats::default());
+        let config = FetchConfig::default();
+        let source = Arc::new(
+            LayerSource::indexed(
+                spans.clone(),
+                &index,
+                store,
+                Limiter::new(config.concurrency),
+                config,
+                stats.clone(),
+            )
+            .with_windows(windows.clone(), fallback.map(|f| f as Arc<dyn RangeSource>)),
+        );
+        let index = Arc::new(index);
+        let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source.clone())
+            .with_windows(source.clone());
+        WindowRig {
+            spans,
+            windows,
+            source,
+            reader,
+            stats,
+            files,
+            index,
+        }
+    }
+
+    fn read(&self, path: &str, off: u64, len: usize) -> ferry_index::Result<Vec<u8>> {
+        let idx = self
+            .reader
+            .entries()
+            .iter()
+            .position(|e| e.path == path)
+            .unwrap();
+        let mut buf = vec![0u8; len];
+        let n = self.reader.read_at(idx, off, &mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    }
+
+    fn content(&self, path: &str) -> &[u8] {
+        &self.files.iter().find(|(p, _)| p == path).unwrap().1
+    }
+}
+
+#[test]
+fn windows_are_fetched_verified_stored_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store.clone()), None);
+    assert!(rig.source.has_window_blob());
+    let got = rig.read("a", 150_000, 4096).unwrap();
+    assert_eq!(got, &rig.content("a")[150_000..154_096]);
+    let span_bytes = rig.spans.bytes.load(Ordering::SeqCst);
+    let window_bytes = rig.windows.bytes.load(Ordering::SeqCst);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1, "one window");
+    let k = rig.index.span_for(512 + 150_000).unwrap();
+    assert_eq!(
+        window_bytes,
+        u64::from(rig.index.window_ref(k).unwrap().len)
+    );
+    assert_eq!(
+        rig.stats.snapshot().bytes_fetched,
+        span_bytes + window_bytes,
+        "window bytes count as fetched"
+    );
+    assert!(store.contains(&ChunkKey::from_raw(rig.index.window_ref(k).unwrap().sha256)));
+    // Again: both from the store.
+    assert_eq!(
+        rig.read("a", 150_000, 4096).unwrap(),
+        &rig.content("a")[150_000..154_096]
+    );
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    // Whole files read back exactly, across many checkpoints.
+    assert_eq!(rig.read("b", 0, 200 << 10).unwrap(), rig.content("b"));
+}
+
+#[test]
+fn a_window_is_fetched_once_for_concurrent_reads_and_alongside_the_span() {
+    let rig = Arc::new(WindowRig::new(None, None));
+    // Hold the span fetch: the window must still be asked for meanwhile.
+    rig.spans.gated.store(true, Ordering::SeqCst);
+    rig.windows.gated.store(true, Ordering::SeqCst);
+    const READERS: usize = 6;
+    let handles: Vec<_> = (0..READERS)
+        .map(|_| {
+            let rig = rig.clone();
+            std::thread::spawn(move || rig.read("a", 200_000, 3000).unwrap())
+        })
+        .collect();
+    // No time limit: both gates hold their leaders until released.
+    while rig.spans.calls.load(Ordering::SeqCst) == 0
+        || rig.windows.calls.load(Ordering::SeqCst) == 0
+    {
+        std::thread::yield_now();
+    }
+    // Both requests are in flight at once (neither waited for the other).
+    while rig.stats.snapshot().shared_waits < 2 * (READERS as u64 - 1) {
+        std::thread::yield_now();
+    }
+    rig.windows.release();
+    rig.spans.release();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), &rig.content("a")[200_000..203_000]);
+    }
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_corrupt_window_fails_the_read_or_is_fetched_again_from_the_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store.clone()), None);
+    rig.windows.corrupt.store(true, Ordering::SeqCst);
+    let err = rig.read("a", 250_000, 1000).unwrap_err();
+    assert!(err.to_string().contains("window"), "{err}");
+    assert_eq!(rig.stats.snapshot().verify_failures, 1);
+    let k = rig.index.span_for(512 + 250_000).unwrap();
+    assert!(
+        rig.index.window_ref(k).is_some(),
+        "the read must need a window"
+    );
+    assert!(!store.contains(&ChunkKey::from_raw(rig.index.window_ref(k).unwrap().sha256)));
+
+    // With an origin to fall back on, the read succeeds with the right bytes.
+    let (_, _, windows, _) = windowed_layer();
+    let origin = TestBackend::new(windows);
+    let rig = WindowRig::new(
+        Some(open_store(tempfile::tempdir().unwrap().path())),
+        Some(origin.clone()),
+    );
+    rig.windows.corrupt.store(true, Ordering::SeqCst);
+    assert_eq!(
+        rig.read("a", 250_000, 1000).unwrap(),
+        &rig.content("a")[250_000..251_000]
+    );
+    assert_eq!(origin.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.stats.snapshot().verify_failures, 1);
+}
+
+#[test]
+fn warm_range_and_fill_make_windows_local_in_merged_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store.clone()), None);
+    let len = rig.spans.blob.len() as u64;
+    let fetched = rig.source.warm_range(0..len / 2).unwrap();
+    assert!(fetched > 0);
+    assert_eq!(
+        rig.windows.calls.load(Ordering::SeqCst),
+        1,
+        "windows merged into one request"
+    );
+    assert_eq!(
+        fetched,
+        rig.spans.bytes.load(Ordering::SeqCst) + rig.windows.bytes.load(Ordering::SeqCst)
+    );
+    assert!(!rig.source.is_local());
+    // Fill plans the rest (spans and windows) and makes the layer local.
+    let work = rig.source.fill_work();
+    assert!(!work.is_empty());
+    for w in &work {
+        rig.source.fill(w, &|_| true).unwrap();
+    }
+    assert!(rig.source.is_local());
+    assert!(rig.source.fill_work().is_empty());
+    for cp in rig.index.checkpoints.iter().filter_map(|c| c.window) {
+        assert!(store.contains(&ChunkKey::from_raw(cp.sha256)));
+    }
+    // Reads now touch no backend.
+    let (s, w) = (
+        rig.spans.calls.load(Ordering::SeqCst),
+        rig.windows.calls.load(Ordering::SeqCst),
+    );
+    assert_eq!(rig.read("b", 0, 200 << 10).unwrap(), rig.content("b"));
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), s);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), w);
+}
+
+#[test]
+fn fill_fetches_windows_missing_behind_stored_spans() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    // Another layer's mount without a windows backend stored every span only.
+    let (blob, index, windows, _) = windowed_layer();
+    for k in 0..index.span_digests.len() {
+        let r = index.span_range(k).unwrap();
+        store
+            .put(
+                &ChunkKey::from_raw(index.span_digests[k]),
+                &blob[r.start as usize..r.end as usize],
+            )
+            .unwrap();
+    }
+    let rig = WindowRig::new(Some(store.clone()), None);
+    assert!(!rig.source.is_local());
+    let work = rig.source.fill_work();
+    assert!(!work.is_empty(), "windows are still missing");
+    let mut fetched = 0;
+    for w in &work {
+        fetched += rig.source.fill(w, &|_| true).unwrap();
+    }
+    assert_eq!(fetched, windows.len() as u64);
+    assert!(rig.source.is_local());
+}
+
+#[test]
+fn a_layer_without_a_reachable_windows_blob_fails_reads_cleanly() {
+    let (blob, index, _, _) = windowed_layer();
+    let stats = Arc::new(MountStats::default());
+    let source = Arc::new(LayerSource::indexed(
+        TestBackend::new(blob),
+        &index,
+        None,
+        Limiter::new(1),
+        FetchConfig::default(),
+        stats,
+    ));
+    let k = index.span_for(512 + 250_000).unwrap();
+    assert!(index.window_ref(k).is_some(), "the read must need a window");
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), source.clone())
+        .with_windows(source);
+    let mut buf = vec![0u8; 100];
+    let err = reader.read_at(0, 250_000, &mut buf).unwrap_err();
+    assert!(err.to_string().contains("windows blob"), "{err}");
+}
+
+#[test]
+fn a_read_inside_spans_stored_by_an_earlier_pass_needs_no_window_fetch() {
+    // A pass fetches only its first checkpoint's window but stores every span it read.
+    // A later read starting in one of those spans must be served locally (inflating from
+    // the pass's start), not by fetching that span's window: with the registry away it
+    // would fail although every byte is cached.
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store), None);
+    assert_eq!(rig.read("a", 0, 300 << 10).unwrap(), rig.content("a"));
+    let (span_calls, window_calls) = (
+        rig.spans.calls.load(Ordering::SeqCst),
+        rig.windows.calls.load(Ordering::SeqCst),
+    );
+    assert_eq!(window_calls, 0, "the first checkpoint needs no window");
+    // Any fetch from now on would fail.
+    rig.spans.corrupt.store(true, Ordering::SeqCst);
+    rig.windows.corrupt.store(true, Ordering::SeqCst);
+    let cps: Vec<(u64, bool)> = rig
+        .index
+        .checkpoints
+        .iter()
+        .map(|c| (c.out_offset, c.window.is_some()))
+        .collect();
+    for off in [130_000u64, 200_000, 280_000] {
+        let k = rig.index.span_for(512 + off).unwrap();
+        assert!(
+            rig.index.window_ref(k).is_some(),
+            "offset {off} must lie in a windowed span: span {k} of {cps:?}"
+        );
+        assert_eq!(
+            rig.read("a", off, 4096).unwrap(),
+            &rig.content("a")[off as usize..off as usize + 4096]
+        );
+    }
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), span_calls);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), window_calls);
+}

@@ -4,7 +4,9 @@
 //!
 //! Per layer, the best way in: a ferry index referring to the image (found in a layout
 //! through the `sha256-<hex>` tag fallback, in a registry through the referrers API or
-//! its tag fallback) → span-by-span lazy reads through the chunk store; an eStargz TOC
+//! its tag fallback) → span-by-span lazy reads through the chunk store (a version-2
+//! index's windows blob is reached beside the layer blob, [`RangeSource::sibling`]: the
+//! mount fetches only the index blob, windows come with the spans that need them); an eStargz TOC
 //! annotation → lazy reads of the members the TOC names; neither → the whole blob,
 //! fetched once (in parallel Range requests from a registry), verified against the
 //! layer digest, kept in the chunk store and served from there.
@@ -505,12 +507,33 @@ fn layer_reader(
                 index.compressed_size
             )));
         }
+        let windows = match &index.windows {
+            Some(w) => {
+                let backend = layer.source.sibling(&w.digest, w.size).ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "the index of {digest} keeps its windows in blob {}, which cannot be \
+                         reached beside the layer",
+                        w.digest
+                    ))
+                })?;
+                let fallback = layer
+                    .fallback
+                    .as_ref()
+                    .and_then(|f| f.sibling(&w.digest, w.size));
+                Some((backend, fallback))
+            }
+            None => None,
+        };
         let mut source = LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
         if let Some(fallback) = layer.fallback {
             source = source.with_fallback(fallback);
         }
+        if let Some((backend, fallback)) = windows {
+            source = source.with_windows(backend, fallback);
+        }
         let source = Arc::new(source);
-        let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone());
+        let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
+            .with_windows(source.clone());
         return Ok((reader, Some(source)));
     }
     let toc = layer

@@ -9,7 +9,16 @@
 //! * one SHA-256 per span over the span's compressed bytes, so every fetched piece is
 //!   verified on its own.
 //!
-//! The byte layout is documented in `docs/formats.md`; encoding is deterministic.
+//! Version 2 (what `ferry index` writes) keeps the 32 KiB windows out of the index blob:
+//! they are concatenated, in checkpoint order, into a separate *windows blob*, and each
+//! checkpoint names its window by offset, length and SHA-256 there. The index blob that a
+//! mount fetches and decodes whole then holds only the file table, checkpoints and span
+//! digests; a window is fetched when its span is first read. Version 1 (windows inline)
+//! is still decoded so old indexes keep mounting.
+//!
+//! This module owns the model and the bytes; it must not fetch anything (readers ask a
+//! [`crate::windows::WindowSource`]). The byte layout is documented in
+//! `docs/formats.md`; encoding is deterministic.
 
 use crate::entry::Entry;
 
@@ -43,8 +52,40 @@ pub struct Checkpoint {
     /// and needs no window.
     pub member_start: bool,
     /// The (up to) 32 KiB of uncompressed history before `out_offset`, compressed as raw
-    /// deflate. Empty for member starts.
+    /// deflate, when it is held inline (fresh from the indexer, or a version-1 index).
+    /// Empty for member starts and for windows kept in the windows blob.
     pub window_deflate: Vec<u8>,
+    /// Where the window lives in the layer's windows blob (version 2); `None` when the
+    /// checkpoint needs no window or holds it inline.
+    pub window: Option<WindowRef>,
+}
+
+/// Where one checkpoint's deflated window lies in the windows blob.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WindowRef {
+    /// Offset in the windows blob.
+    pub offset: u64,
+    /// Length in bytes (never 0: checkpoints without a window have no `WindowRef`).
+    pub len: u32,
+    /// SHA-256 of those bytes: what a fetched window is verified against, and its key in
+    /// the node chunk store.
+    pub sha256: [u8; 32],
+}
+
+impl WindowRef {
+    /// The byte range in the windows blob.
+    pub fn range(&self) -> std::ops::Range<u64> {
+        self.offset..self.offset + u64::from(self.len)
+    }
+}
+
+/// The windows blob a version-2 index refers to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WindowsBlob {
+    /// `sha256:<hex>` of the whole windows blob.
+    pub digest: String,
+    /// Its size in bytes.
+    pub size: u64,
 }
 
 impl Checkpoint {
@@ -78,6 +119,9 @@ pub struct LayerIndex {
     pub span_digests: Vec<[u8; 32]>,
     /// The file table in tar order.
     pub entries: Vec<Entry>,
+    /// The windows blob the checkpoints' [`WindowRef`]s point into; `None` when the
+    /// windows are inline or no checkpoint needs one.
+    pub windows: Option<WindowsBlob>,
 }
 
 impl LayerIndex {
@@ -102,6 +146,54 @@ impl LayerIndex {
                 .saturating_sub(1),
         )
     }
+
+    /// Moves every inline window into a windows blob (concatenated in checkpoint order)
+    /// and points the checkpoints at it, so [`LayerIndex::encode`] writes version 2.
+    /// Returns the windows blob; empty (and `windows` stays `None`) when no checkpoint
+    /// has a window. Deterministic. An index whose windows are already external is left
+    /// alone and gives an empty blob.
+    pub fn split_windows(&mut self) -> Vec<u8> {
+        if self.windows.is_some() {
+            return Vec::new();
+        }
+        let total: usize = self
+            .checkpoints
+            .iter()
+            .map(|c| c.window_deflate.len())
+            .sum();
+        let mut blob = Vec::with_capacity(total);
+        for cp in &mut self.checkpoints {
+            let window = std::mem::take(&mut cp.window_deflate);
+            if window.is_empty() {
+                continue;
+            }
+            cp.window = Some(WindowRef {
+                offset: blob.len() as u64,
+                len: window.len() as u32,
+                sha256: Sha256::digest(&window).into(),
+            });
+            blob.extend_from_slice(&window);
+        }
+        if !blob.is_empty() {
+            self.windows = Some(WindowsBlob {
+                digest: format!("sha256:{}", hex::encode(Sha256::digest(&blob))),
+                size: blob.len() as u64,
+            });
+        }
+        blob
+    }
+
+    /// Checkpoint `k`'s window in the windows blob, when it has one there.
+    pub fn window_ref(&self, k: usize) -> Option<&WindowRef> {
+        self.checkpoints.get(k)?.window.as_ref()
+    }
+
+    /// True when some checkpoint keeps its window inline (a version-1 index).
+    fn has_inline_windows(&self) -> bool {
+        self.checkpoints
+            .iter()
+            .any(|c| !c.window_deflate.is_empty())
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -114,20 +206,29 @@ use std::collections::BTreeMap;
 
 /// First bytes of every ferry index blob.
 pub const MAGIC: &[u8; 8] = b"FERRYIDX";
-/// The format version this build writes and reads.
-pub const VERSION: u16 = 1;
+/// The format version this build writes (windows in a separate blob).
+pub const VERSION: u16 = 2;
+/// The older version, windows inline, still decoded (and written for an index whose
+/// windows were never split out).
+pub const VERSION_INLINE_WINDOWS: u16 = 1;
 /// Largest index blob ferry will decode.
 pub const MAX_INDEX_BYTES: usize = 1 << 30;
+/// Largest windows blob an index may name (a window per checkpoint, each at most
+/// [`MAX_WINDOW_DEFLATE`], for far more checkpoints than a layer has).
+pub const MAX_WINDOWS_BYTES: u64 = 1 << 36;
 /// Largest stored (deflated) window: a 32 KiB window never deflates to more than this.
-const MAX_WINDOW_DEFLATE: usize = 40 << 10;
+pub const MAX_WINDOW_DEFLATE: usize = 40 << 10;
 /// Longest path, link target or user/group name accepted.
 const MAX_STRING: usize = 64 << 10;
 /// Longest xattr value accepted.
 const MAX_XATTR_VALUE: usize = 1 << 20;
 const HEADER_LEN: usize = 80;
+/// Version 2 adds the windows blob's size and SHA-256.
+const HEADER_LEN_V2: usize = HEADER_LEN + 8 + 32;
 /// zstd level of the file table: deterministic for a given zstd, fast enough for 1M entries.
 const TABLE_ZSTD_LEVEL: i32 = 9;
-/// Smallest possible encoded checkpoint and entry, used to bound counts before allocating.
+/// Smallest possible encoded checkpoint and entry, used to bound counts before allocating
+/// (the same for both versions: a window-less v2 record is as long as an empty v1 one).
 const MIN_CHECKPOINT_LEN: usize = 8 + 8 + 1 + 1 + 4 + 32;
 const MIN_ENTRY_LEN: usize = 1 + 4 * 3 + 8 + 4 + 8 * 3 + 4 * 2 + 4 * 4 + 4;
 
@@ -144,8 +245,9 @@ fn put_str(out: &mut Vec<u8>, s: &[u8]) {
 }
 
 impl LayerIndex {
-    /// Encodes the index in the versioned binary format. Deterministic: the same index
-    /// always gives the same bytes.
+    /// Encodes the index in the versioned binary format: version 2 when the windows are
+    /// in a windows blob (after [`LayerIndex::split_windows`]) or there are none, version
+    /// 1 when they are inline. Deterministic: the same index always gives the same bytes.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let raw_digest = parse_digest_raw(&self.layer_digest)?;
         if self.span_digests.len() != self.checkpoints.len() {
@@ -153,11 +255,25 @@ impl LayerIndex {
                 "one span digest per checkpoint is required".into(),
             ));
         }
+        let inline = self.has_inline_windows();
+        let external =
+            self.windows.is_some() || self.checkpoints.iter().any(|c| c.window.is_some());
+        if inline && external {
+            return Err(Error::Index(
+                "windows are both inline and in a windows blob".into(),
+            ));
+        }
+        let version = if inline {
+            VERSION_INLINE_WINDOWS
+        } else {
+            VERSION
+        };
+        let per_checkpoint = if inline { 16_000 } else { 100 };
         let mut out = Vec::with_capacity(
-            HEADER_LEN + self.checkpoints.len() * 16_000 + self.entries.len() * 96,
+            HEADER_LEN_V2 + self.checkpoints.len() * per_checkpoint + self.entries.len() * 96,
         );
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.push(compression_code(self.compression));
         out.push(0);
         out.extend_from_slice(&0u32.to_le_bytes());
@@ -167,12 +283,31 @@ impl LayerIndex {
         out.extend_from_slice(&self.span_size.to_le_bytes());
         out.extend_from_slice(&(self.checkpoints.len() as u32).to_le_bytes());
         out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        if version == VERSION {
+            let (size, digest) = match &self.windows {
+                Some(w) => (w.size, parse_digest_raw(&w.digest)?),
+                None => (0, Sha256::digest([]).into()),
+            };
+            out.extend_from_slice(&size.to_le_bytes());
+            out.extend_from_slice(&digest);
+        }
         for (cp, digest) in self.checkpoints.iter().zip(&self.span_digests) {
             out.extend_from_slice(&cp.in_offset.to_le_bytes());
             out.extend_from_slice(&cp.out_offset.to_le_bytes());
             out.push(cp.bits);
             out.push(u8::from(cp.member_start));
-            put_str(&mut out, &cp.window_deflate);
+            if version == VERSION {
+                // Offsets are implied: windows lie in checkpoint order, back to back.
+                match &cp.window {
+                    Some(w) => {
+                        out.extend_from_slice(&w.len.to_le_bytes());
+                        out.extend_from_slice(&w.sha256);
+                    }
+                    None => out.extend_from_slice(&0u32.to_le_bytes()),
+                }
+            } else {
+                put_str(&mut out, &cp.window_deflate);
+            }
             out.extend_from_slice(digest);
         }
         // The file table compresses well (paths share prefixes); windows do not.
@@ -232,9 +367,10 @@ impl LayerIndex {
         }
         let mut r = Cursor { buf: body, pos: 8 };
         let version = r.u16()?;
-        if version != VERSION {
+        if version != VERSION && version != VERSION_INLINE_WINDOWS {
             return Err(Error::Index(format!(
-                "format version {version} is not supported (this ferry reads {VERSION})"
+                "format version {version} is not supported (this ferry reads \
+                 {VERSION_INLINE_WINDOWS} and {VERSION})"
             )));
         }
         let compression = match r.u8()? {
@@ -249,10 +385,42 @@ impl LayerIndex {
         let compressed_size = r.u64()?;
         let uncompressed_size = r.u64()?;
         let span_size = r.u64()?;
-        let n_checkpoints = r.count(MIN_CHECKPOINT_LEN, "checkpoints")?;
+        let n_checkpoints_raw = r.u32()?;
         let n_entries = r.u32()? as usize;
+        let windows = if version == VERSION {
+            let size = r.u64()?;
+            let digest: [u8; 32] = r.array()?;
+            if size > MAX_WINDOWS_BYTES {
+                return Err(Error::Index(format!(
+                    "windows blob of {size} bytes is larger than {MAX_WINDOWS_BYTES}"
+                )));
+            }
+            if size == 0 {
+                if digest != <[u8; 32]>::from(Sha256::digest([])) {
+                    return Err(Error::Index(
+                        "an empty windows blob must carry the empty digest".into(),
+                    ));
+                }
+                None
+            } else {
+                Some(WindowsBlob {
+                    digest: format!("sha256:{}", hex::encode(digest)),
+                    size,
+                })
+            }
+        } else {
+            None
+        };
+        let n_checkpoints = n_checkpoints_raw as usize;
+        if n_checkpoints > r.remaining() / MIN_CHECKPOINT_LEN {
+            return Err(Error::Index(format!(
+                "{n_checkpoints} checkpoints cannot fit in {} bytes",
+                r.remaining()
+            )));
+        }
         let mut checkpoints = Vec::with_capacity(n_checkpoints);
         let mut span_digests = Vec::with_capacity(n_checkpoints);
+        let mut window_offset = 0u64;
         for i in 0..n_checkpoints {
             let in_offset = r.u64()?;
             let out_offset = r.u64()?;
@@ -262,7 +430,29 @@ impl LayerIndex {
                 1 => true,
                 f => return Err(Error::Index(format!("checkpoint {i}: bad flags {f}"))),
             };
-            let window = r.bytes(MAX_WINDOW_DEFLATE, "window")?.to_vec();
+            let (window_deflate, window) = if version == VERSION {
+                let len = r.u32()?;
+                if len as usize > MAX_WINDOW_DEFLATE {
+                    return Err(Error::Index(format!(
+                        "checkpoint {i}: window of {len} bytes is longer than \
+                         {MAX_WINDOW_DEFLATE}"
+                    )));
+                }
+                let window = if len == 0 {
+                    None
+                } else {
+                    let w = WindowRef {
+                        offset: window_offset,
+                        len,
+                        sha256: r.array()?,
+                    };
+                    window_offset += u64::from(len);
+                    Some(w)
+                };
+                (Vec::new(), window)
+            } else {
+                (r.bytes(MAX_WINDOW_DEFLATE, "window")?.to_vec(), None)
+            };
             let mut digest = [0u8; 32];
             digest.copy_from_slice(r.take(32)?);
             checkpoints.push(Checkpoint {
@@ -270,9 +460,16 @@ impl LayerIndex {
                 bits,
                 out_offset,
                 member_start,
-                window_deflate: window,
+                window_deflate,
+                window,
             });
             span_digests.push(digest);
+        }
+        if window_offset != windows.as_ref().map_or(0, |w| w.size) {
+            return Err(Error::Index(format!(
+                "the checkpoints' windows add up to {window_offset} bytes, the header says {}",
+                windows.as_ref().map_or(0, |w| w.size)
+            )));
         }
         let table_len = r.u64()?;
         let packed_len = r.u64()?;
@@ -359,6 +556,7 @@ impl LayerIndex {
             checkpoints,
             span_digests,
             entries,
+            windows,
         };
         index.validate()?;
         Ok(index)
@@ -391,6 +589,23 @@ impl LayerIndex {
             if (c.bits > 0 && c.in_offset == 0) || (c.member_start && c.bits != 0) {
                 return bad(format!("checkpoint {i} has an impossible bit position"));
             }
+            let has_window = !c.window_deflate.is_empty() || c.window.is_some();
+            if has_window && (c.member_start || self.compression == Compression::None) {
+                return bad(format!("checkpoint {i} has a window it cannot use"));
+            }
+        }
+        // External windows lie back to back, in checkpoint order, filling the blob.
+        let mut end = 0u64;
+        for (i, c) in self.checkpoints.iter().enumerate() {
+            if let Some(w) = &c.window {
+                if w.offset != end || w.len == 0 || w.len as usize > MAX_WINDOW_DEFLATE {
+                    return bad(format!("checkpoint {i}: window reference out of place"));
+                }
+                end += u64::from(w.len);
+            }
+        }
+        if end != self.windows.as_ref().map_or(0, |w| w.size) {
+            return bad("window references do not fill the windows blob".into());
         }
         for e in &self.entries {
             if !crate::entry::is_clean_path(&e.path) {
@@ -531,6 +746,7 @@ mod tests {
                     out_offset: 0,
                     member_start: true,
                     window_deflate: vec![],
+                    window: None,
                 },
                 Checkpoint {
                     in_offset: 400,
@@ -538,6 +754,7 @@ mod tests {
                     out_offset: 2100,
                     member_start: false,
                     window_deflate: vec![1, 2, 3],
+                    window: None,
                 },
             ],
             span_digests: vec![[7u8; 32], [9u8; 32]],
@@ -572,6 +789,7 @@ mod tests {
                     ..Default::default()
                 },
             ],
+            windows: None,
         }
     }
 
@@ -594,13 +812,13 @@ mod tests {
         let mut flipped = bytes.clone();
         flipped[100] ^= 1;
         assert!(LayerIndex::decode(&flipped).is_err());
-        let mut v2 = bytes.clone();
-        v2[8] = 2;
-        let n = v2.len();
-        let sum = Sha256::digest(&v2[..n - 32]);
-        v2[n - 32..].copy_from_slice(&sum);
-        match LayerIndex::decode(&v2) {
-            Err(Error::Index(m)) => assert!(m.contains("version 2"), "{m}"),
+        let mut v3 = bytes.clone();
+        v3[8] = 3;
+        let n = v3.len();
+        let sum = Sha256::digest(&v3[..n - 32]);
+        v3[n - 32..].copy_from_slice(&sum);
+        match LayerIndex::decode(&v3) {
+            Err(Error::Index(m)) => assert!(m.contains("version 3"), "{m}"),
             other => panic!("expected a version error, got {other:?}"),
         }
         Ok(())
@@ -638,6 +856,121 @@ mod tests {
         let mut idx = sample();
         idx.checkpoints[1].out_offset = 0;
         assert!(LayerIndex::decode(&idx.encode()?).is_err());
+        Ok(())
+    }
+
+    /// A three-checkpoint gzip index: member start, then two with windows.
+    fn sample_with_windows() -> LayerIndex {
+        let mut idx = sample();
+        idx.uncompressed_size = 9000;
+        idx.compressed_size = 2000;
+        idx.checkpoints.push(Checkpoint {
+            in_offset: 900,
+            bits: 0,
+            out_offset: 6000,
+            member_start: false,
+            window_deflate: vec![4; 400],
+            window: None,
+        });
+        idx.span_digests.push([11u8; 32]);
+        idx
+    }
+
+    #[test]
+    fn version_1_with_inline_windows_still_decodes() -> Result<()> {
+        let idx = sample_with_windows();
+        let bytes = idx.encode()?;
+        assert_eq!(
+            u16::from_le_bytes([bytes[8], bytes[9]]),
+            VERSION_INLINE_WINDOWS
+        );
+        let back = LayerIndex::decode(&bytes)?;
+        assert_eq!(back, idx);
+        assert_eq!(back.checkpoints[2].window_deflate, vec![4; 400]);
+        assert!(back.windows.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn split_windows_writes_version_2_and_round_trips() -> Result<()> {
+        let mut idx = sample_with_windows();
+        let v1_len = idx.encode()?.len();
+        let blob = idx.split_windows();
+        // Windows back to back in checkpoint order; none for the member start.
+        assert_eq!(blob, [&[1u8, 2, 3][..], &[4; 400][..]].concat());
+        assert_eq!(idx.checkpoints[0].window, None);
+        let w1 = idx.checkpoints[1].window.expect("window 1");
+        let w2 = idx.checkpoints[2].window.expect("window 2");
+        assert_eq!((w1.offset, w1.len), (0, 3));
+        assert_eq!((w2.offset, w2.len), (3, 400));
+        assert_eq!(w2.sha256, <[u8; 32]>::from(Sha256::digest([4u8; 400])));
+        assert!(idx.checkpoints.iter().all(|c| c.window_deflate.is_empty()));
+        let windows = idx.windows.clone().expect("windows blob");
+        assert_eq!(windows.size, 403);
+        assert_eq!(
+            windows.digest,
+            format!("sha256:{}", hex::encode(Sha256::digest(&blob)))
+        );
+        let bytes = idx.encode()?;
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), VERSION);
+        assert!(
+            bytes.len() < v1_len,
+            "the index must shrink without its windows"
+        );
+        assert_eq!(bytes, idx.clone().encode()?, "deterministic");
+        assert_eq!(LayerIndex::decode(&bytes)?, idx);
+        // Splitting again is a no-op.
+        let mut again = idx.clone();
+        assert!(again.split_windows().is_empty());
+        assert_eq!(again, idx);
+        Ok(())
+    }
+
+    #[test]
+    fn version_2_without_windows_round_trips() -> Result<()> {
+        let mut idx = sample();
+        idx.checkpoints[1].window_deflate.clear();
+        assert!(idx.split_windows().is_empty());
+        assert!(idx.windows.is_none());
+        let bytes = idx.encode()?;
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), VERSION);
+        assert_eq!(LayerIndex::decode(&bytes)?, idx);
+        Ok(())
+    }
+
+    #[test]
+    fn version_2_refuses_inconsistent_windows() -> Result<()> {
+        let mut idx = sample_with_windows();
+        idx.split_windows();
+        let bytes = idx.encode()?;
+        let body = &bytes[..bytes.len() - 32];
+        // Windows blob size in the header disagreeing with the references.
+        let mut b = body.to_vec();
+        b[80..88].copy_from_slice(&44u64.to_le_bytes());
+        assert!(
+            matches!(LayerIndex::decode(&resign(b)), Err(Error::Index(m)) if m.contains("add up"))
+        );
+        // A huge window length.
+        let mut b = body.to_vec();
+        let first_window_len = HEADER_LEN_V2 + (8 + 8 + 1 + 1 + 4 + 32) + (8 + 8 + 1 + 1);
+        b[first_window_len..first_window_len + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(LayerIndex::decode(&resign(b)).is_err());
+        // A huge windows blob.
+        let mut b = body.to_vec();
+        b[80..88].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(LayerIndex::decode(&resign(b)).is_err());
+        // A window on a member start.
+        let mut bad = idx.clone();
+        bad.checkpoints[0].window = bad.checkpoints[1].window;
+        assert!(bad.validate().is_err());
+        // Inline and external at once cannot be encoded.
+        let mut mixed = idx.clone();
+        mixed.checkpoints[1].window_deflate = vec![1];
+        assert!(mixed.encode().is_err());
+        // Truncations anywhere.
+        for cut in [0, 90, 119, 150, bytes.len() - 33, bytes.len() - 1] {
+            assert!(LayerIndex::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
         Ok(())
     }
 

@@ -3,9 +3,10 @@
 //! [`MergedImage`]; and storing ferry index artifacts beside an image.
 //!
 //! Index artifacts follow the OCI 1.1 referrers model: one manifest per image manifest,
-//! `artifactType` [`FERRY_INDEX_ARTIFACT`], `subject` = the image manifest, one blob per
-//! indexed layer annotated with the layer's digest. In an OCI layout they are found
-//! through the `sha256-<hex>` tag fallback.
+//! `artifactType` [`FERRY_INDEX_ARTIFACT`], `subject` = the image manifest, per indexed
+//! layer one index blob and (for gzip layers with windows) one windows blob, each
+//! annotated with the layer's digest. In an OCI layout they are found through the
+//! `sha256-<hex>` tag fallback.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use ferry_oci::layout::{
 };
 use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE, FERRY_INDEX_ARTIFACT,
-    FERRY_LAYER_INDEX, OCI_MANIFEST, layer_compression,
+    FERRY_LAYER_INDEX, FERRY_LAYER_WINDOWS, OCI_MANIFEST, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageManifest};
 
@@ -25,6 +26,7 @@ use crate::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use crate::merged::MergedImage;
 use crate::reader::{LayerFormat, LayerReader};
 use crate::source::{FileSource, RangeSource};
+use crate::windows::BlobWindows;
 
 /// Layers smaller than this (compressed) are not indexed by default: one span of a
 /// typical layer is about this size, so fetching such a layer whole costs no more than
@@ -138,7 +140,8 @@ pub fn open_layout_image(
     Ok((MergedImage::new(readers), summaries))
 }
 
-/// Picks the reader for one layer.
+/// Picks the reader for one layer of a layout. A version-2 index's windows blob is read
+/// beside the layer blob ([`RangeSource::sibling`], so a counting wrapper counts it too).
 pub fn layer_reader(
     layer: &Descriptor,
     indexes: &HashMap<String, Arc<LayerIndex>>,
@@ -152,10 +155,23 @@ pub fn layer_reader(
                 index.compressed_size
             )));
         }
-        return Ok(LayerReader::new(
-            LayerFormat::Indexed(index.clone()),
-            source,
-        ));
+        let windows = match &index.windows {
+            Some(w) => Some(source.sibling(&w.digest, w.size).ok_or_else(|| {
+                Error::NotFound(format!(
+                    "windows blob {} ({} bytes) of the index of layer {}; is the layout \
+                     complete?",
+                    w.digest,
+                    w.size,
+                    layer.digest()
+                ))
+            })?),
+            None => None,
+        };
+        let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source);
+        return Ok(match windows {
+            Some(w) => reader.with_windows(Arc::new(BlobWindows::new(w, true))),
+            None => reader,
+        });
     }
     let toc = layer
         .annotations()
@@ -179,8 +195,10 @@ pub fn layer_reader(
 }
 
 /// Stores `indexes` (layer descriptor, index) as one artifact referring to the image
-/// manifest `subject`, and records it in the layout's referrers. Deterministic: the same
-/// indexes give the same artifact bytes.
+/// manifest `subject`, and records it in the layout's referrers. Each index is written
+/// in version 2: its windows go to a windows blob listed right after its index blob
+/// (an index already split must find its windows blob in the layout). Deterministic: the
+/// same indexes give the same artifact bytes.
 pub fn store_layout_artifact(
     layout: &OciLayout,
     subject: &Descriptor,
@@ -190,7 +208,13 @@ pub fn store_layout_artifact(
     layout.write_blob(b"{}")?;
     let mut blobs = Vec::new();
     let mut index_sizes = Vec::with_capacity(indexes.len());
+    let mut windows_sizes = Vec::with_capacity(indexes.len());
     for (layer, index) in indexes {
+        let mut index = index.clone();
+        let windows = index.split_windows();
+        if !windows.is_empty() {
+            layout.write_blob(&windows)?;
+        }
         let bytes = index.encode()?;
         index_sizes.push(bytes.len() as u64);
         let d = layout.write_blob(&bytes)?;
@@ -203,6 +227,28 @@ pub fn store_layout_artifact(
                 (ANNOTATION_SPAN_SIZE, index.span_size.to_string()),
             ],
         ));
+        match &index.windows {
+            Some(w) => {
+                let d = parse_digest(&w.digest)?;
+                let path = layout.blob_path(&d)?;
+                let on_disk = std::fs::metadata(&path).map(|m| m.len()).ok();
+                if on_disk != Some(w.size) {
+                    return Err(Error::NotFound(format!(
+                        "windows blob {} of the index of {} is not in the layout",
+                        w.digest,
+                        layer.digest()
+                    )));
+                }
+                windows_sizes.push(w.size);
+                blobs.push(descriptor(
+                    FERRY_LAYER_WINDOWS,
+                    d,
+                    w.size,
+                    &[(ANNOTATION_LAYER_DIGEST, layer.digest().to_string())],
+                ));
+            }
+            None => windows_sizes.push(0),
+        }
     }
     let bytes = artifact_manifest(FERRY_INDEX_ARTIFACT, &blobs, subject, &[])?;
     let digest = layout.write_blob(&bytes)?;
@@ -212,6 +258,7 @@ pub fn store_layout_artifact(
     Ok(StoredArtifact {
         descriptor: desc,
         index_sizes,
+        windows_sizes,
     })
 }
 
@@ -222,6 +269,8 @@ pub struct StoredArtifact {
     pub descriptor: Descriptor,
     /// The encoded size of each index, in the order given.
     pub index_sizes: Vec<u64>,
+    /// The size of each index's windows blob (0: none), in the order given.
+    pub windows_sizes: Vec<u64>,
 }
 
 /// Parses a `sha256:` digest string into oci-spec's type.

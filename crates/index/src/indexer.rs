@@ -36,6 +36,7 @@ pub fn index_gzip(blob: impl Read, span: u64, expected_digest: Option<&str>) -> 
         checkpoints: gz.checkpoints,
         span_digests: gz.span_digests,
         entries,
+        windows: None,
     };
     index.validate()?;
     Ok(index)
@@ -70,6 +71,7 @@ pub fn index_tar(blob: impl Read, span: u64, expected_digest: Option<&str>) -> R
         checkpoints,
         span_digests,
         entries,
+        windows: None,
     };
     index.validate()?;
     Ok(index)

@@ -23,6 +23,7 @@ pub mod pack;
 pub mod reader;
 pub mod source;
 pub mod tarwalk;
+pub mod windows;
 pub mod zran;
 
 pub use entry::{Entry, EntryKind, Whiteout};

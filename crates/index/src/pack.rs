@@ -218,6 +218,7 @@ pub fn pack_dir<W: Write + Send>(
         checkpoints: written.checkpoints,
         span_digests: written.span_digests,
         entries,
+        windows: None,
     };
     Ok(PackOutput {
         index,
@@ -739,6 +740,7 @@ fn write_members<W: Write>(
                 out_offset: w.uncompressed_size,
                 member_start: true,
                 window_deflate: Vec::new(),
+                window: None,
             });
             w.span_digests.push(piece.digest);
             w.compressed_size += piece.packed_len as u64;

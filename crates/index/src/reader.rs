@@ -18,10 +18,14 @@ use crate::error::{Error, Result};
 use crate::estargz::EstargzLayer;
 use crate::ferryidx::{Compression, LayerIndex};
 use crate::source::RangeSource;
+use crate::windows::WindowSource;
 
 /// Most uncompressed bytes one indexed read decompresses in a single pass; larger reads
 /// are split into passes that start at checkpoints, so nothing is decompressed twice.
 const MAX_PASS: u64 = 16 << 20;
+/// How far back (uncompressed bytes) a read may start inflating at an earlier checkpoint
+/// whose window is local, rather than fetch its own checkpoint's window.
+const MAX_WALK_BACK: u64 = 4 << 20;
 
 /// How a layer's bytes are reached.
 #[derive(Debug, Clone)]
@@ -44,6 +48,8 @@ pub enum LayerFormat {
 pub struct LayerReader {
     format: LayerFormat,
     source: Arc<dyn RangeSource>,
+    /// Where the windows of a version-2 index come from.
+    windows: Option<Arc<dyn WindowSource>>,
 }
 
 impl std::fmt::Debug for LayerReader {
@@ -57,7 +63,18 @@ impl std::fmt::Debug for LayerReader {
 impl LayerReader {
     /// A reader over `source` in the given format.
     pub fn new(format: LayerFormat, source: Arc<dyn RangeSource>) -> Self {
-        LayerReader { format, source }
+        LayerReader {
+            format,
+            source,
+            windows: None,
+        }
+    }
+
+    /// Gives the reader the windows of its version-2 index (checkpoints whose window is
+    /// in the windows blob cannot be inflated without them).
+    pub fn with_windows(mut self, windows: Arc<dyn WindowSource>) -> Self {
+        self.windows = Some(windows);
+        self
     }
 
     /// Reads a layer that has no index: fetches the whole blob and decompresses it
@@ -89,6 +106,7 @@ impl LayerReader {
                 entries: Arc::new(entries),
             },
             source,
+            windows: None,
         })
     }
 
@@ -136,7 +154,13 @@ impl LayerReader {
         let buf = &mut buf[..len];
         match &self.format {
             LayerFormat::Indexed(index) => {
-                read_indexed(index, self.source.as_ref(), entry.offset + off, buf)?;
+                read_indexed(
+                    index,
+                    self.source.as_ref(),
+                    self.windows.as_deref(),
+                    entry.offset + off,
+                    buf,
+                )?;
                 Ok(len)
             }
             LayerFormat::Estargz(layer) => layer.read_at(self.source.as_ref(), idx, off, buf),
@@ -197,10 +221,13 @@ fn spans_range(index: &LayerIndex, i: usize, j: usize) -> Option<Range<u64>> {
 
 /// Reads uncompressed bytes `[u, u + out.len())` of an indexed layer: fetches the spans
 /// that hold them in one request, verifies each span's digest, and inflates from the
-/// checkpoint that starts the first one.
+/// checkpoint that starts the first one. When that checkpoint's window is in the
+/// windows blob it is asked of `windows` alongside the span fetch (in a second thread
+/// unless the window source says it is local).
 pub fn read_indexed(
     index: &LayerIndex,
     source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
     u: u64,
     out: &mut [u8],
 ) -> Result<()> {
@@ -213,6 +240,7 @@ pub fn read_indexed(
                 index.uncompressed_size
             ))
         })?;
+        let first = local_start(index, windows, first, pos);
         // Take spans until the pass covers what is left or reaches MAX_PASS.
         let want_end = u + out.len() as u64;
         let mut last = first;
@@ -232,12 +260,15 @@ pub fn read_indexed(
         let take = (want_end.min(pass_end) - pos) as usize;
         let range = spans_range(index, first, last)
             .ok_or_else(|| Error::Index("span outside the index".into()))?;
-        let data = source.read_range(range.clone())?;
-        verify_spans(index, first, last, range.start, &data)?;
         let cp = &index.checkpoints[first];
+        let (data, window) = fetch_span_and_window(source, windows, range.clone(), first, cp)?;
+        verify_spans(index, first, last, range.start, &data)?;
         let dst = &mut out[done..done + take];
         match index.compression {
-            Compression::Gzip => crate::zran::extract(cp, &data, pos - cp.out_offset, dst)?,
+            Compression::Gzip => {
+                let window = window.as_deref().unwrap_or(&cp.window_deflate);
+                crate::zran::extract_with_window(cp, window, &data, pos - cp.out_offset, dst)?
+            }
             Compression::None => {
                 let skip = (pos - cp.out_offset) as usize;
                 let src = data
@@ -249,6 +280,75 @@ pub fn read_indexed(
         done += take;
     }
     Ok(())
+}
+
+/// Where a pass reading from `pos` (in span `k`) should start inflating. Normally `k`.
+/// But a pass stores every span it reads while fetching only its first checkpoint's
+/// window, so span `k` may be local without its window: then start at the nearest
+/// earlier checkpoint (within [`MAX_WALK_BACK`]) that needs no fetch — its window local
+/// or not needed, every span from it to `k` local. That costs some inflating instead of
+/// a round trip, and keeps cached data readable while the registry is unreachable.
+fn local_start(
+    index: &LayerIndex,
+    windows: Option<&dyn WindowSource>,
+    k: usize,
+    pos: u64,
+) -> usize {
+    let Some(w) = windows else { return k };
+    let Some(at) = &index.checkpoints[k].window else {
+        return k;
+    };
+    if w.is_local(k, at) || !w.span_is_local(k) {
+        return k;
+    }
+    let mut j = k;
+    while j > 0 {
+        j -= 1;
+        let cp = &index.checkpoints[j];
+        if pos.saturating_sub(cp.out_offset) > MAX_WALK_BACK || !w.span_is_local(j) {
+            return k;
+        }
+        match &cp.window {
+            None => return j,
+            Some(at) if w.is_local(j, at) => return j,
+            Some(_) => {}
+        }
+    }
+    k
+}
+
+/// The compressed bytes of `range` and, when checkpoint `k` keeps its window in the
+/// windows blob, that window: fetched at the same time when the window is not local.
+fn fetch_span_and_window(
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    range: Range<u64>,
+    k: usize,
+    cp: &crate::ferryidx::Checkpoint,
+) -> Result<(Vec<u8>, Option<Vec<u8>>)> {
+    let Some(at) = &cp.window else {
+        return Ok((source.read_range(range)?, None));
+    };
+    let windows = windows.ok_or_else(|| {
+        Error::Index(format!(
+            "checkpoint {k} keeps its window in the windows blob, and this reader has no \
+             source for it"
+        ))
+    })?;
+    if windows.is_local(k, at) {
+        let window = windows.window(k, at)?;
+        return Ok((source.read_range(range)?, Some(window)));
+    }
+    std::thread::scope(|s| {
+        let fetching = std::thread::Builder::new()
+            .name("ferry-window".into())
+            .spawn_scoped(s, || windows.window(k, at))?;
+        let span = source.read_range(range);
+        let window = fetching
+            .join()
+            .map_err(|_| Error::Index(format!("fetching the window of checkpoint {k} panicked")))?;
+        Ok((span?, Some(window?)))
+    })
 }
 
 /// Checks the digest of every span in `first..=last` within `data`, which starts at blob

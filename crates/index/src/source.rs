@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -32,6 +32,13 @@ pub trait RangeSource: Send + Sync {
     fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
         ranges.iter().map(|r| self.read_range(r.clone())).collect()
     }
+
+    /// Another blob from the same place as this one (the same registry repository, the
+    /// same layout's blob directory), by `sha256:` digest and size: how a layer's reader
+    /// reaches the windows blob of its index. `None` when this source cannot name one.
+    fn sibling(&self, _digest: &str, _size: u64) -> Option<Arc<dyn RangeSource>> {
+        None
+    }
 }
 
 fn check_range(range: &Range<u64>, len: u64) -> io::Result<usize> {
@@ -53,6 +60,7 @@ fn check_range(range: &Range<u64>, len: u64) -> io::Result<usize> {
 pub struct FileSource {
     file: File,
     len: u64,
+    path: PathBuf,
 }
 
 impl FileSource {
@@ -60,13 +68,38 @@ impl FileSource {
     pub fn open(path: &Path) -> io::Result<Self> {
         let file = File::open(path)?;
         let len = file.metadata()?.len();
-        Ok(FileSource { file, len })
+        Ok(FileSource {
+            file,
+            len,
+            path: path.to_path_buf(),
+        })
     }
+}
+
+/// True for the 64 lowercase hex digits of a sha256 blob file name.
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 impl RangeSource for FileSource {
     fn len(&self) -> u64 {
         self.len
+    }
+
+    /// For a file named by its digest (a layout blob), the file beside it named by
+    /// `digest`, when it exists with `size` bytes.
+    fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
+        let hex = digest
+            .strip_prefix("sha256:")
+            .filter(|h| is_sha256_hex(h))?;
+        let own = self.path.file_name()?.to_str()?;
+        if !is_sha256_hex(own) {
+            return None;
+        }
+        let other = FileSource::open(&self.path.with_file_name(hex)).ok()?;
+        (other.len == size).then(|| Arc::new(other) as Arc<dyn RangeSource>)
     }
 
     fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
@@ -148,6 +181,16 @@ impl<S: RangeSource> RangeSource for CountingSource<S> {
             .fetch_add(ranges.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
+
+    /// The sibling, counted into the same counters.
+    fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
+        let other = self.inner.sibling(digest, size)?;
+        Some(Arc::new(CountingSource::shared(
+            other,
+            self.bytes.clone(),
+            self.requests.clone(),
+        )))
+    }
 }
 
 impl<T: RangeSource + ?Sized> RangeSource for Arc<T> {
@@ -159,6 +202,9 @@ impl<T: RangeSource + ?Sized> RangeSource for Arc<T> {
     }
     fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
         (**self).read_ranges(ranges)
+    }
+    fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
+        (**self).sibling(digest, size)
     }
 }
 
@@ -180,8 +226,38 @@ pub fn merge_ranges(mut ranges: Vec<Range<u64>>, max_gap: u64) -> Vec<Range<u64>
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layout_blob_reaches_its_siblings_by_digest() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = "a".repeat(64);
+        let b = "b".repeat(64);
+        std::fs::write(dir.path().join(&a), b"layer").unwrap();
+        std::fs::write(dir.path().join(&b), b"windows").unwrap();
+        let layer = FileSource::open(&dir.path().join(&a)).unwrap();
+        let sib = layer.sibling(&format!("sha256:{b}"), 7).expect("sibling");
+        assert_eq!(sib.read_range(0..7).unwrap(), b"windows");
+        // Wrong size, missing blob, bad digest: none.
+        assert!(layer.sibling(&format!("sha256:{b}"), 8).is_none());
+        assert!(
+            layer
+                .sibling(&format!("sha256:{}", "c".repeat(64)), 7)
+                .is_none()
+        );
+        assert!(layer.sibling("sha256:../../etc/passwd", 7).is_none());
+        // A file not named by a digest has no siblings.
+        std::fs::write(dir.path().join("plain"), b"x").unwrap();
+        let plain = FileSource::open(&dir.path().join("plain")).unwrap();
+        assert!(plain.sibling(&format!("sha256:{b}"), 7).is_none());
+        // Counting wrappers count the sibling's reads too.
+        let counted = CountingSource::new(layer);
+        let sib = counted.sibling(&format!("sha256:{b}"), 7).unwrap();
+        sib.read_range(0..3).unwrap();
+        assert_eq!(counted.bytes_read(), 3);
+    }
 
     #[test]
     fn merge_joins_touching_and_near_ranges() {

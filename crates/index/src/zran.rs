@@ -48,11 +48,13 @@ use crate::ferryidx::Checkpoint;
 
 /// Default distance, in uncompressed bytes, between checkpoints.
 ///
-/// Chosen by `bench/read.sh` on the 1.2 GB bench image (docs/benchmarks.md): 1 MiB
-/// costs an index of about 3% of the layers but fetches a quarter of what 4 MiB does per
-/// random read (p50 ~350 KB vs ~1.3 MB) at a fifth of the latency. A startup touches
-/// far more than ten distinct spans, so the smaller span moves fewer bytes in total.
-pub const DEFAULT_SPAN: u64 = 1 << 20;
+/// Chosen by `bench/read.sh` on the 1.2 GB bench image (docs/benchmarks.md): with the
+/// windows out of the index blob (version 2) the span no longer sizes what a mount
+/// decodes (0.22% of the layers at 256 KiB), only what a cold read fetches: a span plus
+/// its window, 125 KB on average at 256 KiB against 404 KB at 1 MiB, at under a third of
+/// the latency. The price is a windows blob of about 11% of the layers, fetched a window
+/// per span read (all of it only by background fill).
+pub const DEFAULT_SPAN: u64 = 256 << 10;
 
 /// Size of the deflate history window.
 pub const WINDOW_SIZE: usize = 32 * 1024;
@@ -705,6 +707,7 @@ impl<R: Read> GzipIndexer<R> {
                 out_offset: self.total_out,
                 member_start: true,
                 window_deflate: Vec::new(),
+                window: None,
             });
         }
         self.inflater_mut()?.reset()?;
@@ -810,6 +813,7 @@ impl<R: Read> GzipIndexer<R> {
             out_offset: self.total_out,
             member_start: false,
             window_deflate,
+            window: None,
         });
         Ok(())
     }
@@ -926,6 +930,23 @@ impl<R: Read> Read for GzipIndexer<R> {
 /// for the compressed bytes. Errors, never panics, when the input is too short, corrupt,
 /// or the range reaches past the end of the stream.
 pub fn extract(cp: &Checkpoint, compressed: &[u8], skip: u64, out: &mut [u8]) -> Result<()> {
+    if cp.window.is_some() && cp.window_deflate.is_empty() {
+        return Err(gzip_err(
+            "the checkpoint's window is in the windows blob and was not given",
+        ));
+    }
+    extract_with_window(cp, &cp.window_deflate, compressed, skip, out)
+}
+
+/// [`extract`] with the checkpoint's deflated window given by the caller (fetched from
+/// the windows blob and verified against the checkpoint's [`crate::ferryidx::WindowRef`]).
+pub fn extract_with_window(
+    cp: &Checkpoint,
+    window_deflate: &[u8],
+    compressed: &[u8],
+    skip: u64,
+    out: &mut [u8],
+) -> Result<()> {
     if out.is_empty() {
         return Ok(());
     }
@@ -947,11 +968,11 @@ pub fn extract(cp: &Checkpoint, compressed: &[u8], skip: u64, out: &mut [u8]) ->
             pos = 1;
         }
         let mut window = vec![0u8; WINDOW_SIZE];
-        let wlen = if cp.window_deflate.is_empty() {
+        let wlen = if window_deflate.is_empty() {
             0
         } else {
             libdeflater::Decompressor::new()
-                .deflate_decompress(&cp.window_deflate, &mut window)
+                .deflate_decompress(window_deflate, &mut window)
                 .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?
         };
         inf.set_dictionary(&window[..wlen])?;

@@ -1,7 +1,8 @@
 //! Property test of the whole format stack: random file trees (every entry kind, long
 //! names, xattrs, hard links, whiteouts across layers) → tar → gzip at several levels and
-//! member layouts → ferry index (encoded and decoded again) → every file read at random
-//! offsets through the merged view equals the original.
+//! member layouts → ferry index (encoded and decoded again, windows inline or split into
+//! a windows blob) → every file read at random offsets through the merged view equals the
+//! original.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,6 +14,7 @@ use ferry_index::indexer::{index_gzip, index_tar};
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{CountingSource, MemSource, RangeSource};
+use ferry_index::windows::BlobWindows;
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -252,6 +254,7 @@ proptest! {
         plain in any::<bool>(),
         span in prop::sample::select(vec![64u64 << 10, 256 << 10, 4 << 20]),
         probes in prop::collection::vec((any::<u64>(), 0usize..70_000), 8),
+        split in any::<bool>(),
     ) {
         let layers = vec![lower, upper];
         let mut readers = Vec::new();
@@ -264,12 +267,20 @@ proptest! {
                 let gz = gzip(&tar, level, cut);
                 (index_gzip(&gz[..], span, None).expect("index gzip"), gz)
             };
+            let mut index = index;
+            let windows = if split { index.split_windows() } else { Vec::new() };
             let decoded = LayerIndex::decode(&index.encode().expect("encode")).expect("decode");
             prop_assert_eq!(&decoded, &index);
             prop_assert_eq!(decoded.encode().expect("encode"), index.encode().expect("encode"));
             let src = Arc::new(CountingSource::new(MemSource(blob)));
             counters.push(src.clone());
-            readers.push(LayerReader::new(LayerFormat::Indexed(Arc::new(decoded)), src as Arc<dyn RangeSource>));
+            let has_windows = decoded.windows.is_some();
+            let mut reader = LayerReader::new(LayerFormat::Indexed(Arc::new(decoded)), src as Arc<dyn RangeSource>);
+            if has_windows {
+                // Alternate local and fetched-alongside windows.
+                reader = reader.with_windows(Arc::new(BlobWindows::new(Arc::new(MemSource(windows)), level % 2 == 0)));
+            }
+            readers.push(reader);
         }
         let image = MergedImage::new(readers);
         let want = expected(&layers);
@@ -414,4 +425,72 @@ fn corrupted_span_fails_the_read() {
         matches!(err, ferry_index::Error::DigestMismatch { .. }),
         "{err}"
     );
+}
+
+/// A gzip layer of one 600 KB file with 64 KiB spans, its index split into index +
+/// windows blob.
+fn split_layer() -> (Vec<u8>, Vec<u8>, LayerIndex, Vec<u8>) {
+    let data: Vec<u8> = (0..600_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 25) as u8 ^ (i / 3000) as u8)
+        .collect();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = header(tar::EntryType::Regular, data.len() as u64);
+    b.append_data(&mut h, "f", &data[..]).expect("file");
+    let tar = b.into_inner().expect("tar");
+    let gz = gzip(&tar, 6, None);
+    let mut index = index_gzip(&gz[..], 64 << 10, None).expect("index");
+    let windows = index.split_windows();
+    assert!(index.windows.is_some() && !windows.is_empty());
+    (data, gz, index, windows)
+}
+
+/// The windows blob is read only for the windows a read needs, and counted.
+#[test]
+fn split_index_reads_fetch_only_the_windows_they_need() {
+    let (data, gz, index, windows) = split_layer();
+    let index = Arc::new(LayerIndex::decode(&index.encode().expect("encode")).expect("decode"));
+    let win_src = Arc::new(CountingSource::new(MemSource(windows)));
+    let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), Arc::new(MemSource(gz)))
+        .with_windows(Arc::new(BlobWindows::new(win_src.clone(), false)));
+    let mid = 300_000u64;
+    let mut buf = vec![0u8; 4096];
+    let n = reader.read_at(0, mid, &mut buf).expect("read");
+    assert_eq!(&buf[..n], &data[mid as usize..mid as usize + n]);
+    let k = index.span_for(512 + mid).expect("span");
+    let want = index.window_ref(k).map_or(0, |w| u64::from(w.len));
+    assert!(want > 0, "a mid-stream checkpoint has a window");
+    assert_eq!(win_src.bytes_read(), want, "exactly the one window");
+    assert_eq!(win_src.requests(), 1);
+    let mut all = Vec::new();
+    reader.copy_file(0, &mut all).expect("whole file");
+    assert!(all == data);
+}
+
+/// A window that does not hash to its reference fails the read; a reader without a
+/// windows source fails clearly; neither returns bytes.
+#[test]
+fn corrupt_or_missing_window_fails_the_read() {
+    let (_, gz, index, mut windows) = split_layer();
+    let index = Arc::new(index);
+    let last = windows.len() - 1;
+    windows[last] ^= 1;
+    let reader = LayerReader::new(
+        LayerFormat::Indexed(index.clone()),
+        Arc::new(MemSource(gz.clone())),
+    )
+    .with_windows(Arc::new(BlobWindows::new(
+        Arc::new(MemSource(windows)),
+        true,
+    )));
+    let mut buf = vec![0u8; 100];
+    let near_end = index.checkpoints.last().expect("checkpoints").out_offset + 10 - 512;
+    let err = reader
+        .read_at(0, near_end, &mut buf)
+        .expect_err("corrupt window");
+    assert!(err.to_string().contains("window"), "{err}");
+    let bare = LayerReader::new(LayerFormat::Indexed(index), Arc::new(MemSource(gz)));
+    let err = bare
+        .read_at(0, near_end, &mut buf)
+        .expect_err("no windows source");
+    assert!(err.to_string().contains("windows blob"), "{err}");
 }

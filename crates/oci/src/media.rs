@@ -27,7 +27,10 @@ pub const DOCKER_LAYER_TAR: &str = "application/vnd.docker.image.rootfs.diff.tar
 pub const FERRY_INDEX_ARTIFACT: &str = "application/vnd.ferry.index.v1";
 /// Media type of one layer's ferry index blob.
 pub const FERRY_LAYER_INDEX: &str = "application/vnd.ferry.layer.index.v1";
-/// Annotation on a ferry layer index blob naming the layer it indexes.
+/// Media type of one layer's windows blob: the inflate windows of a version-2 ferry
+/// index, fetched by Range when a span is first read.
+pub const FERRY_LAYER_WINDOWS: &str = "application/vnd.ferry.layer.windows.v1";
+/// Annotation on a ferry layer index (and windows) blob naming the layer it indexes.
 pub const ANNOTATION_LAYER_DIGEST: &str = "dev.ferry.layer.digest";
 /// Annotation recording the span size an index was built with.
 pub const ANNOTATION_SPAN_SIZE: &str = "dev.ferry.span-size";

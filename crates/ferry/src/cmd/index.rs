@@ -98,14 +98,21 @@ pub fn run(args: Args) -> Result<()> {
     };
 
     println!(
-        "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7}  note",
-        "layer", "size", "uncompressed", "spans", "index", "ratio"
+        "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7} {:>10}  note",
+        "layer", "size", "uncompressed", "spans", "index", "ratio", "windows"
     );
     let (mut total_layer, mut total_index, mut total_spans) = (0u64, 0u64, 0usize);
-    // Encoded index sizes, in the order of `indexed` (the indexed subset of `done`).
+    let mut total_windows = 0u64;
+    // Encoded index and windows blob sizes, in the order of `indexed` (the indexed
+    // subset of `done`).
     let mut index_sizes = artifact
         .as_ref()
         .map(|a| a.index_sizes.clone())
+        .unwrap_or_default()
+        .into_iter();
+    let mut windows_sizes = artifact
+        .as_ref()
+        .map(|a| a.windows_sizes.clone())
         .unwrap_or_default()
         .into_iter();
     for d in &done {
@@ -114,23 +121,27 @@ pub fn run(args: Args) -> Result<()> {
         match &d.index {
             Some(i) => {
                 let bytes = index_sizes.next().unwrap_or(0);
+                let windows = windows_sizes.next().unwrap_or(0);
                 total_index += bytes;
+                total_windows += windows;
                 total_spans += i.checkpoints.len();
                 println!(
-                    "{:<20} {:>10} {:>12} {:>7} {:>10} {:>6.2}%  {} files",
+                    "{:<20} {:>10} {:>12} {:>7} {:>10} {:>6.2}% {:>10}  {} files",
                     short(d.layer.digest().as_ref()),
                     human(size),
                     human(i.uncompressed_size),
                     i.checkpoints.len(),
                     human(bytes),
                     100.0 * bytes as f64 / size.max(1) as f64,
+                    human(windows),
                     i.entries.len()
                 );
             }
             None => println!(
-                "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7}  {}",
+                "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7} {:>10}  {}",
                 short(d.layer.digest().as_ref()),
                 human(size),
+                "-",
                 "-",
                 "-",
                 "-",
@@ -140,13 +151,15 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     println!(
-        "{} layers, {} indexed, {} spans, index {} = {:.2}% of {} of layers",
+        "{} layers, {} indexed, {} spans, index {} = {:.2}% of {} of layers \
+         (windows, fetched per span on first read: {})",
         done.len(),
         indexed.len(),
         total_spans,
         human(total_index),
         100.0 * total_index as f64 / total_layer.max(1) as f64,
-        human(total_layer)
+        human(total_layer),
+        human(total_windows)
     );
     if let Some(a) = artifact {
         println!(

@@ -257,6 +257,17 @@ impl RangeSource for HttpRangeSource {
         run_on(&self.handle, fut)?
     }
 
+    /// Blob `digest` of the same repository, through the same client and runtime (so a
+    /// source reading from the origin only gives siblings that do too).
+    fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
+        super::check_digest(digest).ok()?;
+        Some(Arc::new(HttpRangeSource {
+            digest: digest.to_string(),
+            size,
+            ..self.clone()
+        }))
+    }
+
     /// Issues the ranges concurrently (up to the client's download concurrency); results
     /// come back in the order asked.
     fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
