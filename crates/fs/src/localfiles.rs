@@ -6,7 +6,16 @@
 //! in cached (page cache, FUSE read) mode a passthrough open fails, and the other way
 //! round. So the first open of an inode decides its mode and every open until the last
 //! release follows it; the passthrough backing id is shared by those opens and closed
-//! after the last release. This module must not read layer bytes in a FUSE request
+//! after the last release.
+//!
+//! Recording a startup trace: reads served by passthrough never reach this process, so
+//! while the mount records ([`MountedImage::is_recording`]) a cached file is opened in
+//! cached mode (served with pread, every read noted) instead. An inode that is already
+//! in passthrough mode when the recording starts cannot switch (the kernel would refuse
+//! the open), so its opens are recorded as a read of the whole file: the trace then
+//! holds at least what was read, which is what prefetch needs.
+//!
+//! This module must not read layer bytes in a FUSE request
 //! (materialization is queued to the cache's background worker) nor talk to the kernel
 //! (the transport passes in how to register a backing file).
 
@@ -144,6 +153,7 @@ impl<B> LocalFiles<B> {
         };
         let key = self.key(loc, node.size);
         let stats = self.cache.stats();
+        let recording = self.image.is_recording();
         let mut inodes = lock(&self.inodes);
         let state = inodes.entry(ino).or_insert(InodeOpens {
             opens: 0,
@@ -151,8 +161,16 @@ impl<B> LocalFiles<B> {
         });
         state.opens += 1;
         if let Some(backing) = &state.backing {
+            let backing = backing.clone();
+            drop(inodes);
+            if recording {
+                // Its reads will not reach us (see the module doc).
+                self.image
+                    .recorder
+                    .note(&self.image.tree, ino, 0, node.size);
+            }
             stats.passthrough_opens.fetch_add(1, Ordering::Relaxed);
-            return OpenMode::Passthrough(fh, backing.clone());
+            return OpenMode::Passthrough(fh, backing);
         }
         let first = state.opens == 1;
         let Some(cached) = key.and_then(|k| self.cache.get(&k, node.size)) else {
@@ -162,7 +180,7 @@ impl<B> LocalFiles<B> {
             }
             return OpenMode::Served(fh);
         };
-        if first && self.passthrough() {
+        if first && self.passthrough() && !recording {
             match register(cached.file()) {
                 Ok(b) => {
                     let b = Arc::new(b);
@@ -491,6 +509,62 @@ mod tests {
         };
         assert!(!called, "not retried after a refusal");
         assert!(f.local.cached(fh).is_some());
+    }
+
+    #[test]
+    fn a_recording_mount_serves_cached_files_itself_so_every_read_is_noted() {
+        let f = fixture(0);
+        f.local.set_passthrough(true);
+        let alive = Arc::new(AtomicUsize::new(0));
+        let register = |_: &File| {
+            alive.fetch_add(1, Ordering::SeqCst);
+            Ok(FakeBacking(alive.clone()))
+        };
+        let (ino, a) = node(&f, "a");
+        read_through(&f, ino, a);
+        wait_cached(&f, a);
+        // Held open in passthrough mode from before the recording.
+        let OpenMode::Passthrough(held, _) = f.local.open(ino, a, register) else {
+            panic!("cached file, passthrough on, not recording")
+        };
+        let (c_ino, c) = node(&f, "dir/c");
+        read_through(&f, c_ino, c);
+        wait_cached(&f, c);
+
+        f.image.start_recording();
+        // A cached file opened while recording: served from the cached file by this
+        // process (the transport's cached read path notes each read), never passthrough.
+        let OpenMode::Served(fh) = f
+            .local
+            .open(c_ino, c, |_: &File| -> io::Result<FakeBacking> {
+                panic!("no passthrough while recording")
+            })
+        else {
+            panic!("no passthrough while recording")
+        };
+        assert!(f.local.cached(fh).is_some(), "served from the cached file");
+        f.image.note_read(c_ino, 4096, 8192); // what FerryFs::read_cached does
+        // An inode already in passthrough mode cannot switch: the open counts as a read
+        // of the whole file.
+        let OpenMode::Passthrough(again, _) = f.local.open(ino, a, register) else {
+            panic!("the inode is in passthrough mode")
+        };
+        let trace = f.image.take_trace();
+        let reads: Vec<(&str, u64, u64)> = trace
+            .reads
+            .iter()
+            .map(|r| (r.path.as_str(), r.offset, r.len))
+            .collect();
+        assert_eq!(reads, vec![("/dir/c", 4096, 8192), ("/a", 0, a.size)]);
+        f.local.release(c_ino, fh);
+        f.local.release(ino, held);
+        f.local.release(ino, again);
+        // Recording over: passthrough again.
+        let OpenMode::Passthrough(p, _) = f.local.open(c_ino, c, register) else {
+            panic!("not recording any more")
+        };
+        f.local.release(c_ino, p);
+        assert_eq!(alive.load(Ordering::SeqCst), 0);
     }
 
     #[test]

@@ -28,6 +28,9 @@ pub struct MountStats {
     pub bytes_prefetched: AtomicU64,
     /// Compressed bytes fetched by background fill.
     pub bytes_filled: AtomicU64,
+    /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
+    /// once, before prefetch; 0 when the mount pins nothing).
+    pub hot_bytes: AtomicU64,
     /// Prefetch has finished (or there was nothing to prefetch).
     pub prefetch_done: AtomicBool,
     /// Background fill has finished: every byte of the mount's layers is local.
@@ -59,6 +62,9 @@ pub struct StatsSnapshot {
     pub bytes_prefetched: u64,
     /// See [`MountStats::bytes_filled`].
     pub bytes_filled: u64,
+    /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub hot_bytes: u64,
     /// See [`MountStats::prefetch_done`].
     pub prefetch_done: bool,
     /// See [`MountStats::fill_done`].
@@ -81,6 +87,7 @@ impl MountStats {
             bytes_served: l(&self.bytes_served),
             bytes_prefetched: l(&self.bytes_prefetched),
             bytes_filled: l(&self.bytes_filled),
+            hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),
         }

@@ -7,6 +7,17 @@
 //!   (format, recording and publishing in [`crate::trace`]).
 //! * [`start`]: begins prefetch (trace first, then eStargz landmarks) and, when enabled,
 //!   throttled background fill; the returned [`WarmHandle`] stops it on drop.
+//! * [`start_with_pins`]: the same for a live mount that also pins its *hot set* in the
+//!   chunk store under a [`PinTarget`] owner: the store entries its prefetch makes local
+//!   (trace ranges, then eStargz landmark ranges of layers that keep chunks in the
+//!   store). Background fill is not hot and is never pinned. The pins are taken before
+//!   prefetch fetches anything (a key pinned before it is stored is protected once
+//!   stored), so a small store cannot evict the start of the hot set while its end is
+//!   fetched. They are released when the handle is dropped or stopped (the mount went
+//!   away), and left in the store by [`WarmHandle::keep_pins`] for a mount that outlives
+//!   this process; a restarted daemon that mounts it again under the same owner name
+//!   ([`mount_pin_owner`] is deterministic) re-registers them before the store's grace
+//!   period for restored pins ends.
 //! * [`MountedImage::note_read`] records reads into the mount's trace recorder, if any.
 //!
 //! Everything here goes through the layers' device sources ([`LayerSource::warm_range`],
@@ -17,12 +28,16 @@
 
 use std::collections::HashSet;
 use std::ops::Range;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_index::reader::LayerFormat;
+use ferry_store::{ChunkKey, Store};
+use sha2::{Digest as _, Sha256};
 
 use crate::device::{FillWork, LayerSource};
 use crate::image::MountedImage;
@@ -74,6 +89,85 @@ pub struct TraceRead {
     pub len: u64,
 }
 
+/// Where a live mount pins its hot set: an owner name in a chunk store.
+#[derive(Debug, Clone)]
+pub struct PinTarget {
+    /// The store the mount's layers keep their spans in.
+    pub store: Arc<Store>,
+    /// The pin owner; must stay the same for the same mount across daemon restarts
+    /// (see [`mount_pin_owner`]) so restored pins are re-registered, not expired.
+    pub owner: String,
+}
+
+impl PinTarget {
+    /// The target of the mount at `mountpoint`: owner [`mount_pin_owner`] in `store`.
+    pub fn for_mount(store: Arc<Store>, mountpoint: &Path) -> PinTarget {
+        PinTarget {
+            store,
+            owner: mount_pin_owner(mountpoint),
+        }
+    }
+}
+
+/// The pin owner name of the mount at `mountpoint`: `mount:PATH`, or
+/// `mount:sha256:HEX` of the path's bytes when that would not be a valid owner (too long,
+/// not UTF-8). The same path always gives the same name.
+pub fn mount_pin_owner(mountpoint: &Path) -> String {
+    if let Some(path) = mountpoint.to_str() {
+        let name = format!("mount:{path}");
+        if ferry_store::valid_owner(&name) {
+            return name;
+        }
+    }
+    let digest = Sha256::digest(mountpoint.as_os_str().as_bytes());
+    format!("mount:sha256:{}", hex::encode(digest))
+}
+
+/// A mount's pins once warm-up is started with a [`PinTarget`]: the worker pins the hot
+/// set through it, the handle releases or keeps it. Both go through `closed` so a release
+/// can never be overtaken by a late pin.
+#[derive(Debug)]
+struct Pins {
+    target: PinTarget,
+    /// Set when the pins were released or handed over: nothing is pinned afterwards.
+    closed: Mutex<bool>,
+}
+
+impl Pins {
+    /// Pins `keys` (also with none: that re-registers an owner restored by the store
+    /// from a previous process, keeping what it pinned then). False once closed.
+    fn pin(&self, keys: &[ChunkKey]) -> bool {
+        let closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        if *closed {
+            return false;
+        }
+        if let Err(e) = self.target.store.pin(&self.target.owner, keys) {
+            // The pins hold in this process anyway; only their persistence failed.
+            tracing::warn!(owner = %self.target.owner, error = %e, "persisting the mount's hot set pins failed");
+        }
+        true
+    }
+
+    /// Releases the owner's pins (the mount went away); idempotent.
+    fn release(&self) {
+        let mut closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        if std::mem::replace(&mut *closed, true) {
+            return;
+        }
+        match self.target.store.unpin_owner(&self.target.owner) {
+            Ok(n) => tracing::debug!(owner = %self.target.owner, keys = n, "hot set pins released"),
+            Err(e) => {
+                tracing::warn!(owner = %self.target.owner, error = %e, "releasing the mount's hot set pins failed")
+            }
+        }
+    }
+
+    /// Leaves the pins in the store and stops pinning.
+    fn keep(&self) {
+        *self.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    }
+}
+
 /// Stop flag and wake-up for sleeping warm-up threads.
 #[derive(Debug, Default)]
 struct Control {
@@ -115,11 +209,13 @@ impl Control {
     }
 }
 
-/// Running prefetch / fill; stops (promptly, between requests) when dropped.
+/// Running prefetch / fill of one mount, and its hot set pins; stops (promptly, between
+/// requests) and releases the pins when dropped.
 #[derive(Debug, Default)]
 pub struct WarmHandle {
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
+    pins: Option<Arc<Pins>>,
 }
 
 impl WarmHandle {
@@ -128,19 +224,33 @@ impl WarmHandle {
         self.thread.is_none() || self.control.finished.load(Ordering::Acquire)
     }
 
-    /// Waits until prefetch and fill have ended.
-    pub fn wait(mut self) {
+    /// Waits until prefetch and fill have ended. The pins stay until the handle goes.
+    pub fn wait(&mut self) {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 
-    /// Stops and waits for the requests in flight to end (each is bounded by the fetch
-    /// timeout).
+    /// The owner the hot set is pinned under, when pinning.
+    pub fn pin_owner(&self) -> Option<&str> {
+        self.pins.as_ref().map(|p| p.target.owner.as_str())
+    }
+
+    /// Stops, waits for the requests in flight to end (each is bounded by the fetch
+    /// timeout) and releases the pins.
     pub fn stop(mut self) {
         self.control.stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+
+    /// Stops like a drop but leaves the hot set pinned in the store: for a mount that
+    /// stays in place when this process ends (a lazy layer under running containers),
+    /// whose next daemon re-registers the owner within the store's grace period.
+    pub fn keep_pins(mut self) {
+        if let Some(pins) = self.pins.take() {
+            pins.keep();
         }
     }
 }
@@ -150,20 +260,42 @@ impl Drop for WarmHandle {
         // Signal only: a request in flight ends on its own (bounded by the fetch
         // timeout) and nothing new starts.
         self.control.stop();
+        if let Some(pins) = self.pins.take() {
+            pins.release();
+        }
     }
 }
 
-/// Starts warming `image` (see the module doc).
+/// Starts warming `image` (see the module doc); pins nothing.
 pub fn start(image: &Arc<MountedImage>, config: &WarmConfig, trace: Option<Trace>) -> WarmHandle {
+    start_with_pins(image, config, trace, None)
+}
+
+/// Starts warming `image` like [`start`] and, with `pins`, keeps the mount's hot set
+/// pinned under `pins.owner` until the returned handle is dropped or stopped (see the
+/// module doc).
+pub fn start_with_pins(
+    image: &Arc<MountedImage>,
+    config: &WarmConfig,
+    trace: Option<Trace>,
+    pins: Option<PinTarget>,
+) -> WarmHandle {
     let control = Arc::new(Control::default());
+    let pins = pins.map(|target| {
+        Arc::new(Pins {
+            target,
+            closed: Mutex::new(false),
+        })
+    });
     let worker = {
         let image = image.clone();
         let config = config.clone();
         let control = control.clone();
+        let pins = pins.clone();
         std::thread::Builder::new()
             .name("ferry-warm".into())
             .spawn(move || {
-                run(&image, &config, trace.as_ref(), &control);
+                run(&image, &config, trace.as_ref(), &control, pins.as_deref());
                 control.finished.store(true, Ordering::Release);
             })
     };
@@ -171,21 +303,85 @@ pub fn start(image: &Arc<MountedImage>, config: &WarmConfig, trace: Option<Trace
         Ok(t) => WarmHandle {
             control,
             thread: Some(t),
+            pins,
         },
         Err(e) => {
-            tracing::warn!(error = %e, "cannot start the warm-up thread; no prefetch or fill");
+            tracing::warn!(error = %e, "cannot start the warm-up thread; no prefetch, fill or pins");
             WarmHandle {
                 control,
                 thread: None,
+                pins,
             }
         }
     }
 }
 
-fn run(image: &MountedImage, config: &WarmConfig, trace: Option<&Trace>, control: &Control) {
+/// Largest share of the store's bound one mount's hot set may pin (1/N): pins beyond
+/// the bound would make every later put fail with "full", so a huge trace pins its
+/// first part (what the workload reads first) and the rest stays evictable.
+pub const HOT_SET_STORE_DIVISOR: u64 = 2;
+
+/// The distinct store entries `jobs` make local, in job order, up to `budget` bytes;
+/// with their total size, and whether the budget cut the list short.
+fn hot_set(
+    image: &MountedImage,
+    jobs: &[(usize, Range<u64>)],
+    budget: u64,
+) -> (Vec<ChunkKey>, u64, bool) {
+    let mut seen = HashSet::new();
+    let mut keys = Vec::new();
+    let mut bytes = 0u64;
+    for (layer, range) in jobs {
+        let Some(source) = image.layer_source(*layer) else {
+            continue;
+        };
+        for (key, len) in source.hot_keys(range.clone()) {
+            if !seen.insert(key) {
+                continue;
+            }
+            let Some(total) = bytes.checked_add(len).filter(|t| *t <= budget) else {
+                return (keys, bytes, true);
+            };
+            bytes = total;
+            keys.push(key);
+        }
+    }
+    (keys, bytes, false)
+}
+
+/// Pins the hot set of `jobs` through `pins` (before they are fetched).
+fn pin_hot_set(image: &MountedImage, jobs: &[(usize, Range<u64>)], pins: &Pins) {
+    let store = &pins.target.store;
+    let (keys, bytes, cut) = hot_set(image, jobs, store.max_bytes() / HOT_SET_STORE_DIVISOR);
+    if cut {
+        tracing::warn!(
+            owner = %pins.target.owner,
+            pinned_bytes = bytes,
+            max_bytes = store.max_bytes(),
+            "the startup hot set is larger than its share of the chunk store; only its first part is pinned"
+        );
+    }
+    // With no keys, pin only to re-register an owner the store restored from a previous
+    // process (an empty live owner would only clutter `ferry store du`).
+    if (!keys.is_empty() || !store.pinned_keys(&pins.target.owner).is_empty()) && pins.pin(&keys) {
+        image.stats.hot_bytes.store(bytes, Ordering::Relaxed);
+        tracing::debug!(owner = %pins.target.owner, keys = keys.len(), bytes, "hot set pinned");
+    }
+}
+
+fn run(
+    image: &MountedImage,
+    config: &WarmConfig,
+    trace: Option<&Trace>,
+    control: &Control,
+    pins: Option<&Pins>,
+) {
     let stats = &image.stats;
     if config.prefetch {
         let jobs = prefetch_jobs(image, trace);
+        if let Some(pins) = pins {
+            pin_hot_set(image, &jobs, pins);
+        }
         let fetched = run_jobs(&jobs, config.concurrency, control, |(layer, range)| {
             let Some(source) = image.layer_source(*layer) else {
                 return;
@@ -378,6 +574,13 @@ impl MountedImage {
     /// trace is being recorded).
     pub fn note_read(&self, ino: u64, offset: u64, len: u32) {
         self.recorder.note(&self.tree, ino, offset, u64::from(len));
+    }
+
+    /// True while a startup trace is being recorded. The FUSE layer then serves every
+    /// read itself (no passthrough, no page cache kept from before the open), so that
+    /// the trace sees all of them.
+    pub fn is_recording(&self) -> bool {
+        self.recorder.is_recording()
     }
 }
 

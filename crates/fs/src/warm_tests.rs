@@ -1,7 +1,8 @@
 //! Tests of prefetch and background fill over in-memory backends that log every
 //! requested range: order (trace first, as recorded), completeness (after fill nothing
-//! reaches the backend), stopping on drop, and single-layer mounts touching only their
-//! layer.
+//! reaches the backend), stopping on drop, single-layer mounts touching only their
+//! layer, and the hot set pins (exactly the traced spans, never fill; released with the
+//! handle; kept across a store restart for a mount that comes back; bounded).
 #![allow(clippy::unwrap_used)]
 
 use std::ops::Range;
@@ -423,4 +424,401 @@ fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
     let (_, second) = waiter.join().unwrap();
     assert!(!second, "a stopped throttle refuses");
     assert!(!slow.take(1, &control));
+}
+
+/// The store keys (and total bytes) of the spans holding `[offset, offset + len)` of
+/// `path` in layer 0 of `image`.
+fn span_keys(
+    image: &MountedImage,
+    path: &str,
+    offset: u64,
+    len: u64,
+) -> (Vec<ferry_store::ChunkKey>, u64) {
+    let layer = &image.image.layers()[0];
+    let p = path.trim_start_matches('/');
+    let entry = layer.entries().iter().position(|e| e.path == p).unwrap();
+    let source = image.layer_source(0).unwrap();
+    let mut keys = Vec::new();
+    let mut bytes = 0;
+    for r in layer.ranges_for(entry, offset, len) {
+        for (k, n) in source.hot_keys(r) {
+            if !keys.contains(&k) {
+                keys.push(k);
+                bytes += n;
+            }
+        }
+    }
+    keys.sort();
+    (keys, bytes)
+}
+
+fn pins_in(store: &Arc<ferry_store::Store>, owner: &str) -> Option<PinTarget> {
+    Some(PinTarget {
+        store: store.clone(),
+        owner: owner.into(),
+    })
+}
+
+#[test]
+fn traced_spans_stay_pinned_while_the_mount_lives_and_fill_is_not_pinned() {
+    let (blob, index, files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let image = mount(
+        vec![spec(&blob, Some(index.clone()), backend.clone())],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let trace = Trace {
+        reads: vec![tr("/dir/c", 0, 70_000), tr("/b", 0, 5)],
+    };
+    let mut hot = span_keys(&image, "/dir/c", 0, 70_000).0;
+    hot.extend(span_keys(&image, "/b", 0, 5).0);
+    hot.sort();
+    hot.dedup();
+    let hot_bytes: u64 = hot.iter().map(|k| store_size(&blob, &index, k)).sum();
+    assert!(!hot.is_empty() && hot.len() < index.span_digests.len() / 2);
+    let all = WarmConfig {
+        concurrency: 2,
+        ..WarmConfig::default()
+    };
+    let mut handle = start_with_pins(&image, &all, Some(trace), pins_in(&store, "mount:/m"));
+    handle.wait();
+    assert_eq!(handle.pin_owner(), Some("mount:/m"));
+    assert!(
+        image.stats.snapshot().fill_done,
+        "every span is in the store"
+    );
+    assert_eq!(store.stats().entries, index.span_digests.len() as u64);
+    assert_eq!(
+        store.pinned_keys("mount:/m"),
+        hot,
+        "exactly the traced spans"
+    );
+    assert_eq!(image.stats.snapshot().hot_bytes, hot_bytes);
+    let owner = &store.owners()[0];
+    assert_eq!((owner.keys, owner.bytes), (hot.len() as u64, hot_bytes));
+
+    // Evicting everything evictable leaves the hot set: fill-only spans go.
+    let gc = store.gc_to(0).unwrap();
+    assert_eq!(
+        gc.evicted_entries,
+        (index.span_digests.len() - hot.len()) as u64
+    );
+    assert_eq!(gc.pinned_bytes, hot_bytes);
+    assert!(hot.iter().all(|k| store.contains(k)));
+    let calls = backend.calls();
+    let ino = image.tree.resolve("/dir/c").unwrap();
+    let loc = image.tree.get(ino).unwrap().data.unwrap();
+    let mut buf = vec![0u8; 70_000];
+    image.image.layers()[loc.layer]
+        .read_at(loc.entry, 0, &mut buf)
+        .unwrap();
+    assert_eq!(&buf[..], &files[2].1[..70_000]);
+    assert_eq!(backend.calls(), calls, "the traced range is still local");
+
+    // The mount goes away: its pins go with it and the hot set becomes evictable.
+    drop(handle);
+    assert!(store.owners().is_empty());
+    assert_eq!(store.gc_to(0).unwrap().evicted_entries, hot.len() as u64);
+    assert_eq!(store.stats().entries, 0);
+}
+
+/// The stored size of the span whose digest is `key`.
+fn store_size(
+    blob: &[u8],
+    index: &ferry_index::ferryidx::LayerIndex,
+    key: &ferry_store::ChunkKey,
+) -> u64 {
+    let k = index
+        .span_digests
+        .iter()
+        .position(|d| ferry_store::ChunkKey::from_raw(*d) == *key)
+        .unwrap();
+    let r = index.span_range(k).unwrap();
+    assert!(r.end <= blob.len() as u64);
+    r.end - r.start
+}
+
+#[test]
+fn stopping_releases_the_pins_and_nothing_is_pinned_after_a_release_or_keep() {
+    let (blob, index, _) = gzip_layer();
+    // Gated: the worker pins, then blocks in its first prefetch request.
+    let backend = LogBackend::gated(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let trace = Trace {
+        reads: vec![tr("/a", 0, 300 << 10)],
+    };
+    let handle = start_with_pins(&image, &prefetch_only(1), Some(trace), pins_in(&store, "m"));
+    while backend.calls() == 0 {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(!store.pinned_keys("m").is_empty(), "pinned before fetching");
+    let opener = {
+        let backend = backend.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            backend.open();
+        })
+    };
+    handle.stop();
+    opener.join().unwrap();
+    assert!(store.owners().is_empty(), "stop releases the pins");
+    // A worker that reaches pinning after the release (or after the pins were kept)
+    // pins nothing; a release after keeping leaves the kept pins alone.
+    let key = span_keys(&image, "/a", 0, 10).0[0];
+    let pins = |owner: &str| Pins {
+        target: pins_in(&store, owner).unwrap(),
+        closed: Mutex::new(false),
+    };
+    let released = pins("released");
+    released.release();
+    assert!(!released.pin(&[key]));
+    assert!(store.owners().is_empty());
+    let kept = pins("kept");
+    assert!(kept.pin(&[key]));
+    kept.keep();
+    assert!(!kept.pin(&[key]));
+    kept.release();
+    assert_eq!(store.pinned_keys("kept"), vec![key]);
+}
+
+#[test]
+fn a_restarted_store_keeps_the_pins_of_a_mount_that_comes_back() {
+    use ferry_store::{ManualClock, Store, StoreOptions};
+    let (blob, index, _) = gzip_layer();
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let open = || {
+        Arc::new(
+            Store::open_with(
+                dir.path(),
+                StoreOptions {
+                    max_bytes: Some(1 << 30),
+                    pin_grace: Duration::from_secs(60),
+                    flush_interval: None,
+                    clock: clock.clone(),
+                },
+            )
+            .unwrap(),
+        )
+    };
+    let layer = || spec(&blob, Some(index.clone()), LogBackend::new(blob.clone()));
+    let back = mount_pin_owner(std::path::Path::new("/run/ferry/layers/comes-back"));
+    let gone = mount_pin_owner(std::path::Path::new("/run/ferry/layers/gone"));
+    let (hot_a, hot_c);
+    {
+        let store = open();
+        let image = mount(
+            vec![layer()],
+            Some(store.clone()),
+            &View::Merged,
+            FetchConfig::default(),
+        );
+        hot_a = span_keys(&image, "/a", 0, 1000).0;
+        hot_c = span_keys(&image, "/dir/c", 0, 1000).0;
+        let mut first = start_with_pins(
+            &image,
+            &prefetch_only(1),
+            Some(Trace {
+                reads: vec![tr("/a", 0, 1000)],
+            }),
+            pins_in(&store, &back),
+        );
+        let mut second = start_with_pins(
+            &image,
+            &prefetch_only(1),
+            Some(Trace {
+                reads: vec![tr("/dir/c", 0, 1000)],
+            }),
+            pins_in(&store, &gone),
+        );
+        first.wait();
+        second.wait();
+        // The daemon ends with its lazy layers left mounted for the next one.
+        first.keep_pins();
+        second.keep_pins();
+        assert_eq!(store.owners().len(), 2);
+    }
+    // Every clone of the store is gone: the next open sees the persisted pins.
+    let store = open();
+    assert_eq!(store.open_report().restored_pins, 2);
+    let image = mount(
+        vec![layer()],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    // The restored mount comes back without its trace (registry unreachable now): it
+    // still re-registers, keeping what it pinned.
+    let again = PinTarget::for_mount(
+        store.clone(),
+        std::path::Path::new("/run/ferry/layers/comes-back"),
+    );
+    assert_eq!(again.owner, back);
+    let mut handle = start_with_pins(&image, &prefetch_only(1), None, Some(again));
+    handle.wait();
+    clock.advance(Duration::from_secs(61));
+    assert_eq!(store.expire_restored_pins().unwrap(), vec![gone.clone()]);
+    assert_eq!(store.pinned_keys(&back), hot_a);
+    store.gc_to(0).unwrap();
+    assert!(
+        hot_a.iter().all(|k| store.contains(k)),
+        "re-registered pins hold"
+    );
+    assert!(
+        hot_c
+            .iter()
+            .all(|k| !store.contains(k) || hot_a.contains(k)),
+        "the mount that did not come back lost its pins"
+    );
+    drop(handle);
+    assert!(store.owners().is_empty());
+}
+
+#[test]
+fn a_hot_set_larger_than_its_share_of_the_store_pins_its_first_part() {
+    let (blob, index, _) = gzip_layer();
+    let dir = tempfile::tempdir().unwrap();
+    // Room for about four spans; a mount may pin half of it.
+    let span = store_size(
+        &blob,
+        &index,
+        &ferry_store::ChunkKey::from_raw(index.span_digests[0]),
+    );
+    let store = Arc::new(
+        ferry_store::Store::open_with(
+            dir.path(),
+            ferry_store::StoreOptions {
+                max_bytes: Some(span * 4 + span / 2),
+                flush_interval: None,
+                ..ferry_store::StoreOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let image = mount(
+        vec![spec(&blob, Some(index), LogBackend::new(blob.clone()))],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let source = image.layer_source(0).unwrap();
+    let trace = Trace {
+        reads: vec![tr("/a", 0, 300 << 10)],
+    };
+    let jobs = prefetch_jobs(&image, Some(&trace));
+    let in_order: Vec<(ferry_store::ChunkKey, u64)> = jobs
+        .iter()
+        .flat_map(|(_, r)| source.hot_keys(r.clone()))
+        .collect();
+    assert!(in_order.len() > 4);
+    let mut handle = start_with_pins(&image, &prefetch_only(1), Some(trace), pins_in(&store, "m"));
+    handle.wait();
+    let pinned_bytes = image.stats.snapshot().hot_bytes;
+    assert!(pinned_bytes > 0 && pinned_bytes <= store.max_bytes() / HOT_SET_STORE_DIVISOR);
+    let mut want: Vec<ferry_store::ChunkKey> = Vec::new();
+    let mut sum = 0;
+    for (k, n) in in_order {
+        if sum + n > store.max_bytes() / HOT_SET_STORE_DIVISOR {
+            break;
+        }
+        sum += n;
+        want.push(k);
+    }
+    want.sort();
+    assert_eq!(
+        store.pinned_keys("m"),
+        want,
+        "the first spans the trace reads"
+    );
+    assert_eq!(sum, pinned_bytes);
+    drop(handle);
+    assert!(store.owners().is_empty());
+}
+
+#[test]
+fn mount_pin_owners_are_stable_and_always_valid() {
+    use std::path::Path;
+    let short = mount_pin_owner(Path::new("/var/lib/ferry/snapshots/12/fs"));
+    assert_eq!(short, "mount:/var/lib/ferry/snapshots/12/fs");
+    let long_path = format!("/{}", "d".repeat(ferry_store::MAX_OWNER_LEN));
+    let long = mount_pin_owner(Path::new(&long_path));
+    assert_eq!(long, mount_pin_owner(Path::new(&long_path)));
+    assert!(long.starts_with("mount:sha256:") && ferry_store::valid_owner(&long));
+    assert_ne!(long, mount_pin_owner(Path::new(&format!("{long_path}x"))));
+    use std::os::unix::ffi::OsStrExt;
+    let not_utf8 = Path::new(std::ffi::OsStr::from_bytes(b"/mnt/\xff"));
+    assert!(mount_pin_owner(not_utf8).starts_with("mount:sha256:"));
+}
+
+/// `hot_keys(range)` names exactly the entries `warm_range(range)` puts in an empty
+/// store, with their sizes: what is pinned is what prefetch made local.
+fn assert_hot_keys_are_what_warm_range_stores(
+    source: &LayerSource,
+    store: &ferry_store::Store,
+    range: Range<u64>,
+) {
+    assert_eq!(store.stats().entries, 0, "start from an empty store");
+    source.warm_range(range.clone()).unwrap();
+    let mut stored: Vec<(ferry_store::ChunkKey, u64)> =
+        store.list().into_iter().map(|e| (e.key, e.size)).collect();
+    stored.sort();
+    let mut hot = source.hot_keys(range.clone());
+    hot.sort();
+    assert!(!hot.is_empty(), "{range:?}");
+    assert_eq!(hot, stored, "{range:?}");
+    store.gc_to(0).unwrap();
+}
+
+#[test]
+fn hot_keys_are_what_warm_range_makes_local() {
+    let (blob, index, _) = gzip_layer();
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let image = mount(
+        vec![spec(
+            &blob,
+            Some(index.clone()),
+            LogBackend::new(blob.clone()),
+        )],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let source = image.layer_source(0).unwrap();
+    let span = |k: usize| index.span_range(k).unwrap();
+    let n = index.span_digests.len();
+    for range in [
+        span(0),
+        span(1).start + 1..span(1).start + 2,
+        span(1).end - 1..span(3).start + 1,
+        span(n - 1),
+        0..blob.len() as u64,
+    ] {
+        assert_hot_keys_are_what_warm_range_stores(source, &store, range);
+    }
+    assert!(source.hot_keys(5..5).is_empty());
+    assert!(source.hot_keys(0..blob.len() as u64 + 1).is_empty());
+    // Without a store nothing is kept, so nothing is hot.
+    let bare = mount(
+        vec![spec(
+            &blob,
+            Some(index.clone()),
+            LogBackend::new(blob.clone()),
+        )],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    assert!(bare.layer_source(0).unwrap().hot_keys(span(0)).is_empty());
 }

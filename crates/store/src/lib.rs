@@ -43,6 +43,9 @@ pub use store::{
 /// Longest pin owner name, in bytes.
 pub const MAX_OWNER_LEN: usize = 256;
 
-pub(crate) fn valid_owner(owner: &str) -> bool {
+/// True when `owner` can name a pin owner: not empty and at most [`MAX_OWNER_LEN`]
+/// bytes. Callers deriving owner names from longer identifiers must shorten them (e.g.
+/// hash them) deterministically, so that a restarted process re-registers the same name.
+pub fn valid_owner(owner: &str) -> bool {
     !owner.is_empty() && owner.len() <= MAX_OWNER_LEN
 }

@@ -217,6 +217,9 @@ pub struct OwnerInfo {
     pub owner: String,
     /// Keys it pins.
     pub keys: u64,
+    /// Bytes of the stored entries among them (keys pinned before their bytes were
+    /// stored count nothing yet; entries pinned by several owners count for each).
+    pub bytes: u64,
     /// Restored from a previous process and not re-registered yet.
     pub restored: bool,
 }
@@ -826,7 +829,7 @@ impl Store {
         keys
     }
 
-    /// Every pin owner, sorted by name.
+    /// Every pin owner with what it pins, sorted by name.
     pub fn owners(&self) -> Vec<OwnerInfo> {
         let st = self.inner.lock_state();
         let mut out: Vec<OwnerInfo> = st
@@ -835,6 +838,12 @@ impl Store {
             .map(|(name, o)| OwnerInfo {
                 owner: name.clone(),
                 keys: o.keys.len() as u64,
+                bytes: o
+                    .keys
+                    .iter()
+                    .filter_map(|k| st.entries.get(k))
+                    .map(|e| e.size)
+                    .sum(),
                 restored: o.restore_deadline_ms.is_some(),
             })
             .collect();

@@ -238,12 +238,26 @@ fn a_key_pinned_before_it_is_stored_is_protected_once_stored() {
     let (b, bb) = chunk(2, 100);
     let (c, cb) = chunk(3, 100);
     store.pin("m", &[a]).unwrap();
+    // Pinned but not stored yet: the owner pins one key holding no bytes.
+    let m = &store.owners()[0];
+    assert_eq!((m.owner.as_str(), m.keys, m.bytes), ("m", 1, 0));
     store.put(&a, &ab).unwrap();
+    assert_eq!(store.owners()[0].bytes, 100);
     store.put(&b, &bb).unwrap();
     store.put(&c, &cb).unwrap();
     assert!(store.contains(&a) && !store.contains(&b) && store.contains(&c));
     // Two owners pin one key: it stays pinned until both let go.
-    store.pin("n", &[a]).unwrap();
+    store.pin("n", &[a, b]).unwrap();
+    let owners: Vec<(String, u64, u64)> = store
+        .owners()
+        .into_iter()
+        .map(|o| (o.owner, o.keys, o.bytes))
+        .collect();
+    assert_eq!(
+        owners,
+        vec![("m".into(), 1, 100), ("n".into(), 2, 100)],
+        "b was evicted before n pinned it: it counts no bytes"
+    );
     store.unpin_owner("m").unwrap();
     assert_eq!(store.gc_to(0).unwrap().pinned_bytes, 100);
     assert!(store.contains(&a));

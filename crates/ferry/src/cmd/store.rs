@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
-use ferry_store::{Store, StoreConfig, StoreOptions};
+use ferry_store::{OwnerInfo, Store, StoreConfig, StoreOptions};
 
 use super::human;
 
@@ -124,6 +124,7 @@ fn ls(store: &Store, json: bool) -> Result<()> {
 
 fn du(store: &Store, json: bool) -> Result<()> {
     let s = store.stats();
+    let owners = store.owners();
     if json {
         let doc = serde_json::json!({
             "path": store.root(),
@@ -133,6 +134,7 @@ fn du(store: &Store, json: bool) -> Result<()> {
             "pinned_bytes": s.pinned_bytes,
             "pinned_entries": s.pinned_entries,
             "pin_owners": s.pin_owners,
+            "owners": owners,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
@@ -155,7 +157,26 @@ fn du(store: &Store, json: bool) -> Result<()> {
         s.pinned_entries,
         s.pin_owners
     );
+    if !owners.is_empty() {
+        print!("{}", owners_table(&owners));
+    }
     Ok(())
+}
+
+/// One line per pin owner: stored bytes it pins, keys, and whether it is a mount of a
+/// previous daemon not re-registered yet (its pins lapse after the grace period).
+fn owners_table(owners: &[OwnerInfo]) -> String {
+    let mut out = format!("\n{:>10}  {:>7}  {:<8}  OWNER\n", "PINNED", "KEYS", "STATE");
+    for o in owners {
+        out.push_str(&format!(
+            "{:>10}  {:>7}  {:<8}  {}\n",
+            human(o.bytes),
+            o.keys,
+            if o.restored { "restored" } else { "live" },
+            o.owner
+        ));
+    }
+    out
 }
 
 fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<()> {
@@ -293,6 +314,40 @@ mod tests {
         assert!(parse_size("G").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn owners_show_their_pinned_bytes() {
+        let owners = [
+            OwnerInfo {
+                owner: "mount:/a".into(),
+                keys: 3,
+                bytes: 3 << 20,
+                restored: false,
+            },
+            OwnerInfo {
+                owner: "mount:/b".into(),
+                keys: 1,
+                bytes: 0,
+                restored: true,
+            },
+        ];
+        let table = owners_table(&owners);
+        // Columns are separated by at least two spaces (sizes hold one).
+        let lines: Vec<Vec<&str>> = table
+            .lines()
+            .skip(1)
+            .map(|l| {
+                l.split("  ")
+                    .map(str::trim)
+                    .filter(|c| !c.is_empty())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(lines[0], ["PINNED", "KEYS", "STATE", "OWNER"]);
+        assert_eq!(lines[1], ["3.0 MiB", "3", "live", "mount:/a"]);
+        assert_eq!(lines[2], ["0 B", "1", "restored", "mount:/b"]);
+        assert_eq!(lines.len(), 3);
     }
 
     #[test]
