@@ -114,6 +114,9 @@ e2e_cleanup() {
         done >&2
     fi
     if [[ -n $E2E_TMP && -d $E2E_TMP ]]; then
+        # a daemon's fd holder (`ferry daemon --fd-holder SOCK`) keeps FUSE connections
+        # alive across daemon restarts; ending it aborts them so the mounts can go
+        pkill -TERM -f -- "--fd-holder $E2E_TMP/" 2>/dev/null && sleep 0.5
         e2e_umount_under "$E2E_TMP"
         if [[ ${E2E_KEEP:-} == 1 ]]; then
             e2e_log "kept $E2E_TMP"

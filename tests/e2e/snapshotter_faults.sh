@@ -34,11 +34,9 @@
 #    --sync` removes every snapshot and the daemon releases every lazy layer; after
 #    SIGTERM no mount refers to the snapshotter's root.
 #
-# What happens to containers running across the crash (not tested as a feature here):
-# their overlays still refer to the killed daemon's FUSE connections, so what the kernel
-# cached keeps working and reads of anything uncached fail (ENOTCONN) until the container
-# is restarted; the restarted daemon mounts fresh connections for new containers. Handing
-# the /dev/fuse descriptors to the new process is separate work.
+# Containers running across the crash keep their FUSE connections (the daemon's fd
+# holder keeps them and the restarted daemon resumes them); reading uncached data in a
+# container that ran across a crash is tested in daemon_restart_live.sh, not here.
 #
 # Env: FERRY (default target/release/ferry, else target/debug/ferry), FETCH_TIMEOUT,
 #      E2E_KEEP=1, E2E_VERBOSE=1 (print service logs on failure).

@@ -47,6 +47,11 @@ pub struct DaemonConfig {
     /// `store.path` (not part of the file).
     #[serde(skip)]
     pub store_path_flag: Option<PathBuf>,
+    /// The ferry executable that can run the fd holder (`ferry daemon --fd-holder
+    /// SOCKET`), set by the binary; `None`: only a holder already listening is used (not
+    /// part of the file).
+    #[serde(skip)]
+    pub holder_program: Option<PathBuf>,
 }
 
 /// `[fetch]`.
@@ -82,6 +87,12 @@ pub struct FuseSection {
     /// Let every user use the mounts (the kernel checking permissions), as containers
     /// need; a daemon not run by root needs `user_allow_other` in /etc/fuse.conf for it.
     pub allow_other: bool,
+    /// Keep every mount's FUSE connection in a holder process (`ferry daemon
+    /// --fd-holder`, started on demand) so that running containers keep their lazy
+    /// layers across a daemon restart or crash; the restarted daemon resumes them.
+    pub keep_connections: bool,
+    /// The holder's socket; `None`: `fdstore.sock` beside the control socket.
+    pub holder_socket: Option<PathBuf>,
 }
 
 impl Default for FuseSection {
@@ -89,6 +100,8 @@ impl Default for FuseSection {
         FuseSection {
             threads: 4,
             allow_other: true,
+            keep_connections: true,
+            holder_socket: None,
         }
     }
 }
@@ -220,12 +233,23 @@ impl DaemonConfig {
             .unwrap_or_else(default_control_socket)
     }
 
+    /// The fd holder's socket (`fuse.holder_socket`, else `fdstore.sock` beside the
+    /// control socket).
+    pub fn holder_socket(&self) -> PathBuf {
+        self.fuse
+            .holder_socket
+            .clone()
+            .unwrap_or_else(|| self.control_socket().with_file_name("fdstore.sock"))
+    }
+
     /// This config with every defaulted path made concrete (what `--print-config` shows).
     pub fn resolved(&self) -> DaemonConfig {
         let mut out = self.clone();
         out.store.path = Some(self.store_path());
         out.store_path_flag = None;
         out.control.socket = Some(self.control_socket());
+        out.fuse.holder_socket = Some(self.holder_socket());
+        out.holder_program = None;
         out
     }
 
@@ -514,6 +538,24 @@ mod tests {
         assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
         assert!(parse_duration("-1s").is_err());
         assert_eq!(format_duration(Duration::from_secs(30)), "30s");
+    }
+
+    #[test]
+    fn connections_are_kept_by_a_holder_beside_the_control_socket_by_default() {
+        let mut c = DaemonConfig::default();
+        assert!(c.fuse.keep_connections);
+        c.control.socket = Some("/run/x/daemon.sock".into());
+        assert_eq!(c.holder_socket(), Path::new("/run/x/fdstore.sock"));
+        assert_eq!(
+            c.resolved().fuse.holder_socket.as_deref(),
+            Some(Path::new("/run/x/fdstore.sock"))
+        );
+        let t = DaemonConfig::from_toml(
+            "[fuse]\nkeep_connections = false\nholder_socket = \"/h.sock\"\n",
+        )
+        .unwrap();
+        assert!(!t.fuse.keep_connections);
+        assert_eq!(t.holder_socket(), Path::new("/h.sock"));
     }
 
     #[test]

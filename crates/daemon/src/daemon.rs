@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::config::DaemonConfig;
 use crate::control::{self, DaemonInfo};
 use crate::error::{Error, Result};
+use crate::fdstore::FdHolderClient;
 use crate::metrics;
 use crate::mounts::{MountBackend, MountManager};
 use crate::remote::LazyLayers;
@@ -36,6 +37,45 @@ pub async fn stop_signal() {
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+/// Connects to the fd holder, starting it (`config.holder_program` with `daemon
+/// --fd-holder SOCKET`, in its own session so it outlives this process) when none
+/// listens. `None` (logged) when there is none: mounts then work but do not survive a
+/// restart.
+fn connect_fd_holder(config: &DaemonConfig) -> Option<FdHolderClient> {
+    let socket = config.holder_socket();
+    let spawn = || -> std::io::Result<()> {
+        let Some(program) = &config.holder_program else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no fd holder listens and no program to start one",
+            ));
+        };
+        let mut cmd = std::process::Command::new(program);
+        cmd.arg("daemon")
+            .arg("--fd-holder")
+            .arg(&socket)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null());
+        ferry_fs::fuse::detach_on_spawn(&mut cmd);
+        let mut child = cmd.spawn()?;
+        tracing::info!(pid = child.id(), socket = %socket.display(), "started the fd holder");
+        // Reaped if it exits while this daemon runs (it does once it holds nothing).
+        std::thread::Builder::new()
+            .name("ferry-holder-reaper".into())
+            .spawn(move || {
+                let _ = child.wait();
+            })?;
+        Ok(())
+    };
+    match FdHolderClient::connect_or_spawn(&socket, spawn) {
+        Ok(client) => Some(client),
+        Err(e) => {
+            tracing::warn!(error = %e, socket = %socket.display(), "no fd holder: running containers will lose uncached reads when this daemon restarts");
+            None
+        }
     }
 }
 
@@ -76,7 +116,25 @@ impl Daemon {
             ))
         })?;
         let store = Arc::new(store);
-        let manager = Arc::new(MountManager::new(store.clone(), config.clone())?);
+        let mut manager = MountManager::new(store.clone(), config.clone())?;
+        if config.fuse.keep_connections
+            && let Some(holder) = connect_fd_holder(&config)
+        {
+            manager = manager.with_fd_holder(holder);
+        }
+        // Before the snapshotter restores its layers: those still kept are served again
+        // (running containers go on reading) rather than detached and remounted.
+        let resumed = manager.resume_kept();
+        if !resumed.resumed.is_empty() || !resumed.dropped.is_empty() || !resumed.failed.is_empty()
+        {
+            tracing::info!(
+                resumed = resumed.resumed.len(),
+                released = resumed.dropped.len(),
+                failed = resumed.failed.len(),
+                "kept FUSE connections from the previous daemon"
+            );
+        }
+        let manager = Arc::new(manager);
         let backend: Arc<dyn MountBackend> = manager.clone();
 
         // Opening the snapshotter restores its lazy layers: blocking mounts, so here on

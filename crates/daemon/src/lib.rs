@@ -9,15 +9,21 @@
 //!
 //! When the daemon stops (SIGTERM/SIGINT) it unmounts the mounts made through the
 //! control API. The snapshotter's lazy layers are deliberately *not* unmounted, since
-//! overlayfs mounts of running containers use them as lower layers. But their FUSE
-//! connections end with the process: from then on, reads that reach those layers fail
-//! (`ENOTCONN`/`EIO`) — pages the kernel already cached keep being served, nothing else.
-//! On the next start the snapshotter's restore detaches each dead mount and mounts the
-//! layer again at the same directory, so new containers (and new overlay mounts) work.
-//! Containers that were already running keep their overlay mounts pointing at the dead
-//! FUSE superblocks and do not recover: they must be restarted. Surviving a daemon
-//! restart would need the `/dev/fuse` descriptors handed over to the new process (e.g.
-//! through systemd's file descriptor store); that is not implemented.
+//! overlayfs mounts of running containers use them as lower layers.
+//!
+//! With an fd holder ([`fdstore`], on by default: `[fuse] keep_connections`) a copy of
+//! every mount's `/dev/fuse` descriptor lives in a small separate process, so the FUSE
+//! connections survive the daemon's exit or crash. The next start resumes each kept
+//! connection whose mount is still there ([`MountManager::resume_kept`]) before the
+//! snapshotter restores its layers: running containers go on reading, including data
+//! not cached yet (reads made meanwhile wait; requests the dead daemon took are resent
+//! by the kernel, Linux 6.9+).
+//!
+//! Without a holder the connections end with the process: reads that reach those
+//! layers fail (`ENOTCONN`/`EIO`) — pages the kernel already cached keep being served,
+//! nothing else. The snapshotter's restore then detaches each dead mount and mounts the
+//! layer again at the same directory, so new containers work, but containers that were
+//! already running must be restarted.
 //!
 //! Threads: FUSE callbacks run on fuser's threads and do their own blocking I/O through
 //! the registry client's runtime; mount and unmount calls block and run on blocking
@@ -27,6 +33,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod error;
+pub mod fdstore;
 pub mod memory;
 pub mod metrics;
 pub mod mounts;
@@ -38,7 +45,7 @@ pub use daemon::{Daemon, stop_signal};
 pub use error::{Error, Result};
 pub use memory::MemoryBackend;
 pub use mounts::{
-    LayerKind, MountBackend, MountInfo, MountManager, MountOrigin, MountRequest, MountStatus,
-    StoreStatus,
+    KeptMount, LayerKind, MountBackend, MountInfo, MountManager, MountOrigin, MountRequest,
+    MountStatus, ResumeReport, StoreStatus,
 };
 pub use remote::LazyLayers;

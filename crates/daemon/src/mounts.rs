@@ -6,8 +6,17 @@
 //! one. Its methods block (registry round trips, FUSE mount/unmount): call them from
 //! plain threads or `spawn_blocking`, never from an async task, and never while holding
 //! a lock a FUSE callback needs (FUSE callbacks run on fuser's own threads).
+//!
+//! With an fd holder ([`MountManager::with_fd_holder`], see [`crate::fdstore`]) every
+//! mount's `/dev/fuse` descriptor is also kept by the holder process, with a
+//! [`KeptMount`] record, so the kernel connection outlives this process.
+//! [`MountManager::resume_kept`] (first thing after a restart) serves those connections
+//! again; a normal unmount (control API, snapshot removal, unmounted from outside) and
+//! the SIGTERM shutdown of control mounts release the held copy, so no connection is
+//! kept alive for nothing.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -26,6 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
+use crate::fdstore::FdHolderClient;
 
 /// How long an opened image's manifest and indexes are reused for further mounts of
 /// the same reference (the snapshotter mounts an image's layers one Prepare at a time).
@@ -183,6 +193,98 @@ struct ActiveMount {
     _warm: WarmHandle,
 }
 
+/// Version of the [`KeptMount`] record; a record of another version is not resumed.
+pub const KEPT_FORMAT: u32 = 1;
+
+/// What the fd holder keeps beside a mount's `/dev/fuse` descriptor: enough to serve
+/// the same connection again from a new process — the same image (pinned to its
+/// manifest, so the inode numbers the kernel holds mean the same files) and view, and
+/// the connection's negotiated INIT data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeptMount {
+    /// [`KEPT_FORMAT`].
+    pub format: u32,
+    /// The mount as made (image as requested, layer, manifest digest, mount point).
+    pub info: MountInfo,
+    /// Who asked for it.
+    pub origin: MountOrigin,
+    /// The connection's negotiated FUSE ABI version.
+    pub init: ferry_fs::fuse::InitRecord,
+    /// How often the connection was resumed (0: served by the process that mounted it).
+    pub generation: u16,
+}
+
+impl KeptMount {
+    /// The record as the holder stores it.
+    pub fn to_json(&self) -> Result<String> {
+        serde_json::to_string(self)
+            .map_err(|e| Error::InvalidRequest(format!("encoding a kept mount: {e}")))
+    }
+
+    /// Parses and checks a record from the holder, kept under `key`.
+    pub fn from_json(key: &str, text: &str) -> Result<KeptMount> {
+        let record: KeptMount = serde_json::from_str(text)
+            .map_err(|e| Error::InvalidRequest(format!("kept mount record: {e}")))?;
+        if record.format != KEPT_FORMAT {
+            return Err(Error::InvalidRequest(format!(
+                "kept mount record format {} (this daemon reads {KEPT_FORMAT})",
+                record.format
+            )));
+        }
+        if record.info.mountpoint.as_os_str() != key {
+            return Err(Error::InvalidRequest(format!(
+                "kept mount record for {} held under {key:?}",
+                record.info.mountpoint.display()
+            )));
+        }
+        if let Some(layer) = &record.info.layer {
+            check_layer_digest(layer)?;
+        }
+        Ok(record)
+    }
+
+    /// The image to open again: the one mounted, pinned to its manifest.
+    pub fn pinned_image(&self) -> Result<String> {
+        pin_image(&self.info.image, &self.info.manifest_digest)
+    }
+}
+
+/// How [`MountManager::resume_kept`] went.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResumeReport {
+    /// Connections served again.
+    pub resumed: Vec<PathBuf>,
+    /// Held descriptors dropped: connection ended, nothing mounted there any more, or a
+    /// record this daemon cannot use.
+    pub dropped: Vec<PathBuf>,
+    /// Connections that could not be resumed, released (the snapshotter's restore
+    /// detaches and mounts those layers afresh).
+    pub failed: Vec<PathBuf>,
+}
+
+/// Mount points this process serves; [`detach_stale_mount`] never detaches them.
+static SERVED_HERE: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+
+fn mark_served(mountpoint: &Path, served: bool) {
+    let mut set = lock(&SERVED_HERE);
+    if served {
+        set.insert(mountpoint.to_path_buf());
+    } else {
+        set.remove(mountpoint);
+    }
+}
+
+fn served_here(mountpoint: &Path) -> bool {
+    lock(&SERVED_HERE).contains(mountpoint)
+}
+
+/// True when the FUSE connection behind `device` is still up (a connection whose mount
+/// is gone reports an error on poll). Never reads from it: a read would take a request.
+pub fn connection_alive(device: BorrowedFd<'_>) -> bool {
+    crate::fdstore::fd_alive(device)
+}
+
 /// The node's mounts, served by this process.
 pub struct MountManager {
     store: Arc<Store>,
@@ -198,6 +300,8 @@ pub struct MountManager {
     traces: Mutex<HashMap<String, (Instant, Option<Trace>)>>,
     /// Decompressed copies of fully local files, shared by every mount.
     file_cache: Option<Arc<FileCache>>,
+    /// The process keeping every mount's `/dev/fuse` descriptor across restarts.
+    holder: Option<FdHolderClient>,
 }
 
 impl std::fmt::Debug for MountManager {
@@ -274,10 +378,16 @@ pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
 }
 
 /// Detaches whatever FUSE mount is at `mountpoint` (a leftover of a previous daemon),
-/// lazily so a busy one goes too. Nothing there is not an error.
+/// lazily so a busy one goes too. Nothing there is not an error, and neither is a mount
+/// this process serves (e.g. one resumed from the fd holder): that one is not stale and
+/// is left alone.
 pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
     use std::os::unix::ffi::OsStrExt;
     if !ferry_fs::is_mounted(mountpoint) {
+        return Ok(());
+    }
+    if served_here(mountpoint) {
+        tracing::debug!(mountpoint = %mountpoint.display(), "served by this daemon: not detached");
         return Ok(());
     }
     let path = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| {
@@ -338,7 +448,171 @@ impl MountManager {
             images: Mutex::new(HashMap::new()),
             traces: Mutex::new(HashMap::new()),
             file_cache,
+            holder: None,
         })
+    }
+
+    /// Keeps every mount's `/dev/fuse` descriptor in the holder `client` talks to (see
+    /// the module doc). Call before the first mount and before [`Self::resume_kept`].
+    pub fn with_fd_holder(mut self, client: FdHolderClient) -> MountManager {
+        self.holder = Some(client);
+        self
+    }
+
+    /// True when mounts are kept by an fd holder.
+    pub fn keeps_connections(&self) -> bool {
+        self.holder.is_some()
+    }
+
+    /// Hands a copy of a mount's descriptor to the holder; false (logged) if it failed:
+    /// the mount works, it just will not survive a restart.
+    fn keep(&self, record: &KeptMount, device: BorrowedFd<'_>) -> bool {
+        let Some(holder) = &self.holder else {
+            return false;
+        };
+        let key = record.info.mountpoint.to_string_lossy();
+        let kept = record.to_json().and_then(|meta| {
+            holder
+                .put(&key, &meta, device)
+                .map_err(|e| Error::Control(e.to_string()))
+        });
+        match kept {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(mountpoint = %key, error = %e, "fd holder did not take the mount; it will not survive a daemon restart");
+                false
+            }
+        }
+    }
+
+    /// Tells the holder to close its copy of the descriptor of the mount at `mountpoint`.
+    fn release_kept(&self, mountpoint: &Path) {
+        mark_served(mountpoint, false);
+        let Some(holder) = &self.holder else {
+            return;
+        };
+        if let Err(e) = holder.remove(&mountpoint.to_string_lossy()) {
+            tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "fd holder did not release the mount's connection");
+        }
+    }
+
+    /// Serves again every connection the fd holder kept from an earlier daemon whose
+    /// mount is still in place (the same image and view, pinned to its manifest, from
+    /// the record). Call once at start, before the snapshotter restores its layers (they
+    /// are then already served; see [`detach_stale_mount`]). A held connection that has
+    /// ended, or whose mount point no longer shows a ferry mount, is released; one that
+    /// cannot be resumed is released too (its connection then ends), so the snapshotter's
+    /// restore mounts the layer afresh (today's path).
+    pub fn resume_kept(&self) -> ResumeReport {
+        let mut report = ResumeReport::default();
+        let Some(holder) = &self.holder else {
+            return report;
+        };
+        let entries = match holder.get_all() {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "fd holder: cannot list kept mounts; none resumed");
+                return report;
+            }
+        };
+        for entry in entries {
+            let mountpoint = PathBuf::from(&entry.key);
+            let record = match KeptMount::from_json(&entry.key, &entry.meta) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(mountpoint = %entry.key, error = %e, "kept mount record unusable; released");
+                    self.release_kept(&mountpoint);
+                    report.dropped.push(mountpoint);
+                    continue;
+                }
+            };
+            if !connection_alive(entry.fd.as_fd()) || !ferry_fs::is_mounted(&mountpoint) {
+                tracing::info!(mountpoint = %mountpoint.display(), "kept connection ended or unmounted; released");
+                self.release_kept(&mountpoint);
+                report.dropped.push(mountpoint);
+                continue;
+            }
+            match self.resume_one(record, entry.fd) {
+                Ok(()) => report.resumed.push(mountpoint),
+                Err(e) => {
+                    // Released, the connection ends (no server, no holder): the
+                    // snapshotter's restore detaches and remounts its layers; a
+                    // `ferry mount` mount stays dead, as after a crash without a holder.
+                    tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "cannot resume the kept connection; released");
+                    self.release_kept(&mountpoint);
+                    report.failed.push(mountpoint);
+                }
+            }
+        }
+        report
+    }
+
+    /// Serves the kept connection `device` of `record`'s mount from this process.
+    fn resume_one(&self, mut record: KeptMount, device: OwnedFd) -> Result<()> {
+        let mountpoint = record.info.mountpoint.clone();
+        if lock(&self.mounts).contains_key(&mountpoint) {
+            return Err(Error::AlreadyMounted(mountpoint));
+        }
+        let image_ref = record.pinned_image()?;
+        let source = self.source_for(&image_ref, record.info.layer.as_deref())?;
+        if source.manifest_digest != record.info.manifest_digest {
+            return Err(Error::InvalidRequest(format!(
+                "image {image_ref} now has manifest {}, the kept mount served {}",
+                source.manifest_digest, record.info.manifest_digest
+            )));
+        }
+        let view = match &record.info.layer {
+            Some(d) => View::Layer(d.clone()),
+            None => View::Merged,
+        };
+        let mut image = MountedImage::new(
+            source,
+            Some(self.store.clone()),
+            self.config.fetch_config(),
+            &view,
+        )?;
+        image.trace = self.trace_for(&record.info.image, &image.manifest_digest);
+        let image = Arc::new(image);
+        record.generation = record.generation.checked_add(1).unwrap_or(1);
+        let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone())
+            .resumed(record.generation);
+        let opts = self.mount_options(&image);
+        // The holder's copy is refreshed with the new generation (same connection).
+        let kept_copy = device
+            .try_clone()
+            .map_err(|e| Error::io("duplicating the kept descriptor", e))?;
+        let session = ferry_fs::fuse::resume(fs, device, &record.init, &opts)?;
+        self.keep(&record, kept_copy.as_fd());
+        drop(kept_copy);
+        let warm = self.start_warm(&image, &mountpoint);
+        tracing::info!(
+            mountpoint = %mountpoint.display(),
+            image = %record.info.image,
+            layer = record.info.layer.as_deref().unwrap_or("-"),
+            origin = ?record.origin,
+            generation = record.generation,
+            "resumed the kept FUSE connection"
+        );
+        mark_served(&mountpoint, true);
+        lock(&self.mounts).insert(
+            mountpoint,
+            ActiveMount {
+                info: record.info,
+                origin: record.origin,
+                image,
+                session,
+                _warm: warm,
+            },
+        );
+        Ok(())
+    }
+
+    fn mount_options(&self, image: &MountedImage) -> MountOptions {
+        MountOptions {
+            threads: self.config.fuse.threads,
+            allow_other: self.config.fuse.allow_other,
+            fsname: format!("ferry:{}", image.manifest_digest),
+        }
     }
 
     /// The startup trace published for `image` (manifest `manifest`), when prefetch is
@@ -454,20 +728,31 @@ impl MountManager {
         )?;
         image.trace = self.trace_for(&request.image, &image.manifest_digest);
         let image = Arc::new(image);
-        let opts = MountOptions {
-            threads: self.config.fuse.threads,
-            allow_other: self.config.fuse.allow_other,
-            fsname: format!("ferry:{}", image.manifest_digest),
-        };
+        let opts = self.mount_options(&image);
         let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone());
-        let session = ferry_fs::mount(fs, mountpoint, &opts)?;
-        let warm = ferry_fs::warm::start(&image, &self.config.warm, image.trace.clone());
         let info = MountInfo {
             mountpoint: mountpoint.to_path_buf(),
             image: request.image.clone(),
             layer: request.layer.clone(),
             manifest_digest: image.manifest_digest.clone(),
         };
+        let session = if self.holder.is_some() {
+            let mounted = ferry_fs::fuse::mount_keepable(fs, mountpoint, &opts)?;
+            let record = KeptMount {
+                format: KEPT_FORMAT,
+                info: info.clone(),
+                origin,
+                init: mounted.init,
+                generation: 0,
+            };
+            self.keep(&record, mounted.device.as_fd());
+            // Our duplicate closes here; the session and the holder have theirs.
+            mounted.session
+        } else {
+            ferry_fs::mount(fs, mountpoint, &opts)?
+        };
+        mark_served(mountpoint, true);
+        let warm = self.start_warm(&image, mountpoint);
         tracing::info!(
             mountpoint = %mountpoint.display(),
             image = %request.image,
@@ -500,6 +785,7 @@ impl MountManager {
         for mountpoint in ended {
             if let Some(m) = mounts.remove(&mountpoint) {
                 tracing::info!(mountpoint = %mountpoint.display(), "unmounted from outside");
+                self.release_kept(&mountpoint);
                 if let Err(e) = m.session.join() {
                     tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "FUSE session ended with an error");
                 }
@@ -507,15 +793,24 @@ impl MountManager {
         }
     }
 
-    /// Stops serving every mount. Control mounts are unmounted; snapshotter mounts are
-    /// left in place (their FUSE connection dies with the process; the next start's
-    /// restore detaches and remounts them).
+    /// Stops serving every mount. Control mounts are unmounted (and released from the fd
+    /// holder); snapshotter mounts are left in place: with an fd holder their connection
+    /// stays up and the next start resumes it, without one it dies with the process and
+    /// the next start's restore detaches and remounts them.
+    /// Starts warm-up for a live mount; its hot set (trace and landmark spans) stays
+    /// pinned in the store under an owner named after the mountpoint until it goes away.
+    fn start_warm(&self, image: &Arc<MountedImage>, mountpoint: &Path) -> WarmHandle {
+        let pins = ferry_fs::warm::PinTarget::for_mount(self.store.clone(), mountpoint);
+        ferry_fs::warm::start_with_pins(image, &self.config.warm, image.trace.clone(), Some(pins))
+    }
+
     pub fn shutdown(&self) {
         self.reap();
         let all = std::mem::take(&mut *lock(&self.mounts));
         for (mountpoint, mount) in all {
             match mount.origin {
                 MountOrigin::Control => {
+                    self.release_kept(&mountpoint);
                     if let Err(failed) = finish(&mountpoint, mount) {
                         let (e, mount) = *failed;
                         tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "unmount failed; detaching");
@@ -528,8 +823,10 @@ impl MountManager {
                 }
                 MountOrigin::Snapshotter => {
                     tracing::info!(mountpoint = %mountpoint.display(), "leaving the lazy layer for restore");
-                    // Dropping the session would unmount it under running containers.
+                    // Dropping the session would unmount it under running containers,
+                    // and the next daemon re-registers the hot set under the same owner.
                     std::mem::forget(mount.session);
+                    mount._warm.keep_pins();
                 }
             }
         }
@@ -576,7 +873,10 @@ impl MountBackend for MountManager {
             return Err(Error::NotMounted(mountpoint));
         };
         match finish(&mountpoint, mount) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.release_kept(&mountpoint);
+                Ok(())
+            }
             Err(failed) => {
                 let (e, mount) = *failed;
                 // Still mounted (busy): keep serving it.
@@ -667,6 +967,73 @@ mod tests {
             format!("oci:/tmp/img@{d}")
         );
         assert!(pin_image("", &d).is_err());
+    }
+
+    fn kept(mountpoint: &str, layer: Option<String>) -> KeptMount {
+        KeptMount {
+            format: KEPT_FORMAT,
+            info: MountInfo {
+                mountpoint: mountpoint.into(),
+                image: "reg.local:5000/app:v1".into(),
+                layer,
+                manifest_digest: format!("sha256:{}", "1".repeat(64)),
+            },
+            origin: MountOrigin::Control,
+            init: ferry_fs::fuse::InitRecord {
+                proto_major: 7,
+                proto_minor: 41,
+            },
+            generation: 3,
+        }
+    }
+
+    #[test]
+    fn kept_mount_records_round_trip_and_bad_ones_are_refused() {
+        let record = kept("/mnt/x", Some(format!("sha256:{}", "a".repeat(64))));
+        let text = record.to_json().unwrap();
+        assert_eq!(KeptMount::from_json("/mnt/x", &text).unwrap(), record);
+        // Resumed from the image pinned to the manifest it served (a moved tag cannot
+        // change the inode numbers under the kernel).
+        assert_eq!(
+            record.pinned_image().unwrap(),
+            format!("reg.local:5000/app:v1@sha256:{}", "1".repeat(64))
+        );
+        // Held under another key: not ours to resume there.
+        assert!(KeptMount::from_json("/mnt/y", &text).is_err());
+        // Another format version.
+        let mut v2 = record.clone();
+        v2.format = KEPT_FORMAT + 1;
+        assert!(KeptMount::from_json("/mnt/x", &v2.to_json().unwrap()).is_err());
+        // A layer that is no digest.
+        let bad = kept("/mnt/x", Some("sha256:zz".into()));
+        assert!(KeptMount::from_json("/mnt/x", &bad.to_json().unwrap()).is_err());
+        // Unknown fields and garbage.
+        let extra = text.replacen('{', "{\"surprise\":1,", 1);
+        assert!(KeptMount::from_json("/mnt/x", &extra).is_err());
+        assert!(KeptMount::from_json("/mnt/x", "not json").is_err());
+    }
+
+    #[test]
+    fn mounts_served_here_are_never_detached_as_stale() {
+        // A mount point this process serves is left alone even when mounted; the
+        // check happens before anything is touched (so this needs no root).
+        let dir = tempfile::tempdir().unwrap();
+        let mp = dir.path().join("m");
+        mark_served(&mp, true);
+        assert!(served_here(&mp));
+        detach_stale_mount(&mp).unwrap();
+        mark_served(&mp, false);
+        assert!(!served_here(&mp));
+        // Nothing mounted there: nothing to do either way.
+        detach_stale_mount(&mp).unwrap();
+    }
+
+    #[test]
+    fn a_connection_whose_peer_is_gone_is_not_alive() {
+        let (a, b) = crate::fdstore::seqpacket_pair().unwrap();
+        assert!(connection_alive(a.as_fd()), "idle and connected");
+        drop(b);
+        assert!(!connection_alive(a.as_fd()), "hung up");
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! the kernel for FUSE passthrough (reads then never reach this process), or, when the
 //! kernel refuses, reads are answered with pread from the cached file. Which opens go
 //! which way is decided in `localfiles`.
+//!
+//! A mount made with [`mount_keepable`] can be served again by another process
+//! ([`resume`]) while something keeps its `/dev/fuse` descriptor open (the daemon's fd
+//! holder): inode numbers are the tree's, deterministic for an image and view, and file
+//! handles carry the serving process's generation ([`FerryFs::resumed`]) so a handle
+//! from before is served by inode, never mistaken for another file's.
 
 use std::ffi::OsStr;
 use std::path::Path;
@@ -44,7 +50,13 @@ pub struct FerryFs {
     image: Arc<MountedImage>,
     local: Option<Arc<LocalFiles<BackingId>>>,
     read_requests: Arc<AtomicU64>,
+    /// Tag in the top bits of every file handle this process hands out: 0 on a fresh
+    /// mount, the resume generation on a resumed connection (see [`FerryFs::resumed`]).
+    handle_epoch: u64,
 }
+
+/// File handles carry their process's epoch above this many bits.
+const HANDLE_EPOCH_SHIFT: u32 = 48;
 
 impl FerryFs {
     /// Serves `image`.
@@ -63,7 +75,34 @@ impl FerryFs {
             image,
             local,
             read_requests: Arc::new(AtomicU64::new(0)),
+            handle_epoch: 0,
         }
+    }
+
+    /// This filesystem serving a connection that an earlier process initialized (its
+    /// `generation`-th resume, 1 or more). Handles the kernel still holds from before
+    /// carry another epoch: reads on them are served by inode (inode numbers are the
+    /// same for the same image and view), never from this process's per-handle state,
+    /// which could belong to another file. FUSE passthrough stays off for new opens:
+    /// this process cannot know which inodes the kernel still has open in which mode.
+    pub fn resumed(mut self, generation: u16) -> FerryFs {
+        self.handle_epoch = u64::from(generation.max(1));
+        if let Some(local) = &self.local {
+            local.set_passthrough(false);
+        }
+        self
+    }
+
+    /// `fh` as handed to the kernel: tagged with this process's epoch.
+    fn tag_handle(&self, fh: u64) -> FileHandle {
+        FileHandle(fh | (self.handle_epoch << HANDLE_EPOCH_SHIFT))
+    }
+
+    /// The local handle behind `fh` when this process handed it out; `None` for a
+    /// handle of an earlier process (a resumed connection).
+    fn own_handle(&self, fh: FileHandle) -> Option<u64> {
+        (fh.0 >> HANDLE_EPOCH_SHIFT == self.handle_epoch)
+            .then_some(fh.0 & ((1 << HANDLE_EPOCH_SHIFT) - 1))
     }
 
     /// The file cache, when one is in use.
@@ -277,17 +316,24 @@ impl Filesystem for FerryFs {
             Ok(node) if node.kind == NodeKind::Dir => reply.error(Errno::EISDIR),
             Ok(_) if flags.acc_mode() != OpenAccMode::O_RDONLY => reply.error(Errno::EROFS),
             Ok(node) => {
+                // While a trace is recorded no read may be served from pages cached
+                // before: without KEEP_CACHE the kernel drops the inode's page cache at
+                // open, so the reads of this open reach `read` and the recorder (and
+                // `LocalFiles::open` hands out no passthrough then).
+                let keep = if self.image.is_recording() {
+                    FopenFlags::empty()
+                } else {
+                    FopenFlags::FOPEN_KEEP_CACHE
+                };
                 let Some(local) = &self.local else {
-                    return reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+                    return reply.opened(FileHandle(0), keep);
                 };
                 match local.open(ino.0, node, |file| reply.open_backing(file)) {
-                    OpenMode::Served(fh) => {
-                        reply.opened(FileHandle(fh), FopenFlags::FOPEN_KEEP_CACHE)
-                    }
+                    OpenMode::Served(fh) => reply.opened(self.tag_handle(fh), keep),
                     // The kernel refuses any flag outside its passthrough mask
                     // (FOPEN_KEEP_CACHE included) with EIO on open.
                     OpenMode::Passthrough(fh, backing) => {
-                        reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &backing)
+                        reply.opened_passthrough(self.tag_handle(fh), FopenFlags::empty(), &backing)
                     }
                 }
             }
@@ -305,8 +351,11 @@ impl Filesystem for FerryFs {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
-        if let Some(local) = &self.local {
-            local.release(ino.0, fh.0);
+        // A handle of an earlier process was never counted here.
+        if let Some(local) = &self.local
+            && let Some(fh) = self.own_handle(fh)
+        {
+            local.release(ino.0, fh);
         }
         reply.ok();
     }
@@ -329,7 +378,7 @@ impl Filesystem for FerryFs {
                 Err(e) => reply.error(e),
             };
         };
-        let result = match local.cached(fh.0) {
+        let result = match self.own_handle(fh).and_then(|fh| local.cached(fh)) {
             Some(file) => self.read_cached(ino.0, &file, offset, size),
             None => self.read_file(ino.0, offset, size).inspect(|data| {
                 if let Some(node) = self.image.tree.get(ino.0) {
@@ -518,6 +567,121 @@ pub fn mount(
 ) -> Result<fuser::BackgroundSession> {
     fuser::spawn_mount(fs, mountpoint, &config(opts))
         .map_err(|e| Error::io(format!("mounting at {}", mountpoint.display()), e))
+}
+
+/// What resuming a FUSE connection needs from its first INIT: the ABI version the
+/// kernel negotiated. Persisted by the caller beside the kept device descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InitRecord {
+    /// FUSE ABI major version (7).
+    pub proto_major: u32,
+    /// FUSE ABI minor version.
+    pub proto_minor: u32,
+}
+
+/// A mount whose FUSE connection can outlive this process: while another process
+/// holds a copy of `device`, the kernel keeps the connection (and every open file on
+/// it) alive, and [`resume`] serves it again from a new process.
+#[derive(Debug)]
+pub struct KeepableMount {
+    /// The session serving it now; dropping it unmounts.
+    pub session: fuser::BackgroundSession,
+    /// A duplicate of the connection's `/dev/fuse` descriptor (close-on-exec).
+    pub device: std::os::fd::OwnedFd,
+    /// What [`resume`] needs.
+    pub init: InitRecord,
+}
+
+/// Like [`mount`], also returning a duplicate of the connection's descriptor and its
+/// negotiated INIT data, so the connection can be kept alive across a restart.
+pub fn mount_keepable(
+    fs: FerryFs,
+    mountpoint: &Path,
+    opts: &MountOptions,
+) -> Result<KeepableMount> {
+    use std::os::fd::AsFd;
+    let at = || format!("mounting at {}", mountpoint.display());
+    let session = fuser::Session::new(fs, mountpoint, &keepable_config(opts))
+        .map_err(|e| Error::io(at(), e))?;
+    // The handshake ran inside Session::new; a session without a version is a bug.
+    let version = session
+        .proto_version()
+        .ok_or_else(|| Error::Invalid(format!("{}: no FUSE INIT negotiated", at())))?;
+    // Dropping `session` on an error below unmounts.
+    let device = session
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| Error::io("duplicating the /dev/fuse descriptor", e))?;
+    let session = session.spawn().map_err(|e| Error::io(at(), e))?;
+    Ok(KeepableMount {
+        session,
+        device,
+        init: InitRecord {
+            proto_major: version.0,
+            proto_minor: version.1,
+        },
+    })
+}
+
+/// The session config of a mount whose connection is kept: every worker thread reads
+/// the one descriptor the holder keeps (no per-thread clones). A clone's requests die
+/// with the process that owns it (the kernel ends them with an error when it closes),
+/// while requests on the kept descriptor stay queued and are resent to the next daemon.
+fn keepable_config(opts: &MountOptions) -> fuser::Config {
+    let mut cfg = config(opts);
+    cfg.clone_fd = false;
+    cfg
+}
+
+/// The FUSE notification that makes the kernel requeue every request a dead server
+/// read but never answered (`FUSE_NOTIFY_RESEND`, Linux 6.9 and later).
+const FUSE_NOTIFY_RESEND: i32 = 7;
+
+/// Asks the kernel to send again the requests read on `device`'s connection and never
+/// answered (by a process that died). An error means the kernel does not know the
+/// notification (before 6.9): those requests then stay unanswered until the mount is
+/// aborted (`/sys/fs/fuse/connections/N/abort`).
+pub fn notify_resend(device: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // struct fuse_out_header { u32 len; i32 error (the notify code); u64 unique (0) }.
+    let mut header = [0u8; 16];
+    header[0..4].copy_from_slice(&16u32.to_ne_bytes());
+    header[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
+    // SAFETY: writes 16 bytes from a live local buffer to a descriptor we borrow.
+    let n = unsafe { libc::write(device.as_raw_fd(), header.as_ptr().cast(), header.len()) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if n as usize != header.len() {
+        return Err(std::io::Error::other("short write of FUSE_NOTIFY_RESEND"));
+    }
+    Ok(())
+}
+
+/// Serves an existing FUSE connection again: `device` is a descriptor of a connection
+/// that an earlier process mounted with [`mount_keepable`] (kept alive by a holder),
+/// `fs` the same image and view, made with [`FerryFs::resumed`]. Nothing is mounted: the
+/// mount is where it was. Requests the dead process had read are requeued first (see
+/// [`notify_resend`]; a kernel without it is logged). Dropping the returned session
+/// does not unmount.
+pub fn resume(
+    fs: FerryFs,
+    device: std::os::fd::OwnedFd,
+    init: &InitRecord,
+    opts: &MountOptions,
+) -> Result<fuser::BackgroundSession> {
+    use std::os::fd::AsFd;
+    if let Err(e) = notify_resend(device.as_fd()) {
+        tracing::warn!(error = %e, "FUSE_NOTIFY_RESEND refused (kernel before 6.9?): requests in flight when the previous daemon died stay unanswered");
+    }
+    let cfg = keepable_config(opts);
+    let acl = cfg.acl;
+    let version = fuser::Version(init.proto_major, init.proto_minor);
+    let session = fuser::Session::resume_from_fd(fs, device, acl, cfg, version)
+        .map_err(|e| Error::io("resuming the FUSE connection", e))?;
+    session
+        .spawn()
+        .map_err(|e| Error::io("resuming the FUSE connection", e))
 }
 
 /// Blocks SIGINT and SIGTERM in the calling thread and every thread it starts later, so
@@ -858,6 +1022,55 @@ mod tests {
     }
 
     #[test]
+    fn handles_of_another_process_are_never_taken_for_this_ones() {
+        let f = fixture(View::Merged);
+        let fresh = f.fs.clone();
+        assert_eq!(
+            fresh.tag_handle(5),
+            FileHandle(5),
+            "fresh mounts keep plain handles"
+        );
+        assert_eq!(fresh.own_handle(FileHandle(5)), Some(5));
+        let resumed = f.fs.clone().resumed(2);
+        let tagged = resumed.tag_handle(5);
+        assert_ne!(tagged, FileHandle(5));
+        assert_eq!(resumed.own_handle(tagged), Some(5));
+        // The previous process's handle 5 (and generation 1's) are not this one's 5.
+        assert_eq!(resumed.own_handle(FileHandle(5)), None);
+        assert_eq!(
+            resumed.own_handle(f.fs.clone().resumed(1).tag_handle(5)),
+            None
+        );
+        assert_eq!(fresh.own_handle(tagged), None);
+        // Generation 0 is not a resume.
+        assert_ne!(f.fs.clone().resumed(0).tag_handle(1), FileHandle(1));
+    }
+
+    #[test]
+    fn resend_is_a_header_only_notification() {
+        // Written to a pipe instead of /dev/fuse: exactly fuse_out_header{16, 7, 0}.
+        let mut fds = [0; 2];
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (r, w) = unsafe {
+            use std::os::fd::FromRawFd;
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            )
+        };
+        use std::os::fd::AsFd;
+        notify_resend(w.as_fd()).unwrap();
+        drop(w);
+        let mut got = Vec::new();
+        std::io::Read::read_to_end(&mut &r, &mut got).unwrap();
+        let mut want = Vec::new();
+        want.extend_from_slice(&16u32.to_ne_bytes());
+        want.extend_from_slice(&7i32.to_ne_bytes());
+        want.extend_from_slice(&0u64.to_ne_bytes());
+        assert_eq!(got, want);
+    }
+
+    #[test]
     fn device_numbers_use_the_kernel_encoding() {
         assert_eq!(encode_dev(1, 3), 0x103);
         assert_eq!(encode_dev(8, 0x123), 0x10_0823);
@@ -1046,5 +1259,126 @@ mod passthrough_tests {
         if kernel_has_passthrough {
             assert!(passthrough);
         }
+    }
+
+    /// A recording mount with a file cache records every read: of a cached file the
+    /// kernel served by passthrough before the recording, and of a file whose pages the
+    /// kernel had cached before it. Needs root and /dev/fuse; skipped (passes) without.
+    #[test]
+    fn a_recording_mount_with_a_file_cache_records_every_read() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
+            eprintln!("skipped: needs root and /dev/fuse");
+            return;
+        }
+        let (blob, index, files) = gzip_layer();
+        let digest = ferry_oci::sha256_digest(&blob);
+        let desc = ferry_oci::layout::descriptor(LAYER_TAR_GZIP, digest, blob.len() as u64, &[]);
+        let source = ImageSource {
+            manifest_digest: "sha256:test".into(),
+            layers: vec![LayerSpec::new(
+                desc,
+                Some(Arc::new(index)),
+                TestBackend::new(blob),
+            )],
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(&dir.path().join("store"));
+        let image = MountedImage::new(
+            source,
+            Some(store.clone()),
+            FetchConfig::default(),
+            &View::Merged,
+        )
+        .unwrap();
+        let config = FileCacheConfig {
+            min_file_bytes: 64 << 10,
+            ..FileCacheConfig::default()
+        };
+        let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+        let fs = FerryFs::with_file_cache(Arc::new(image), Some(cache.clone()));
+        let mnt = dir.path().join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let session = match mount(fs.clone(), &mnt, &MountOptions::default()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("skipped: cannot mount here: {e}");
+                return;
+            }
+        };
+        let (a, b) = (mnt.join("a"), mnt.join("b"));
+        assert_eq!(std::fs::read(&a).unwrap(), files[0].1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cache.snapshot().materialized == 0 {
+            assert!(Instant::now() < deadline, "never materialized");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Until `a` is opened through passthrough (when the kernel grants it).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while fs.passthrough_active()
+            && cache.snapshot().passthrough_opens == 0
+            && Instant::now() < deadline
+        {
+            assert_eq!(read_uncached(&a), files[0].1);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let passthrough = cache.snapshot().passthrough_opens > 0;
+        // `b` is too small for the file cache: its pages stay in the kernel's cache.
+        assert_eq!(std::fs::read(&b).unwrap(), files[1].1);
+        let before = fs.read_requests();
+        assert_eq!(std::fs::read(&b).unwrap(), files[1].1);
+        assert_eq!(
+            fs.read_requests(),
+            before,
+            "the page cache served the re-read"
+        );
+
+        fs.image().start_recording();
+        // The release of the last passthrough open reaches us asynchronously; until it
+        // has, `a` stays in passthrough mode and its opens are recorded whole.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut served_here = false;
+        while !served_here && Instant::now() < deadline {
+            let before = fs.read_requests();
+            assert_eq!(std::fs::read(&a).unwrap(), files[0].1);
+            served_here = fs.read_requests() > before;
+            if !served_here {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let before = fs.read_requests();
+        assert_eq!(std::fs::read(&b).unwrap(), files[1].1);
+        let b_reached_us = fs.read_requests() > before;
+        let trace = fs.image().take_trace();
+        unmount(&mnt).unwrap();
+        session.join().unwrap();
+
+        eprintln!(
+            "passthrough before recording: {passthrough}; {:?}",
+            cache.snapshot()
+        );
+        assert!(
+            served_here,
+            "while recording, reads of a cached file reach the daemon"
+        );
+        if passthrough {
+            assert!(
+                cache.snapshot().pread_opens > 0,
+                "served from the cached file"
+            );
+        }
+        assert!(b_reached_us, "an open while recording drops the page cache");
+        let reads: Vec<(&str, u64, u64)> = trace
+            .reads
+            .iter()
+            .map(|r| (r.path.as_str(), r.offset, r.len))
+            .collect();
+        assert_eq!(
+            reads,
+            vec![
+                ("/a", 0, files[0].1.len() as u64),
+                ("/b", 0, files[1].1.len() as u64)
+            ]
+        );
     }
 }

@@ -26,6 +26,14 @@ pub struct Args {
     /// Print the effective configuration as TOML and exit.
     #[arg(long)]
     print_config: bool,
+    /// Run the FUSE descriptor holder on SOCKET instead of the daemon (the daemon
+    /// starts it itself; see `[fuse] keep_connections`).
+    #[arg(long, value_name = "SOCKET", hide = true)]
+    fd_holder: Option<PathBuf>,
+    /// With --fd-holder: keep running when idle (a holder run by a service manager or
+    /// as a pod's second container, not started by the daemon).
+    #[arg(long, requires = "fd_holder", hide = true)]
+    persistent: bool,
 }
 
 /// Reads `path` as a daemon config, or the embedded defaults without one.
@@ -38,6 +46,10 @@ pub fn load_config(path: Option<&Path>) -> Result<DaemonConfig> {
 
 /// Runs `ferry daemon`.
 pub fn run(args: Args) -> Result<()> {
+    if let Some(socket) = &args.fd_holder {
+        return ferry_daemon::fdstore::run_holder(socket, args.persistent)
+            .with_context(|| format!("fd holder on {}", socket.display()));
+    }
     let mut config = load_config(args.config.as_deref())?;
     if let Some(socket) = args.socket {
         config.control.socket = Some(socket);
@@ -56,7 +68,9 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// Runs the daemon with `config` until SIGTERM/SIGINT, telling the user where it serves.
-pub fn run_daemon(config: DaemonConfig, name: &str) -> Result<()> {
+pub fn run_daemon(mut config: DaemonConfig, name: &str) -> Result<()> {
+    // The holder is this same executable (`ferry daemon --fd-holder SOCKET`).
+    config.holder_program = std::env::current_exe().ok();
     let store = config.store_path();
     Daemon::run(config, ferry_daemon::stop_signal(), |info| {
         eprintln!(
