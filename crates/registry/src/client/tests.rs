@@ -946,6 +946,13 @@ fn range_source_reads_from_plain_threads() {
         assert_eq!(bytes.as_slice(), &data[rg.start as usize..rg.end as usize]);
     }
     assert!(src.read_range(99_990..100_001).is_err());
+    // A sibling blob of the same repository (how a layer reaches its index's windows).
+    let other = pattern(3_000);
+    let od = fake.add_blob(&other[..]);
+    let sib = src.sibling(&od, 3_000).unwrap();
+    assert_eq!(sib.len(), 3_000);
+    assert_eq!(sib.read_range(100..200).unwrap(), &other[100..200]);
+    assert!(src.sibling("sha256:nothex", 1).is_none());
     // From inside an async task it refuses instead of blocking a worker.
     let (tx, rx) = std::sync::mpsc::channel();
     let s2 = src.clone();
