@@ -80,6 +80,11 @@ pub fn is_index(media_type: &str) -> bool {
     media_type == media::OCI_INDEX || media_type == media::DOCKER_MANIFEST_LIST
 }
 
+/// Whether a media type is an image manifest (OCI or Docker v2 schema 2).
+pub fn is_manifest(media_type: &str) -> bool {
+    media_type == media::OCI_MANIFEST || media_type == media::DOCKER_MANIFEST
+}
+
 /// This machine's architecture in OCI spelling.
 pub fn host_architecture() -> &'static str {
     match std::env::consts::ARCH {
@@ -211,6 +216,23 @@ pub fn image_name(
     name
 }
 
+/// containerd's GC label prefix for the manifests (and nested indexes) an index refers to.
+pub const LABEL_GC_REF_MANIFEST: &str = "containerd.io/gc.ref.content.m.";
+
+/// The labels an index gets in containerd's content store, as `ctr image pull` sets them:
+/// `containerd.io/gc.ref.content.m.<n>` naming each manifest or nested index it lists,
+/// numbered in the index's order, so the image record (whose target the index is) keeps
+/// them from garbage collection. Other entries (unknown artifact types) get no label.
+pub fn index_labels(index: &ImageIndex) -> HashMap<String, String> {
+    index
+        .manifests
+        .iter()
+        .filter(|d| is_index(&d.media_type) || is_manifest(&d.media_type))
+        .enumerate()
+        .map(|(n, d)| (format!("{LABEL_GC_REF_MANIFEST}{n}"), d.digest.clone()))
+        .collect()
+}
+
 /// What a layer Prepare tells the snapshotter.
 #[derive(Debug, Clone, Copy)]
 pub struct LayerContext<'a> {
@@ -336,6 +358,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(parsed.manifests[0].platform.as_ref().unwrap().os, "linux");
+    }
+
+    #[test]
+    fn index_labels_name_every_manifest_for_gc() {
+        let mut other = desc(C, None);
+        other.media_type = "application/vnd.example.sbom+json".into();
+        let mut nested = desc(C, None);
+        nested.media_type = media::OCI_INDEX.into();
+        let mut docker = desc(B, Some(("linux", "arm64")));
+        docker.media_type = media::DOCKER_MANIFEST.into();
+        let index = ImageIndex {
+            manifests: vec![desc(A, Some(("linux", "amd64"))), other, docker, nested],
+        };
+        let labels = index_labels(&index);
+        assert_eq!(labels.len(), 3, "{labels:?}");
+        assert_eq!(labels["containerd.io/gc.ref.content.m.0"], A);
+        assert_eq!(labels["containerd.io/gc.ref.content.m.1"], B);
+        assert_eq!(labels["containerd.io/gc.ref.content.m.2"], C);
+        assert!(index_labels(&ImageIndex { manifests: vec![] }).is_empty());
+        // Parsed from JSON as a registry serves it.
+        let parsed = parse_index(
+            format!(
+                r#"{{"schemaVersion":2,"mediaType":"{}","manifests":[{{"mediaType":"{}","digest":"{A}","size":7,"platform":{{"os":"linux","architecture":"amd64"}}}},{{"mediaType":"{}","digest":"{B}","size":9,"platform":{{"os":"linux","architecture":"arm64"}}}}]}}"#,
+                media::OCI_INDEX,
+                media::OCI_MANIFEST,
+                media::OCI_MANIFEST
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let labels = index_labels(&parsed);
+        assert_eq!(labels["containerd.io/gc.ref.content.m.0"], A);
+        assert_eq!(labels["containerd.io/gc.ref.content.m.1"], B);
     }
 
     #[test]

@@ -1,35 +1,41 @@
 //! # ferry-pull: `ferry pull` against containerd
 //!
 //! Puts a registry image into containerd the way `ctr-remote image rpull` does: manifest
-//! and config into containerd's content store under a lease (with the GC labels that keep
-//! the layers' snapshots alive), an image record named as `ctr` names it, and every layer
-//! prepared through ferry's snapshotter in chain order. A layer the snapshotter mounts
-//! lazily answers AlreadyExists and costs nothing more. From the first layer it cannot
-//! serve lazily on, the layers take the fast path: all downloaded at once with parallel
-//! Range requests (a shared connection budget), each unpacked into the snapshotter's
-//! staging directory as soon as it lands, then adopted in chain order by a staged Prepare.
+//! and config (and, for a multi-platform image, the index, which becomes the image
+//! record's target as with `ctr image pull`) into containerd's content store under a
+//! lease, with the GC labels that keep the chosen manifest, its config and the layers'
+//! snapshots alive; an image record named as `ctr` names it; and every layer prepared
+//! through ferry's snapshotter in chain order. A layer the snapshotter mounts lazily
+//! answers AlreadyExists and costs nothing more. From the first layer it cannot serve
+//! lazily on, the layers take the fast path: each streamed (parallel Range requests
+//! feeding an unpacker as the in-order bytes arrive, memory bounded; see [`stream`]) into
+//! the snapshotter's staging directory, largest first, as many at once as unpack slots
+//! allow, then adopted in chain order by a staged Prepare.
 //!
 //! This crate does no terminal output: progress goes through [`PullProgress`].
-//! Modules: [`image`] (pure rules), [`unpack`] (the safe tar unpacker), [`containerd`].
+//! Modules: [`image`] (pure rules), [`stream`] (download-and-unpack of one layer),
+//! [`unpack`] (the safe tar unpacker), [`containerd`].
 
 pub mod containerd;
 pub mod image;
+pub mod stream;
 pub mod unpack;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_oci::ImageRef;
 use ferry_oci::media;
-use ferry_registry::client::{Client, ClientConfig, ClientError, DownloadOptions, Repo};
+use ferry_registry::client::{Client, ClientConfig, ClientError, Repo};
 use ferry_snapshotter::remote::LABEL_STAGED_DIR;
 use futures_util::StreamExt;
 use tokio::sync::Semaphore;
 
 use crate::containerd::Containerd;
 use crate::image::{Descriptor, LayerContext};
-use crate::unpack::{UnpackError, UnpackLimits, UnpackStats};
+use crate::stream::{BufferBudget, LayerStream, RegistryPieces};
+use crate::unpack::{UnpackError, UnpackLimits};
 
 /// Largest image config accepted.
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
@@ -123,10 +129,12 @@ pub struct PullOptions {
     pub registry: ClientConfig,
     /// Concurrent Range requests across all layers being downloaded.
     pub concurrency: usize,
-    /// Bytes per Range request.
+    /// Bytes per Range request (at most [`stream::MAX_CHUNK_SIZE`]).
     pub chunk_size: u64,
-    /// Layers unpacked at once.
+    /// Layers downloaded-and-unpacked at once.
     pub unpack_concurrency: usize,
+    /// Most layer bytes held in memory at once, across layers (at least `chunk_size`).
+    pub max_buffer: u64,
     /// Bounds on one layer's contents.
     pub limits: UnpackLimits,
 }
@@ -138,7 +146,7 @@ pub enum LayerEvent {
     Present,
     /// The snapshotter mounted it lazily.
     Lazy,
-    /// Download started (`size` bytes).
+    /// Download started (`size` bytes); unpacking starts with it.
     Downloading {
         /// Blob size.
         size: u64,
@@ -148,7 +156,7 @@ pub enum LayerEvent {
         /// Delta.
         bytes: u64,
     },
-    /// Unpacking started.
+    /// Unpacking started (it consumes the download as it lands).
     Unpacking,
     /// Unpacked into staging.
     Unpacked {
@@ -181,8 +189,11 @@ impl PullProgress for NoProgress {
 pub struct PullReport {
     /// The image record's name.
     pub name: String,
-    /// Manifest digest.
+    /// The platform manifest's digest.
     pub manifest_digest: String,
+    /// The image record's target: the index's digest for a multi-platform image, else
+    /// the manifest's (what `ctr image ls` shows).
+    pub target_digest: String,
     /// Layers.
     pub layers: usize,
     /// Layers already present.
@@ -193,6 +204,8 @@ pub struct PullReport {
     pub unpacked: usize,
     /// Layer bytes downloaded.
     pub bytes_downloaded: u64,
+    /// Most layer bytes held in memory at once.
+    pub peak_buffered: u64,
     /// Wall time.
     pub elapsed: Duration,
 }
@@ -224,11 +237,7 @@ pub async fn pull(
             opts.image
         )));
     };
-    if opts.concurrency == 0 || opts.chunk_size == 0 || opts.unpack_concurrency == 0 {
-        return Err(PullError::Usage(
-            "--concurrency, --chunk-size and --unpack-concurrency must be at least 1".into(),
-        ));
-    }
+    check_options(opts)?;
     let client = Client::new(opts.registry.clone())?;
     let repo = Repo::new(registry.clone(), repository.clone());
     let name = image::image_name(&registry, &repository, tag.as_deref(), digest.as_deref());
@@ -239,11 +248,19 @@ pub async fn pull(
 
     // Resolve: manifest (through an index when there is one), config, chain ids.
     let mut top = client.get_manifest(&repo, &reference, &[]).await?;
+    let mut index_doc = None;
     if image::is_index(&top.media_type) {
         let index = image::parse_index(&top.bytes)?;
         let chosen = image::select_platform(&index, "linux", image::host_architecture())?;
         let chosen_digest = chosen.digest.clone();
-        top = client.get_manifest(&repo, &chosen_digest, &[]).await?;
+        let platform_manifest = client.get_manifest(&repo, &chosen_digest, &[]).await?;
+        index_doc = Some((std::mem::replace(&mut top, platform_manifest), index));
+    }
+    if image::is_index(&top.media_type) {
+        return Err(PullError::Image(format!(
+            "{}: the index's platform entry is itself an index (nested indexes are not supported)",
+            top.digest
+        )));
     }
     let manifest = image::parse_manifest(&top.bytes)?;
     let config = fetch_small_blob(&client, &repo, &manifest.config).await?;
@@ -273,6 +290,10 @@ pub async fn pull(
         );
         cd.write_content(&top.digest, &top.bytes, &manifest_labels)
             .await?;
+        if let Some((index, parsed)) = &index_doc {
+            cd.write_content(&index.digest, &index.bytes, &image::index_labels(parsed))
+                .await?;
+        }
         let ctx = LayerContext {
             image_ref: &name,
             manifest_digest: &top.digest,
@@ -281,8 +302,15 @@ pub async fn pull(
         };
         let counts =
             prepare_layers(opts, &cd, &client, &repo, &ctx, &diff_ids, &id, &*progress).await?;
-        cd.put_image(&name, &top.media_type, &top.digest, top.bytes.len() as u64)
-            .await?;
+        // Like `ctr image pull`, the record names what the reference named: the index.
+        let target = index_doc.as_ref().map_or(&top, |(index, _)| index);
+        cd.put_image(
+            &name,
+            &target.media_type,
+            &target.digest,
+            target.bytes.len() as u64,
+        )
+        .await?;
         Ok::<_, PullError>(counts)
     }
     .await;
@@ -291,16 +319,42 @@ pub async fn pull(
     let deleted = cd.delete_lease().await;
     let counts = result?;
     deleted?;
+    let target_digest = index_doc.map_or_else(|| top.digest.clone(), |(index, _)| index.digest);
     Ok(PullReport {
         name,
         manifest_digest: top.digest,
+        target_digest,
         layers: manifest.layers.len(),
         present: counts.present,
         lazy: counts.lazy,
         unpacked: counts.unpacked,
         bytes_downloaded: counts.bytes,
+        peak_buffered: counts.peak_buffered,
         elapsed: started.elapsed(),
     })
+}
+
+/// Refuses option values the pull cannot work with, before any network call.
+fn check_options(opts: &PullOptions) -> Result<(), PullError> {
+    if opts.concurrency == 0 || opts.chunk_size == 0 || opts.unpack_concurrency == 0 {
+        return Err(PullError::Usage(
+            "--concurrency, --chunk-size and --unpack-concurrency must be at least 1".into(),
+        ));
+    }
+    if opts.chunk_size > stream::MAX_CHUNK_SIZE {
+        return Err(PullError::Usage(format!(
+            "--chunk-size {} is larger than the {} allowed",
+            opts.chunk_size,
+            stream::MAX_CHUNK_SIZE
+        )));
+    }
+    if opts.max_buffer < opts.chunk_size {
+        return Err(PullError::Usage(format!(
+            "--max-buffer ({} bytes) must hold at least one --chunk-size piece ({} bytes)",
+            opts.max_buffer, opts.chunk_size
+        )));
+    }
+    Ok(())
 }
 
 async fn fetch_small_blob(
@@ -345,6 +399,7 @@ struct Counts {
     lazy: usize,
     unpacked: usize,
     bytes: u64,
+    peak_buffered: u64,
 }
 
 /// Removes the pull's staging leftovers (blob files, directories not adopted) on drop.
@@ -436,7 +491,7 @@ async fn prepare_layers(
         return Ok(counts);
     }
 
-    // The fast path: download everything left at once, unpack each as it lands.
+    // The fast path: every layer left is downloaded and unpacked at once, largest first.
     let staging = opts.snapshotter_root.join("staging");
     if !staging.is_dir() {
         return Err(PullError::Usage(format!(
@@ -444,221 +499,261 @@ async fn prepare_layers(
             staging.display()
         )));
     }
-    let guard = Arc::new(StagingGuard {
+    let guard = StagingGuard {
         paths: std::sync::Mutex::new(Vec::new()),
+    };
+    let shared = Arc::new(FastPath {
+        client: client.clone(),
+        repo: repo.clone(),
+        connections: Arc::new(Semaphore::new(opts.concurrency)),
+        unpackers: Arc::new(Semaphore::new(opts.unpack_concurrency)),
+        budget: BufferBudget::new(opts.max_buffer),
+        chunk_size: opts.chunk_size,
+        limits: opts.limits,
+        downloaded: std::sync::atomic::AtomicU64::new(0),
+        events: std::sync::Mutex::new(Vec::new()),
     });
-    let connections = Arc::new(Semaphore::new(opts.concurrency));
-    let unpackers = Arc::new(Semaphore::new(opts.unpack_concurrency));
-    let downloaded = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let mut tasks = Vec::new();
-    let progress_events = Arc::new(std::sync::Mutex::new(Vec::<(usize, LayerEvent)>::new()));
+    let mut jobs = Vec::new();
     for (i, (layer, diff_id)) in ctx.layers.iter().zip(diff_ids).enumerate().skip(first_fast) {
-        let (layer, diff_id) = (layer.clone(), diff_id.clone());
-        let base = staging.join(format!("pull-{id}-{i}"));
-        let blob = staging.join(format!("pull-{id}-{i}.blob"));
-        guard.add(base.clone());
-        guard.add(blob.clone());
-        let job = LayerJob {
-            client: client.clone(),
-            repo: repo.clone(),
-            layer,
-            diff_id,
-            dir: base,
-            blob,
-            connections: connections.clone(),
-            unpackers: unpackers.clone(),
-            concurrency: opts.concurrency,
-            chunk_size: opts.chunk_size,
-            limits: opts.limits,
-            downloaded: downloaded.clone(),
-            events: progress_events.clone(),
+        let dir = staging.join(format!("pull-{id}-{i}"));
+        guard.add(dir.clone());
+        jobs.push(LayerJob {
+            layer: layer.clone(),
+            diff_id: diff_id.clone(),
+            dir,
             index: i,
-        };
-        tasks.push(tokio::spawn(job.run()));
+        });
     }
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let scheduler = tokio::spawn(schedule(shared.clone(), jobs, done_tx));
     let mut result = Ok(());
-    let mut pending = tasks.into_iter();
-    for i in first_fast..n {
-        let Some(task) = pending.next() else { break };
-        let mut task = std::pin::pin!(task);
-        // Forward progress while waiting for this layer.
-        let joined = loop {
-            tokio::select! {
-                joined = &mut task => break joined,
-                () = tokio::time::sleep(Duration::from_millis(100)) => {
-                    drain(&progress_events, progress);
-                }
+    let mut ready = std::collections::HashMap::new();
+    let mut next = first_fast;
+    'adopt: while next < n {
+        // Forward progress while waiting for the next finished layer.
+        let finished = tokio::select! {
+            finished = done_rx.recv() => finished,
+            () = tokio::time::sleep(Duration::from_millis(100)) => {
+                shared.drain_events(progress);
+                continue;
             }
         };
-        drain(&progress_events, progress);
-        let dir = match joined {
-            Ok(Ok(dir)) => dir,
-            Ok(Err(e)) => {
+        shared.drain_events(progress);
+        match finished {
+            Some((i, Ok(dir))) => {
+                ready.insert(i, dir);
+            }
+            Some((_, Err(e))) => {
                 result = Err(e);
                 break;
             }
-            Err(e) => {
-                result = Err(PullError::Internal(format!("layer task: {e}")));
-                break;
-            }
-        };
-        let key = format!("ferry-pull-{id}-extract-{i}");
-        let mut labels = image::layer_labels(ctx, i);
-        labels.insert(LABEL_STAGED_DIR.to_owned(), dir.display().to_string());
-        match cd.prepare(sn, &key, &parent_of(i), labels).await {
-            Ok(true) => {
-                progress.layer(i, LayerEvent::Done);
-                counts.unpacked += 1;
-            }
-            Ok(false) => {
-                let _ = cd.remove_snapshot(sn, &key).await;
-                result = Err(PullError::StagingUnsupported(sn.to_owned()));
-                break;
-            }
-            Err(e) => {
-                result = Err(e);
+            None => {
+                result = Err(PullError::Internal(
+                    "a layer task ended without a result".into(),
+                ));
                 break;
             }
         }
+        // Adopt, in chain order, every layer whose predecessors are adopted.
+        while let Some(dir) = ready.remove(&next) {
+            let key = format!("ferry-pull-{id}-extract-{next}");
+            let mut labels = image::layer_labels(ctx, next);
+            labels.insert(LABEL_STAGED_DIR.to_owned(), dir.display().to_string());
+            match cd.prepare(sn, &key, &parent_of(next), labels).await {
+                Ok(true) => {
+                    progress.layer(next, LayerEvent::Done);
+                    counts.unpacked += 1;
+                    next += 1;
+                }
+                Ok(false) => {
+                    let _ = cd.remove_snapshot(sn, &key).await;
+                    result = Err(PullError::StagingUnsupported(sn.to_owned()));
+                    break 'adopt;
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break 'adopt;
+                }
+            }
+        }
     }
-    // After a failure, stop the other layers and wait for them to let go of their
-    // staging paths before the guard removes them (an unpack already running on a
-    // blocking thread finishes its current entry and then fails on the removed dir).
-    let rest: Vec<_> = pending.collect();
-    for task in &rest {
-        task.abort();
-    }
-    for task in rest {
-        let _ = task.await;
-    }
-    counts.bytes = downloaded.load(std::sync::atomic::Ordering::Relaxed);
+    // Stop whatever still runs (after a failure), then wait until no unpack thread holds
+    // a slot, i.e. nothing writes into staging any more, before the guard removes the
+    // pull's leftovers.
+    scheduler.abort();
+    let _ = scheduler.await;
+    let slots = u32::try_from(opts.unpack_concurrency).unwrap_or(u32::MAX);
+    let idle = shared.unpackers.acquire_many(slots).await;
+    drop(idle);
+    counts.bytes = shared.downloaded.load(std::sync::atomic::Ordering::Relaxed);
+    counts.peak_buffered = shared.budget.peak();
     drop(guard);
     result.map(|()| counts)
 }
 
-fn drain(events: &std::sync::Mutex<Vec<(usize, LayerEvent)>>, progress: &dyn PullProgress) {
-    let taken = std::mem::take(
-        &mut *events
+/// What the fast path's layer jobs share.
+struct FastPath {
+    client: Client,
+    repo: Repo,
+    /// Range requests in flight, across layers.
+    connections: Arc<Semaphore>,
+    /// Layers being unpacked; a layer downloads only while it holds one (see [`stream`]).
+    unpackers: Arc<Semaphore>,
+    /// Layer bytes held in memory, across layers.
+    budget: Arc<BufferBudget>,
+    chunk_size: u64,
+    limits: UnpackLimits,
+    downloaded: std::sync::atomic::AtomicU64,
+    events: std::sync::Mutex<Vec<(usize, LayerEvent)>>,
+}
+
+impl FastPath {
+    fn event(&self, index: usize, e: LayerEvent) {
+        self.events
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner),
-    );
-    for (i, e) in taken {
-        progress.layer(i, e);
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push((index, e));
+    }
+
+    fn drain_events(&self, progress: &dyn PullProgress) {
+        let taken = std::mem::take(
+            &mut *self
+                .events
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        for (i, e) in taken {
+            progress.layer(i, e);
+        }
     }
 }
 
-/// One layer of the fast path: download (parallel Range requests, digest-verified), then
-/// unpack into its own staging directory and check the diff id.
+/// The order layers start in: largest first (the longest unpack starts earliest, which
+/// shortens the whole), ties in chain order.
+fn start_order(sizes: &[u64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    order
+}
+
+/// Starts each layer job as an unpack slot frees up, in [`start_order`]; each sends its
+/// result on `done`. Aborting this task aborts the jobs it started.
+async fn schedule(
+    shared: Arc<FastPath>,
+    jobs: Vec<LayerJob>,
+    done: tokio::sync::mpsc::UnboundedSender<(usize, Result<PathBuf, PullError>)>,
+) {
+    let sizes: Vec<u64> = jobs.iter().map(|j| j.layer.size).collect();
+    let mut jobs: Vec<Option<LayerJob>> = jobs.into_iter().map(Some).collect();
+    let mut running = tokio::task::JoinSet::new();
+    for at in start_order(&sizes) {
+        let Some(job) = jobs.get_mut(at).and_then(Option::take) else {
+            continue;
+        };
+        let slot = match shared.unpackers.clone().acquire_owned().await {
+            Ok(slot) => slot,
+            Err(e) => {
+                let _ = done.send((job.index, Err(PullError::Internal(e.to_string()))));
+                return;
+            }
+        };
+        let (shared, done) = (shared.clone(), done.clone());
+        running.spawn(async move {
+            let index = job.index;
+            let result = job.run(&shared, slot).await;
+            let _ = done.send((index, result));
+        });
+    }
+    drop(done);
+    while let Some(joined) = running.join_next().await {
+        if let Err(e) = joined {
+            tracing::warn!(error = %e, "layer task failed");
+        }
+    }
+}
+
+/// One layer of the fast path: streamed into its own staging directory (download and
+/// unpack together), then checked against the config's diff id.
 struct LayerJob {
-    client: Client,
-    repo: Repo,
     layer: Descriptor,
     diff_id: String,
     dir: PathBuf,
-    blob: PathBuf,
-    connections: Arc<Semaphore>,
-    unpackers: Arc<Semaphore>,
-    concurrency: usize,
-    chunk_size: u64,
-    limits: UnpackLimits,
-    downloaded: Arc<std::sync::atomic::AtomicU64>,
-    events: Arc<std::sync::Mutex<Vec<(usize, LayerEvent)>>>,
     index: usize,
 }
 
 impl LayerJob {
-    fn event(&self, e: LayerEvent) {
-        self.events
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((self.index, e));
-    }
-
-    async fn run(self) -> Result<PathBuf, PullError> {
+    async fn run(
+        self,
+        shared: &FastPath,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Result<PathBuf, PullError> {
         let compression = media::layer_compression(&self.layer.media_type).ok_or_else(|| {
             PullError::Image(format!("layer media type {:?}", self.layer.media_type))
         })?;
-        // A small layer takes one connection, a large one up to the whole budget.
-        let chunks = self.layer.size.div_ceil(self.chunk_size).max(1);
-        let want = usize::try_from(chunks)
-            .unwrap_or(usize::MAX)
-            .min(self.concurrency);
-        let permits = u32::try_from(want).unwrap_or(1);
-        {
-            let _permits = self
-                .connections
-                .acquire_many(permits)
-                .await
-                .map_err(|e| PullError::Internal(e.to_string()))?;
-            self.event(LayerEvent::Downloading {
+        shared.event(
+            self.index,
+            LayerEvent::Downloading {
                 size: self.layer.size,
-            });
-            let events = self.events.clone();
-            let downloaded = self.downloaded.clone();
-            let index = self.index;
-            let opts = DownloadOptions {
-                concurrency: want,
-                chunk_size: self.chunk_size,
-                progress: Some(Arc::new(move |bytes| {
-                    downloaded.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-                    events
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push((index, LayerEvent::Downloaded { bytes }));
-                })),
-            };
-            self.client
-                .download_blob(
-                    &self.repo,
-                    &self.layer.digest,
-                    self.layer.size,
-                    &self.blob,
-                    &opts,
-                )
-                .await?;
-        }
-        let _unpacker = self
-            .unpackers
-            .acquire()
-            .await
-            .map_err(|e| PullError::Internal(e.to_string()))?;
-        self.event(LayerEvent::Unpacking);
-        let (dir, blob, limits) = (self.dir.clone(), self.blob.clone(), self.limits);
-        let stats =
-            tokio::task::spawn_blocking(move || unpack_into(&blob, compression, &dir, &limits))
-                .await
-                .map_err(|e| PullError::Internal(format!("unpack task: {e}")))?
-                .map_err(|source| PullError::Unpack {
-                    digest: self.layer.digest.clone(),
-                    source,
-                })?;
-        if let Err(e) = std::fs::remove_file(&self.blob) {
-            tracing::warn!(blob = %self.blob.display(), error = %e, "cannot remove downloaded blob");
-        }
+            },
+        );
+        shared.event(self.index, LayerEvent::Unpacking);
+        let source = RegistryPieces::new(
+            shared.client.clone(),
+            shared.repo.clone(),
+            self.layer.digest.clone(),
+        );
+        let spec = LayerStream {
+            digest: self.layer.digest.clone(),
+            size: self.layer.size,
+            compression,
+            dest: self.dir.clone(),
+            chunk_size: shared.chunk_size,
+            limits: shared.limits,
+        };
+        let index = self.index;
+        let on_landed = |bytes: u64| {
+            shared
+                .downloaded
+                .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            shared.event(index, LayerEvent::Downloaded { bytes });
+        };
+        let stats = stream::stream_layer(
+            &source,
+            &spec,
+            &shared.budget,
+            &shared.connections,
+            slot,
+            &on_landed,
+        )
+        .await?;
         if stats.diff_id != self.diff_id {
+            if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove a mismatched layer");
+            }
             return Err(PullError::DiffIdMismatch {
                 digest: self.layer.digest.clone(),
                 expected: self.diff_id.clone(),
                 actual: stats.diff_id,
             });
         }
-        self.event(LayerEvent::Unpacked {
-            entries: stats.entries,
-        });
+        shared.event(
+            self.index,
+            LayerEvent::Unpacked {
+                entries: stats.entries,
+            },
+        );
         Ok(self.dir)
     }
 }
 
-fn unpack_into(
-    blob: &Path,
-    compression: media::LayerCompression,
-    dir: &Path,
-    limits: &UnpackLimits,
-) -> Result<UnpackStats, UnpackError> {
-    std::fs::create_dir(dir).map_err(|source| UnpackError::Io {
-        op: "mkdir",
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    unpack::unpack_layer_file(blob, compression, dir, limits)
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_start_largest_first_ties_in_chain_order() {
+        assert_eq!(start_order(&[49, 94, 136, 153, 1]), vec![3, 2, 1, 0, 4]);
+        assert_eq!(start_order(&[5, 7, 5, 7]), vec![1, 3, 0, 2]);
+        assert!(start_order(&[]).is_empty());
+    }
 }

@@ -13,8 +13,22 @@ use ferry_pull::{LayerEvent, PullOptions, PullProgress};
 use ferry_registry::client::{ClientConfig, Credentials, RegistryConfig};
 use indicatif::{MultiProgress, ProgressBar};
 
+/// How the layers that cannot be lazy are pulled, for `ferry pull --help`.
+const AFTER_HELP: &str = "\
+Layers the snapshotter cannot mount lazily are downloaded and unpacked at the same time:
+each layer's blob is fetched as --chunk-size Range requests (at most --concurrency in
+flight across all layers), and the unpacker consumes the bytes in order while later
+pieces are still arriving. --unpack-concurrency layers stream at once, largest first.
+At most --max-buffer bytes of layer data are held in memory; when the unpackers fall
+behind, downloading waits. Each layer's digest and diff id are checked at the end; a
+mismatch removes what was unpacked and fails the pull.
+
+For a multi-platform image the index becomes the image record's target (as with
+`ctr image pull`), and the manifest for this machine's platform is pulled.";
+
 /// Arguments of `ferry pull`.
 #[derive(Debug, clap::Args)]
+#[command(after_help = AFTER_HELP)]
 pub struct Args {
     /// Image to pull: HOST[:PORT]/REPO[:TAG|@DIGEST].
     image: String,
@@ -38,15 +52,20 @@ pub struct Args {
     /// staging directory).
     #[arg(long, value_name = "DIR", default_value = ferry_snapshotter::server::DEFAULT_ROOT)]
     snapshotter_root: PathBuf,
-    /// Concurrent Range requests across all layers.
+    /// Download concurrency: Range requests in flight across all layers.
     #[arg(long, default_value_t = 10)]
     concurrency: usize,
-    /// Bytes per Range request (suffixes K, M, G).
+    /// Bytes per Range request (suffixes K, M, G; at most 1G).
     #[arg(long, default_value = "16M", value_parser = parse_size)]
     chunk_size: u64,
-    /// Layers unpacked at once (default: the number of CPUs).
+    /// Unpack concurrency: layers downloaded-and-unpacked at once (default: the number of
+    /// CPUs).
     #[arg(long)]
     unpack_concurrency: Option<usize>,
+    /// Most layer bytes held in memory at once, across layers (suffixes K, M, G; at least
+    /// --chunk-size).
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
+    max_buffer: u64,
     /// Registry credentials, user:password.
     #[arg(long, value_name = "USER:PASS")]
     creds: Option<String>,
@@ -116,6 +135,7 @@ pub fn run(args: Args) -> Result<()> {
         unpack_concurrency: args
             .unpack_concurrency
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
+        max_buffer: args.max_buffer,
         limits: UnpackLimits::default(),
     };
     let progress = Arc::new(Bars::new(std::io::stderr().is_terminal()));
@@ -124,8 +144,22 @@ pub fn run(args: Args) -> Result<()> {
         .block_on(ferry_pull::pull(&opts, progress.clone()))
         .with_context(|| format!("ferry pull {}", args.image))?;
     progress.finish();
+    if report.target_digest != report.manifest_digest {
+        eprintln!(
+            "{}: index {} (the image record's target)",
+            report.name, report.target_digest
+        );
+    }
+    let buffered = if report.unpacked > 0 {
+        format!(
+            " (at most {} buffered)",
+            indicatif::HumanBytes(report.peak_buffered)
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "{}: {} layers ({} lazy, {} unpacked, {} already present), {} downloaded, {:.1}s",
+        "{}: {} layers ({} lazy, {} unpacked, {} already present), {} downloaded{buffered}, {:.1}s",
         report.name,
         report.layers,
         report.lazy,
@@ -202,6 +236,8 @@ impl PullProgress for Bars {
             LayerEvent::Present => "present",
             LayerEvent::Lazy => "lazy",
             LayerEvent::Downloading { .. } => "downloading",
+            // Unpacking follows the download as it lands.
+            LayerEvent::Unpacking if self.multi.is_some() => "downloading + unpacking",
             LayerEvent::Downloaded { bytes } => {
                 bar.inc(*bytes);
                 return;

@@ -1048,8 +1048,9 @@ impl Client {
         Ok(self.open_blob(r, digest, range).await?.0)
     }
 
-    /// [`Client::blob_stream`], also saying whether the server honoured the range.
-    pub(crate) async fn open_blob(
+    /// [`Client::blob_stream`], also saying whether the server honoured the range (false:
+    /// the body is the whole blob from its first byte).
+    pub async fn open_blob(
         &self,
         r: &Repo,
         digest: &str,
