@@ -61,6 +61,8 @@ record() { # PHASE (after a run: reads $E2E_TMP/seconds)
         FETCHED[$1]=$(status_sum bytes_fetched)
         SERVED[$1]=$(status_sum bytes_served)
         RSS[$1]=$(mem_of "$DAEMON_PID" | cut -d' ' -f1)
+        # where the RSS sits (anon vs file, threads), for tuning
+        cat "/proc/$DAEMON_PID/status" "/proc/$DAEMON_PID/smaps_rollup" >"$OUT/daemon-mem-$1.txt" 2>/dev/null || true
     fi
     e2e_log "phase $1: first output after $secs s ($(cat "$E2E_TMP/first-line"))"
 }
