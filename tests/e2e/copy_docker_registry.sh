@@ -36,11 +36,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" copy --help >/dev/null 2>&1; then
-    fail "ferry binary without 'copy': $FERRY (set FERRY= or cargo build -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry copy
 
 manifest_digest() {
     jq -r --arg t "$2" '.manifests[] | select(.annotations["org.opencontainers.image.ref.name"] == $t) | .digest' "$1/index.json" | head -1

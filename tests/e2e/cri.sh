@@ -45,11 +45,7 @@ e2e_init
 T_START=$SECONDS
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" snapshotter --help >/dev/null 2>&1; then
-    fail "no ferry binary with the snapshotter command: $FERRY (cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry snapshotter
 
 CRI_CLIENT=$FERRY_ROOT/tests/cri/cri_client.py
 

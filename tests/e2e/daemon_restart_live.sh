@@ -55,11 +55,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" daemon --help >/dev/null 2>&1; then
-    fail "ferry binary with \`daemon\` not found: $FERRY (set FERRY= or cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry daemon
 
 # ---------------------------------------------------------------- helpers
 # mounts_at DIR: how many mounts mountinfo lists at DIR

@@ -41,11 +41,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]]; then
-    fail "ferry binary not found or not executable: $FERRY (set FERRY= or cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry
 
 # ---------------------------------------------------------------- helpers
 sha() { sha256sum <"$1" | cut -d' ' -f1; }

@@ -592,6 +592,15 @@ stop_ferry_snapshotter() {
 }
 
 # ------------------------------------------------------------------ running ferry
+# require_ferry [SUBCOMMAND]: end the script with a FAIL unless $FERRY exists (and runs
+# `SUBCOMMAND --help`); logs which binary runs
+require_ferry() {
+    if [[ ! -x $FERRY ]] || { [[ -n ${1:-} ]] && ! "$FERRY" "$1" --help >/dev/null 2>&1; }; then
+        fail "ferry binary${1:+ with \`$1\`} not found: $FERRY (set FERRY= or cargo build --release -p ferry)"
+        e2e_summary || exit 1
+    fi
+    e2e_log "ferry: $FERRY"
+}
 # fy OUT ERR ARGS...: run $FERRY ARGS with a timeout ($FT, else $FERRY_TIMEOUT, else
 # 120 s), stdout and stderr to files; sets RC (never exits on failure)
 fy() {

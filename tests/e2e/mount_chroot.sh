@@ -41,11 +41,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" mount --help >/dev/null 2>&1; then
-    fail "ferry binary with \`mount\` not found: $FERRY (set FERRY= or cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry mount
 
 # ---------------------------------------------------------------- helpers
 showdiff() { { diff "$1" "$2" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20; } || true; }

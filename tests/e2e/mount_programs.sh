@@ -76,11 +76,7 @@ if [[ ! -f $MEDIUM/index.json ]]; then
         { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --medium failed"; }
     e2e_log "medium image built in $((SECONDS - T_START)) s"
 fi
-if [[ ! -x $FERRY ]] || ! "$FERRY" mount --help >/dev/null 2>&1; then
-    fail "ferry binary with \`mount\` not found: $FERRY (set FERRY= or cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry mount
 
 # ---------------------------------------------------------------- helpers
 showdiff() { { diff "$1" "$2" | grep '^[<>]' | sed 's/^</-/; s/^>/+/' | show /dev/stdin 20; } || true; }

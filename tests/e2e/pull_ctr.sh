@@ -28,10 +28,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" pull --help >/dev/null 2>&1; then
-    fail "no ferry binary with the pull command: $FERRY (cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
+require_ferry pull
 
 start_ferry_snapshotter # SNAP_ROOT, SNAP_SOCK, SNAP_LOG (lib.sh)
 

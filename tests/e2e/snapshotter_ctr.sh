@@ -33,11 +33,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" snapshotter --help >/dev/null 2>&1; then
-    fail "no ferry binary with the snapshotter command: $FERRY (cargo build --release -p ferry)"
-    e2e_summary || exit 1
-fi
-e2e_log "ferry: $FERRY"
+require_ferry snapshotter
 
 # ferry snapshotter: start_ferry_snapshotter / stop_ferry_snapshotter (lib.sh) set
 # SNAP_ROOT, SNAP_SOCK, SNAP_LOG, SNAP_PID; a start waits for a new "serving on" line

@@ -1151,15 +1151,19 @@ mod passthrough_tests {
         out
     }
 
-    /// The real thing: a kernel mount with the file cache. Needs root, /dev/fuse and a
-    /// kernel with FUSE passthrough; skipped (passes) without them.
-    #[test]
-    fn kernel_passthrough_serves_cached_files_and_overlayfs_stacks_on_top() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-            eprintln!("skipped: needs root and /dev/fuse");
-            return;
-        }
+    /// What the root-only kernel tests mount: one gzip layer, merged, with a file cache
+    /// (files of 64 KiB and more) over a temp store. `dir` owns every path.
+    struct KernelMount {
+        files: Vec<(String, Vec<u8>)>,
+        dir: tempfile::TempDir,
+        cache: Arc<FileCache>,
+        fs: FerryFs,
+        mnt: std::path::PathBuf,
+        session: fuser::BackgroundSession,
+    }
+
+    /// Mounts it; `None` (skipped, logged) when the kernel will not mount here.
+    fn kernel_mount_with_file_cache() -> Option<KernelMount> {
         let (blob, index, files) = gzip_layer();
         let digest = ferry_oci::sha256_digest(&blob);
         let desc = ferry_oci::layout::descriptor(LAYER_TAR_GZIP, digest, blob.len() as u64, &[]);
@@ -1192,8 +1196,38 @@ mod passthrough_tests {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("skipped: cannot mount here: {e}");
-                return;
+                return None;
             }
+        };
+        Some(KernelMount {
+            files,
+            dir,
+            cache,
+            fs,
+            mnt,
+            session,
+        })
+    }
+
+    /// The real thing: a kernel mount with the file cache. Needs root, /dev/fuse and a
+    /// kernel with FUSE passthrough; skipped (passes) without them.
+    #[test]
+    fn kernel_passthrough_serves_cached_files_and_overlayfs_stacks_on_top() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
+            eprintln!("skipped: needs root and /dev/fuse");
+            return;
+        }
+        let Some(KernelMount {
+            files,
+            dir,
+            cache,
+            fs,
+            mnt,
+            session,
+        }) = kernel_mount_with_file_cache()
+        else {
+            return;
         };
         let a = mnt.join("a");
         assert_eq!(std::fs::read(&a).unwrap(), files[0].1, "first read");
@@ -1271,40 +1305,16 @@ mod passthrough_tests {
             eprintln!("skipped: needs root and /dev/fuse");
             return;
         }
-        let (blob, index, files) = gzip_layer();
-        let digest = ferry_oci::sha256_digest(&blob);
-        let desc = ferry_oci::layout::descriptor(LAYER_TAR_GZIP, digest, blob.len() as u64, &[]);
-        let source = ImageSource {
-            manifest_digest: "sha256:test".into(),
-            layers: vec![LayerSpec::new(
-                desc,
-                Some(Arc::new(index)),
-                TestBackend::new(blob),
-            )],
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let store = open_store(&dir.path().join("store"));
-        let image = MountedImage::new(
-            source,
-            Some(store.clone()),
-            FetchConfig::default(),
-            &View::Merged,
-        )
-        .unwrap();
-        let config = FileCacheConfig {
-            min_file_bytes: 64 << 10,
-            ..FileCacheConfig::default()
-        };
-        let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
-        let fs = FerryFs::with_file_cache(Arc::new(image), Some(cache.clone()));
-        let mnt = dir.path().join("mnt");
-        std::fs::create_dir(&mnt).unwrap();
-        let session = match mount(fs.clone(), &mnt, &MountOptions::default()) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("skipped: cannot mount here: {e}");
-                return;
-            }
+        let Some(KernelMount {
+            files,
+            dir: _dir,
+            cache,
+            fs,
+            mnt,
+            session,
+        }) = kernel_mount_with_file_cache()
+        else {
+            return;
         };
         let (a, b) = (mnt.join("a"), mnt.join("b"));
         assert_eq!(std::fs::read(&a).unwrap(), files[0].1);
