@@ -844,3 +844,45 @@ fn a_read_inside_spans_stored_by_an_earlier_pass_needs_no_window_fetch() {
     assert_eq!(rig.spans.calls.load(Ordering::SeqCst), span_calls);
     assert_eq!(rig.windows.calls.load(Ordering::SeqCst), window_calls);
 }
+
+#[test]
+fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound() {
+    // eStargz: the format reader asks for a whole chunk on every read inside it; a file
+    // read in many small reads must not fetch that chunk each time.
+    let backend = TestBackend::new(noise(4 << 20, 9));
+    let stats = Arc::new(MountStats::default());
+    let source = LayerSource::passthrough(
+        backend.clone(),
+        Limiter::new(2),
+        FetchConfig::default(),
+        stats.clone(),
+    );
+    for _ in 0..5 {
+        assert_eq!(
+            source.read_range(1000..901_000).unwrap(),
+            &backend.blob[1000..901_000]
+        );
+    }
+    assert_eq!(backend.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.snapshot().cache_hits, 4);
+    // Past the bound, ranges are fetched per read again (memory stays bounded).
+    let big = TestBackend::new(noise((MAX_HELD_READ_BYTES + (2 << 20)) as usize, 10));
+    let source = LayerSource::passthrough(
+        big.clone(),
+        Limiter::new(2),
+        FetchConfig::default(),
+        Arc::new(MountStats::default()),
+    );
+    let whole = 0..MAX_HELD_READ_BYTES;
+    source.read_range(whole.clone()).unwrap();
+    let tail = MAX_HELD_READ_BYTES..MAX_HELD_READ_BYTES + (1 << 20);
+    source.read_range(tail.clone()).unwrap();
+    source.read_range(tail).unwrap();
+    assert_eq!(big.calls.load(Ordering::SeqCst), 3, "the tail is not held");
+    source.read_range(whole).unwrap();
+    assert_eq!(
+        big.calls.load(Ordering::SeqCst),
+        3,
+        "the first range is held"
+    );
+}
