@@ -187,7 +187,15 @@ pub fn unpack_layer<R: Read>(
 struct DirMeta {
     path: PathBuf,
     mode: u32,
-    mtime: u64,
+    mtime: Mtime,
+}
+
+/// A modification time: whole seconds from the tar header, nanoseconds from a PAX
+/// `mtime` record when the layer has one (overlayfs unpacks keep them, so must we).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mtime {
+    secs: u64,
+    nanos: u32,
 }
 
 struct Unpacker<'a> {
@@ -273,6 +281,7 @@ impl Unpacker<'_> {
         }
         let raw_path = entry.path_bytes().into_owned();
         let shown = String::from_utf8_lossy(&raw_path).into_owned();
+        let pax_mtime = pax_mtime(&mut entry);
         let unsafe_entry = |reason: String| UnpackError::Unsafe {
             path: shown.clone(),
             reason,
@@ -281,7 +290,7 @@ impl Unpacker<'_> {
         let Some((name, parents)) = parts.split_last() else {
             // The layer's root directory ("./"): its metadata applies to dest itself.
             if kind == tar::EntryType::Directory {
-                let (mode, mtime) = header_mode_mtime(entry.header(), &shown)?;
+                let (mode, mtime) = header_mode_mtime(entry.header(), &shown, pax_mtime)?;
                 self.set_owner(entry.header(), self.dest)?;
                 self.dirs.push(DirMeta {
                     path: self.dest.to_path_buf(),
@@ -310,7 +319,7 @@ impl Unpacker<'_> {
         }
         let path = parent.join(name);
         let header = entry.header().clone();
-        let (mode, mtime) = header_mode_mtime(&header, &shown)?;
+        let (mode, mtime) = header_mode_mtime(&header, &shown, pax_mtime)?;
         match kind {
             tar::EntryType::Directory => {
                 match lstat(&path).map_err(io_err("stat", &path))? {
@@ -557,14 +566,58 @@ impl Unpacker<'_> {
     }
 }
 
-fn header_mode_mtime(header: &tar::Header, shown: &str) -> Result<(u32, u64), UnpackError> {
+fn header_mode_mtime(
+    header: &tar::Header,
+    shown: &str,
+    pax_mtime: Option<Mtime>,
+) -> Result<(u32, Mtime), UnpackError> {
     let mode = header
         .mode()
         .map_err(|e| UnpackError::Format(format!("{shown}: mode: {e}")))?;
-    let mtime = header
-        .mtime()
-        .map_err(|e| UnpackError::Format(format!("{shown}: mtime: {e}")))?;
+    let mtime = match pax_mtime {
+        Some(m) => m,
+        None => Mtime {
+            secs: header
+                .mtime()
+                .map_err(|e| UnpackError::Format(format!("{shown}: mtime: {e}")))?,
+            nanos: 0,
+        },
+    };
     Ok((mode & 0o7777, mtime))
+}
+
+/// The entry's PAX `mtime` record, if it has a well-formed one (`SECS[.FRACTION]`); an
+/// unreadable or malformed record falls back to the header's whole seconds.
+fn pax_mtime<R: Read>(entry: &mut tar::Entry<'_, R>) -> Option<Mtime> {
+    let extensions = entry.pax_extensions().ok()??;
+    for ext in extensions {
+        let Ok(ext) = ext else { continue };
+        if ext.key_bytes() == b"mtime" {
+            return parse_pax_time(ext.value_bytes());
+        }
+    }
+    None
+}
+
+/// Parses a PAX time such as `1700000000.123456789` (at most nanosecond precision is
+/// kept; times before 1970 are refused).
+fn parse_pax_time(value: &[u8]) -> Option<Mtime> {
+    let text = std::str::from_utf8(value).ok()?;
+    let (secs, frac) = text.split_once('.').unwrap_or((text, ""));
+    if secs.is_empty() || !secs.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    if !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let secs: u64 = secs.parse().ok()?;
+    let digits: String = frac.chars().take(9).collect();
+    let nanos = if digits.is_empty() {
+        0
+    } else {
+        digits.parse::<u32>().ok()? * 10u32.pow(9 - digits.len() as u32)
+    };
+    Some(Mtime { secs, nanos })
 }
 
 fn make_dir(path: &Path) -> Result<(), UnpackError> {
@@ -603,17 +656,18 @@ fn chmod(path: &Path, mode: u32) -> Result<(), UnpackError> {
         .map_err(io_err("chmod", path))
 }
 
-fn set_mtime(path: &Path, mtime: u64) -> Result<(), UnpackError> {
+fn set_mtime(path: &Path, mtime: Mtime) -> Result<(), UnpackError> {
     let c = cstring(path)?;
-    let secs = libc::time_t::try_from(mtime).unwrap_or(libc::time_t::MAX);
+    let secs = libc::time_t::try_from(mtime.secs).unwrap_or(libc::time_t::MAX);
+    let nanos = libc::c_long::from(mtime.nanos.min(999_999_999));
     let times = [
         libc::timespec {
             tv_sec: secs,
-            tv_nsec: 0,
+            tv_nsec: nanos,
         },
         libc::timespec {
             tv_sec: secs,
-            tv_nsec: 0,
+            tv_nsec: nanos,
         },
     ];
     // SAFETY: c is a valid path and times points to two timespecs.

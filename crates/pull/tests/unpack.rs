@@ -428,3 +428,43 @@ fn a_directory_replaced_by_a_symlink_does_not_redirect_its_chmod() {
     let mode = std::fs::metadata(&outside).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o755, "the symlink's target kept its mode");
 }
+
+/// GNU tar and Docker write sub-second mtimes in a PAX `mtime` record; containerd's
+/// overlayfs unpack keeps them, and a staged layer must look the same.
+#[test]
+fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_fall_back_to_the_header() {
+    let dest = tempfile::tempdir().unwrap();
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut add = |name: &str, pax: Option<&[u8]>| {
+        if let Some(value) = pax {
+            builder.append_pax_extensions([("mtime", value)]).unwrap();
+        }
+        let mut h = tar::Header::new_ustar();
+        h.set_path(name).unwrap();
+        h.set_size(1);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_600_000_000);
+        h.set_cksum();
+        builder.append(&h, &b"x"[..]).unwrap();
+    };
+    add("precise", Some(b"1700000000.123456789".as_slice()));
+    add("short", Some(b"1700000001.5".as_slice()));
+    add("long", Some(b"1700000002.1234567891234".as_slice()));
+    add("whole", Some(b"1700000003".as_slice()));
+    add("garbage", Some(b"-12.x".as_slice()));
+    add("plain", None);
+    let tar = builder.into_inner().unwrap();
+    unpack(&tar, dest.path()).unwrap();
+    let mtime = |name: &str| {
+        let m = std::fs::metadata(dest.path().join(name)).unwrap();
+        (m.mtime(), m.mtime_nsec())
+    };
+    assert_eq!(mtime("precise"), (1_700_000_000, 123_456_789));
+    assert_eq!(mtime("short"), (1_700_000_001, 500_000_000));
+    assert_eq!(mtime("long"), (1_700_000_002, 123_456_789));
+    assert_eq!(mtime("whole"), (1_700_000_003, 0));
+    assert_eq!(mtime("garbage"), (1_600_000_000, 0));
+    assert_eq!(mtime("plain"), (1_600_000_000, 0));
+}
