@@ -561,18 +561,7 @@ impl MountManager {
                 source.manifest_digest, record.info.manifest_digest
             )));
         }
-        let view = match &record.info.layer {
-            Some(d) => View::Layer(d.clone()),
-            None => View::Merged,
-        };
-        let mut image = MountedImage::new(
-            source,
-            Some(self.store.clone()),
-            self.config.fetch_config(),
-            &view,
-        )?;
-        image.trace = self.trace_for(&record.info.image, &image.manifest_digest);
-        let image = Arc::new(image);
+        let image = self.mounted_image(&record.info.image, record.info.layer.as_deref(), source)?;
         record.generation = record.generation.checked_add(1).unwrap_or(1);
         let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone())
             .resumed(record.generation);
@@ -605,6 +594,28 @@ impl MountManager {
             },
         );
         Ok(())
+    }
+
+    /// The image a mount serves: `layer` alone or the merged view, over the node store,
+    /// with the image's startup trace (fresh mounts and resumed connections alike).
+    fn mounted_image(
+        &self,
+        image: &str,
+        layer: Option<&str>,
+        source: ImageSource,
+    ) -> Result<Arc<MountedImage>> {
+        let view = match layer {
+            Some(d) => View::Layer(d.to_string()),
+            None => View::Merged,
+        };
+        let mut mounted = MountedImage::new(
+            source,
+            Some(self.store.clone()),
+            self.config.fetch_config(),
+            &view,
+        )?;
+        mounted.trace = self.trace_for(image, &mounted.manifest_digest);
+        Ok(Arc::new(mounted))
     }
 
     fn mount_options(&self, image: &MountedImage) -> MountOptions {
@@ -716,18 +727,7 @@ impl MountManager {
             )));
         }
         let source = self.source_for(&request.image, request.layer.as_deref())?;
-        let view = match &request.layer {
-            Some(d) => View::Layer(d.clone()),
-            None => View::Merged,
-        };
-        let mut image = MountedImage::new(
-            source,
-            Some(self.store.clone()),
-            self.config.fetch_config(),
-            &view,
-        )?;
-        image.trace = self.trace_for(&request.image, &image.manifest_digest);
-        let image = Arc::new(image);
+        let image = self.mounted_image(&request.image, request.layer.as_deref(), source)?;
         let opts = self.mount_options(&image);
         let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone());
         let info = MountInfo {
