@@ -193,6 +193,10 @@ struct Node {
     authorization: Option<HeaderValue>,
     authenticated: bool,
     backoff: bool,
+    /// Whether the last response was counted in the report. A layer request is
+    /// counted with its final response, not by a second look at the clock that
+    /// could fall just past the window and make the totals disagree by one.
+    last_response_counted: bool,
 }
 
 impl Node {
@@ -208,6 +212,7 @@ impl Node {
             authorization: None,
             authenticated: false,
             backoff: false,
+            last_response_counted: false,
         }
     }
 
@@ -267,7 +272,8 @@ impl Node {
     }
 
     fn record_response(&mut self, kind: RequestKind, r: &Resp, error: Option<ErrorClass>) {
-        if self.shared.in_window(Instant::now()) {
+        self.last_response_counted = self.shared.in_window(Instant::now());
+        if self.last_response_counted {
             self.shared.stats.response(kind, r.latency, r.bytes, error);
         }
         if matches!(error, Some(ErrorClass::Auth)) {
@@ -598,7 +604,7 @@ impl Node {
             };
             match r {
                 Ok(()) => {
-                    if self.shared.in_window(Instant::now()) {
+                    if self.last_response_counted {
                         self.shared.stats.layers_ok.fetch_add(1, Ordering::Relaxed);
                     }
                 }
