@@ -84,9 +84,7 @@ fi
 # ---------------------------------------------------------------- images
 echo "# setup: registry with the indexed small image and a pause image"
 IMG=$E2E_TMP/img
-cp -a "$SMALL" "$IMG"
-"$FERRY" index --min-layer-size 0 --span 65536 "oci:$IMG:small" >"$E2E_TMP/index.log" 2>&1 ||
-    { show "$E2E_TMP/index.log"; e2e_die "ferry index failed"; }
+indexed_small "$IMG"
 REF_TREE=$E2E_TMP/small-tree
 oci_extract "$SMALL" small "$REF_TREE"
 PAUSE_ROOT=$E2E_TMP/pause-root

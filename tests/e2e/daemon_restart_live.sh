@@ -100,15 +100,7 @@ plain_log() { sed 's/\x1b\[[0-9;]*m//g' "$E2E_TMP/daemon.log"; }
 
 # ---------------------------------------------------------------- setup
 echo "# setup: indexed small image in a ferry registry, reference tree"
-IMG=$E2E_TMP/img
-cp -a "$SMALL" "$IMG"
-fy "$E2E_TMP/index.out" "$E2E_TMP/index.err" index --min-layer-size 0 --span 65536 "oci:$IMG:small"
-[[ $RC == 0 ]] || { show "$E2E_TMP/index.err"; e2e_die "ferry index failed"; }
-: >"$E2E_TMP/reg.toml"
-start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
-IMAGE=$REG_ADDR/e2e/small:v1
-fy "$E2E_TMP/cp.out" "$E2E_TMP/cp.err" copy "oci:$IMG:small" "$IMAGE"
-[[ $RC == 0 ]] || { show "$E2E_TMP/cp.err"; e2e_die "ferry copy to $IMAGE failed"; }
+publish_indexed_small e2e/small:v1 # IMG, REG_ADDR, IMAGE
 REF=$E2E_TMP/ref
 oci_extract "$SMALL" small "$REF"
 

@@ -389,6 +389,27 @@ small_image() {
         { tail -20 "$E2E_TMP/make-image.log"; e2e_die "bench/make-image.sh --small failed"; }
 }
 
+# indexed_small DIR: a copy of $SMALL (small_image first) at DIR with every layer
+# indexed in 64 KiB spans (`ferry index --min-layer-size 0 --span 65536`), so a small
+# read fetches little; dies on failure
+indexed_small() {
+    cp -a "$SMALL" "$1"
+    fy "$E2E_TMP/index.out" "$E2E_TMP/index.err" index --min-layer-size 0 --span 65536 "oci:$1:small"
+    [[ $RC == 0 ]] || { show "$E2E_TMP/index.err"; e2e_die "ferry index of $1 failed (exit $RC)"; }
+}
+# publish_indexed_small REPO:TAG: IMG=$E2E_TMP/img (indexed_small), a fresh ferry
+# registry `reg` (REG_ADDR…) and IMG copied to it as IMAGE=$REG_ADDR/REPO:TAG; dies on
+# failure
+publish_indexed_small() {
+    IMG=$E2E_TMP/img
+    indexed_small "$IMG"
+    : >"$E2E_TMP/reg.toml"
+    start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
+    IMAGE=$REG_ADDR/$1
+    fy "$E2E_TMP/cp.out" "$E2E_TMP/cp.err" copy "oci:$IMG:small" "$IMAGE"
+    [[ $RC == 0 ]] || { show "$E2E_TMP/cp.err"; e2e_die "ferry copy to $IMAGE failed"; }
+}
+
 # ------------------------------------------------------------------ registries under test
 # (used by registry_clients.sh / registry_badinput.sh)
 #
@@ -583,6 +604,33 @@ start_ferry_snapshotter() {
 # name $SNAP_SOCK and $SNAP_ROOT (write it after snap_paths)
 start_ferry_daemon() {
     _snap_start "ferry daemon" daemon --config "$1"
+}
+# lazy_snapshotter_daemon [EXTRA_TOML]: snap_paths, then `ferry daemon` serving the
+# snapshotter at $SNAP_SOCK/$SNAP_ROOT with store $E2E_TMP/store, control socket
+# CTL_SOCK=$E2E_TMP/run/daemon.sock and warm-up off (what a start fetches is what it
+# read), config in DAEMON_CONFIG=$E2E_TMP/daemon.toml; EXTRA_TOML (whole sections, e.g.
+# [fetch]) goes first. Started with start_ferry_daemon.
+lazy_snapshotter_daemon() {
+    snap_paths
+    CTL_SOCK=$E2E_TMP/run/daemon.sock
+    DAEMON_CONFIG=$E2E_TMP/daemon.toml
+    cat >"$DAEMON_CONFIG" <<EOF
+[store]
+path = "$E2E_TMP/store"
+${1:-}
+[warm]
+prefetch = false
+background_fill = false
+
+[control]
+socket = "$CTL_SOCK"
+
+[snapshotter]
+enabled = true
+socket = "$SNAP_SOCK"
+root = "$SNAP_ROOT"
+EOF
+    start_ferry_daemon "$DAEMON_CONFIG"
 }
 stop_ferry_snapshotter() {
     [[ -n ${SNAP_PID:-} ]] || return 0

@@ -121,9 +121,7 @@ ESGZ_META=(/stargz.index.json /.no.prefetch.landmark /.prefetch.landmark)
 # ---------------------------------------------------------------- setup
 # the indexed form: a copy of the layout, every layer indexed
 IMG=$E2E_TMP/indexed
-cp -a "$SMALL" "$IMG"
-fy "$E2E_TMP/index.out" "$E2E_TMP/index.err" index --min-layer-size 0 --span 65536 "oci:$IMG:small"
-[[ $RC == 0 ]] || { show "$E2E_TMP/index.err"; e2e_die "ferry index failed (exit $RC)"; }
+indexed_small "$IMG"
 
 : >"$E2E_TMP/reg.toml"
 start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
@@ -138,26 +136,7 @@ push_oci "$SMALL" small formats/plain:v1 || e2e_die "skopeo push of the plain im
 fy "$E2E_TMP/copy.out" "$E2E_TMP/copy.err" copy --plain-http "oci:$IMG:small" "$INDEXED_REF"
 [[ $RC == 0 ]] || { show "$E2E_TMP/copy.err"; e2e_die "ferry copy of the indexed image failed (exit $RC)"; }
 
-snap_paths
-CTL_SOCK=$E2E_TMP/run/daemon.sock
-DAEMON_CONFIG=$E2E_TMP/daemon.toml
-cat >"$DAEMON_CONFIG" <<EOF
-[store]
-path = "$E2E_TMP/store"
-
-[warm]
-prefetch = false
-background_fill = false
-
-[control]
-socket = "$CTL_SOCK"
-
-[snapshotter]
-enabled = true
-socket = "$SNAP_SOCK"
-root = "$SNAP_ROOT"
-EOF
-start_ferry_daemon "$DAEMON_CONFIG"
+lazy_snapshotter_daemon # CTL_SOCK, DAEMON_CONFIG, SNAP_SOCK (lib.sh)
 start_containerd_with_snapshotter ferry "$SNAP_SOCK"
 
 # the eStargz form: ctr-remote converts the plain image inside our containerd

@@ -101,9 +101,7 @@ remove_container() {
 
 # ---------------------------------------------------------------- setup
 IMG=$E2E_TMP/img
-cp -a "$SMALL" "$IMG"
-"$FERRY" index --min-layer-size 0 --span 65536 "oci:$IMG:small" >"$E2E_TMP/index.log" 2>&1 ||
-    { cat "$E2E_TMP/index.log"; e2e_die "ferry index failed"; }
+indexed_small "$IMG"
 TREE=$E2E_TMP/tree
 oci_extract "$SMALL" small "$TREE"
 NUMBERS=/data/sub/dir/numbers.txt
@@ -138,29 +136,8 @@ OTHER_REF=$REG/faults/other:v1
 { "$FERRY" copy "oci:$IMG:small" "$REF" && "$FERRY" copy "oci:$E2E_TMP/other:other" "$OTHER_REF"; } >"$E2E_TMP/copy.log" 2>&1 ||
     { cat "$E2E_TMP/copy.log"; e2e_die "ferry copy to the registry failed"; }
 
-snap_paths
-CTL_SOCK=$E2E_TMP/run/daemon.sock
-DAEMON_CONFIG=$E2E_TMP/daemon.toml
-cat >"$DAEMON_CONFIG" <<EOF
-[store]
-path = "$E2E_TMP/store"
-
-[fetch]
-timeout = "${FETCH_TIMEOUT}s"
-
-[warm]
-prefetch = false
-background_fill = false
-
-[control]
-socket = "$CTL_SOCK"
-
-[snapshotter]
-enabled = true
-socket = "$SNAP_SOCK"
-root = "$SNAP_ROOT"
-EOF
-start_ferry_daemon "$DAEMON_CONFIG"
+# CTL_SOCK, DAEMON_CONFIG, SNAP_SOCK (lib.sh); uncached reads fail after FETCH_TIMEOUT
+lazy_snapshotter_daemon "$(printf '[fetch]\ntimeout = "%ss"\n' "$FETCH_TIMEOUT")"
 start_containerd_with_snapshotter ferry "$SNAP_SOCK"
 
 # fpull REF: ferry pull into our containerd; output in PULL_OUT, exit in PULL_RC
