@@ -93,6 +93,12 @@ pub struct FuseSection {
     pub keep_connections: bool,
     /// The holder's socket; `None`: `fdstore.sock` beside the control socket.
     pub holder_socket: Option<PathBuf>,
+    /// Memory for recently inflated spans, shared by every mount (`"16M"`; 0: off): a
+    /// read inside a span inflated moments ago copies instead of inflating it again,
+    /// which is most reads of a start that opens many small neighbouring files. Given
+    /// back when idle (within 10 s).
+    #[serde(with = "size_text")]
+    pub inflated_cache: u64,
 }
 
 impl Default for FuseSection {
@@ -102,6 +108,7 @@ impl Default for FuseSection {
             allow_other: true,
             keep_connections: true,
             holder_socket: None,
+            inflated_cache: ferry_fs::image::DEFAULT_INFLATED_SPANS_BYTES as u64,
         }
     }
 }

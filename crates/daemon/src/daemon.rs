@@ -112,6 +112,12 @@ impl Daemon {
     ) -> Result<()> {
         config.validate()?;
         keep_big_buffers_out_of_the_heap();
+        let inflated_cache = usize::try_from(config.fuse.inflated_cache).unwrap_or(usize::MAX);
+        if !ferry_fs::configure_inflated_spans(inflated_cache) {
+            tracing::warn!("the inflated-span cache was in use before the daemon set its size");
+        }
+        // Give the cache's memory back once a burst of reads is over.
+        ferry_fs::release_idle_inflated_spans();
         let store_path = config.store_path();
         let control_socket = config.control_socket();
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -21,6 +21,7 @@ use std::sync::Arc;
 pub(crate) use blob_body::collect_body;
 use ferry_index::estargz::EstargzLayer;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
+use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{FileSource, RangeSource};
@@ -490,6 +491,46 @@ impl MountedImage {
     }
 }
 
+/// Default bound of the process's inflated-span cache ([`inflated_spans`]).
+pub const DEFAULT_INFLATED_SPANS_BYTES: usize = 16 << 20;
+
+static INFLATED_SPANS: std::sync::OnceLock<Arc<InflatedSpans>> = std::sync::OnceLock::new();
+
+/// The process's cache of recently inflated spans, shared by every mount's indexed gzip
+/// layers (see [`ferry_index::inflated`]): bounded memory that spares a start the
+/// repeated inflating of spans whose neighbouring files it reads one after another.
+/// Whoever keeps mounts should tick [`InflatedSpans::release_idle`] every few seconds.
+pub fn inflated_spans() -> &'static Arc<InflatedSpans> {
+    INFLATED_SPANS.get_or_init(|| InflatedSpans::new(DEFAULT_INFLATED_SPANS_BYTES))
+}
+
+/// Sets the bound of [`inflated_spans`] (0: off). Only before the first mount: false
+/// (and no change) once the cache exists.
+pub fn configure_inflated_spans(max_bytes: usize) -> bool {
+    INFLATED_SPANS.set(InflatedSpans::new(max_bytes)).is_ok()
+}
+
+/// How often [`release_idle_inflated_spans`] drops what was not used since its last
+/// tick: a burst's memory is back within two ticks of its end.
+pub const INFLATED_IDLE_TICK: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Starts a thread that ticks [`InflatedSpans::release_idle`] of [`inflated_spans`]
+/// every [`INFLATED_IDLE_TICK`] for the life of the process; for processes that keep
+/// mounts (the daemon, `ferry mount`).
+pub fn release_idle_inflated_spans() {
+    let spawned = std::thread::Builder::new()
+        .name("ferry-inflated-idle".into())
+        .spawn(|| {
+            loop {
+                std::thread::sleep(INFLATED_IDLE_TICK);
+                inflated_spans().release_idle();
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the inflated-span cache's idle release; it stays at most full");
+    }
+}
+
 /// The reader of one layer, wired through the device and cache layers, and its
 /// device-level source when it has one.
 fn layer_reader(
@@ -533,7 +574,8 @@ fn layer_reader(
         }
         let source = Arc::new(source);
         let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
-            .with_windows(source.clone());
+            .with_windows(source.clone())
+            .with_inflated_cache(inflated_spans().clone());
         return Ok((reader, Some(source)));
     }
     let toc = layer

@@ -16,7 +16,8 @@
 //! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range).
 //!
 //! It must not parse layer formats (that is `ferry-index`) or keep per-mount copies of
-//! data (the chunk store is node-wide).
+//! data (the chunk store is node-wide; the only bytes held in memory are the process's
+//! small, idle-released cache of inflated spans, [`image::inflated_spans`]).
 
 pub mod device;
 pub mod error;
@@ -35,7 +36,10 @@ pub use filecache::{FileCache, FileCacheConfig, FileCacheSnapshot, FileKey};
 pub use fuse::{
     FerryFs, MountOptions, block_stop_signals, is_mounted, mount, mount_foreground, unmount,
 };
-pub use image::{ImageSource, LayerSpec, MountedImage, View, find_trace, registry_manifest};
+pub use image::{
+    ImageSource, LayerSpec, MountedImage, View, configure_inflated_spans, find_trace,
+    inflated_spans, registry_manifest, release_idle_inflated_spans,
+};
 pub use stats::{MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
 pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};

@@ -18,6 +18,7 @@ pub mod estargz;
 pub mod ferryidx;
 pub mod image;
 pub mod indexer;
+pub mod inflated;
 pub mod merged;
 pub mod pack;
 pub mod reader;

@@ -17,6 +17,7 @@ use crate::entry::{Entry, EntryKind};
 use crate::error::{Error, Result};
 use crate::estargz::EstargzLayer;
 use crate::ferryidx::{Compression, LayerIndex};
+use crate::inflated::{InflatedSpans, LayerKey};
 use crate::source::RangeSource;
 use crate::windows::WindowSource;
 
@@ -50,6 +51,8 @@ pub struct LayerReader {
     source: Arc<dyn RangeSource>,
     /// Where the windows of a version-2 index come from.
     windows: Option<Arc<dyn WindowSource>>,
+    /// Recently inflated spans, shared with other readers (indexed gzip layers only).
+    inflated: Option<(Arc<InflatedSpans>, LayerKey)>,
 }
 
 impl std::fmt::Debug for LayerReader {
@@ -67,6 +70,7 @@ impl LayerReader {
             format,
             source,
             windows: None,
+            inflated: None,
         }
     }
 
@@ -107,7 +111,21 @@ impl LayerReader {
             },
             source,
             windows: None,
+            inflated: None,
         })
+    }
+
+    /// Keeps the spans this reader inflates in `cache` (shared with other readers, under
+    /// a key of this reader's own), so reads inside a span inflated moments ago copy
+    /// instead of inflating again. Only an indexed gzip layer uses it.
+    pub fn with_inflated_cache(mut self, cache: Arc<InflatedSpans>) -> Self {
+        if let LayerFormat::Indexed(index) = &self.format
+            && index.compression == Compression::Gzip
+        {
+            let key = cache.new_key();
+            self.inflated = Some((cache, key));
+        }
+        self
     }
 
     /// Short name of the format, for `ferry inspect`.
@@ -154,10 +172,11 @@ impl LayerReader {
         let buf = &mut buf[..len];
         match &self.format {
             LayerFormat::Indexed(index) => {
-                read_indexed(
+                read_indexed_with(
                     index,
                     self.source.as_ref(),
                     self.windows.as_deref(),
+                    self.inflated.as_ref().map(|(c, k)| (c.as_ref(), k)),
                     entry.offset + off,
                     buf,
                 )?;
@@ -231,55 +250,181 @@ pub fn read_indexed(
     u: u64,
     out: &mut [u8],
 ) -> Result<()> {
+    read_indexed_with(index, source, windows, None, u, out)
+}
+
+/// Reads of at most this many bytes go through the inflated-span cache; larger ones
+/// (whole-file copies) stream past it in [`MAX_PASS`] passes and would only flush it.
+const CACHED_READ_MAX: u64 = 1 << 20;
+
+/// [`read_indexed`], with spans kept inflated in `cache` (gzip layers, reads up to
+/// [`CACHED_READ_MAX`]): a read inside a cached span copies, and a miss inflates whole
+/// spans (to the end of the last one the read touches) and keeps them.
+fn read_indexed_with(
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    cache: Option<(&InflatedSpans, &LayerKey)>,
+    u: u64,
+    out: &mut [u8],
+) -> Result<()> {
+    let cache = cache
+        .filter(|_| index.compression == Compression::Gzip && out.len() as u64 <= CACHED_READ_MAX);
+    let want_end = u + out.len() as u64;
     let mut done = 0usize;
     while done < out.len() {
         let pos = u + done as u64;
-        let first = index.span_for(pos).ok_or_else(|| {
+        let k = index.span_for(pos).ok_or_else(|| {
             Error::Index(format!(
                 "offset {pos} is outside the layer's {} bytes",
                 index.uncompressed_size
             ))
         })?;
-        let first = local_start(index, windows, first, pos);
-        // Take spans until the pass covers what is left or reaches MAX_PASS.
-        let want_end = u + out.len() as u64;
-        let mut last = first;
-        while let Some(next) = index.checkpoints.get(last + 1) {
-            if next.out_offset >= want_end
-                || next.out_offset - index.checkpoints[first].out_offset >= MAX_PASS
-            {
-                break;
-            }
-            last += 1;
-        }
-        let pass_end = index
-            .checkpoints
-            .get(last + 1)
-            .map(|c| c.out_offset)
-            .unwrap_or(index.uncompressed_size);
-        let take = (want_end.min(pass_end) - pos) as usize;
-        let range = spans_range(index, first, last)
-            .ok_or_else(|| Error::Index("span outside the index".into()))?;
-        let cp = &index.checkpoints[first];
-        let (data, window) = fetch_span_and_window(source, windows, range.clone(), first, cp)?;
-        verify_spans(index, first, last, range.start, &data)?;
-        let dst = &mut out[done..done + take];
-        match index.compression {
-            Compression::Gzip => {
-                let window = window.as_deref().unwrap_or(&cp.window_deflate);
-                crate::zran::extract_with_window(cp, window, &data, pos - cp.out_offset, dst)?
-            }
-            Compression::None => {
-                let skip = (pos - cp.out_offset) as usize;
-                let src = data
-                    .get(skip..skip + take)
-                    .ok_or_else(|| Error::Index("plain span too short".into()))?;
-                dst.copy_from_slice(src);
-            }
-        }
-        done += take;
+        let dst = &mut out[done..];
+        let cached = match cache {
+            Some((c, key)) => cached_pass(index, source, windows, (c, key), k, pos, want_end, dst)?,
+            None => None,
+        };
+        done += match cached {
+            Some(n) => n,
+            None => plain_pass(index, source, windows, k, pos, want_end, dst)?,
+        };
     }
     Ok(())
+}
+
+/// Where span `k`'s uncompressed bytes end.
+fn span_out_end(index: &LayerIndex, k: usize) -> u64 {
+    index
+        .checkpoints
+        .get(k + 1)
+        .map(|c| c.out_offset)
+        .unwrap_or(index.uncompressed_size)
+}
+
+/// One pass without the cache: spans from span `k` (or an earlier local start) on, up
+/// to [`MAX_PASS`] or the read's end; fills the start of `dst` (the read from `pos` on)
+/// and returns how many bytes it filled.
+fn plain_pass(
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    k: usize,
+    pos: u64,
+    want_end: u64,
+    dst: &mut [u8],
+) -> Result<usize> {
+    let first = local_start(index, windows, k, pos);
+    // Take spans until the pass covers what is left or reaches MAX_PASS.
+    let mut last = first;
+    while let Some(next) = index.checkpoints.get(last + 1) {
+        if next.out_offset >= want_end
+            || next.out_offset - index.checkpoints[first].out_offset >= MAX_PASS
+        {
+            break;
+        }
+        last += 1;
+    }
+    let take = (want_end.min(span_out_end(index, last)) - pos) as usize;
+    let dst = dst
+        .get_mut(..take)
+        .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?;
+    inflate_spans(index, source, windows, first, last, pos, dst)?;
+    Ok(take)
+}
+
+/// One pass through the cache: copies from span `k` when it is cached; otherwise
+/// inflates spans `k..=last` whole (the last one the read touches; from an earlier local
+/// start if [`local_start`] says so), keeps them and copies. `None` when a span is too
+/// large to keep (the caller reads without the cache).
+#[allow(clippy::too_many_arguments)]
+fn cached_pass(
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    (cache, key): (&InflatedSpans, &LayerKey),
+    k: usize,
+    pos: u64,
+    want_end: u64,
+    dst: &mut [u8],
+) -> Result<Option<usize>> {
+    let span_start = index.checkpoints[k].out_offset;
+    if let Some(bytes) = cache.get(key, k) {
+        let from = (pos - span_start) as usize;
+        let take = (want_end.min(span_out_end(index, k)) - pos) as usize;
+        let src = bytes
+            .get(from..from + take)
+            .ok_or_else(|| Error::Index("cached span shorter than its index entry".into()))?;
+        dst.get_mut(..take)
+            .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?
+            .copy_from_slice(src);
+        return Ok(Some(take));
+    }
+    let mut last = k;
+    while index
+        .checkpoints
+        .get(last + 1)
+        .is_some_and(|next| next.out_offset < want_end)
+    {
+        last += 1;
+    }
+    if (k..=last).any(|j| !cache.admits(span_out_end(index, j) - index.checkpoints[j].out_offset)) {
+        return Ok(None);
+    }
+    let first = local_start(index, windows, k, pos);
+    let from = index.checkpoints[first].out_offset;
+    let end = span_out_end(index, last);
+    // At most MAX_WALK_BACK + CACHED_READ_MAX + one admitted span.
+    let mut all = vec![0u8; (end - from) as usize];
+    inflate_spans(index, source, windows, first, last, from, &mut all)?;
+    cache.note_inflated(all.len() as u64);
+    let take = (want_end.min(end) - pos) as usize;
+    let at = (pos - from) as usize;
+    dst.get_mut(..take)
+        .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?
+        .copy_from_slice(&all[at..at + take]);
+    if first == k && k == last {
+        cache.insert(key, k, Arc::new(all));
+    } else {
+        for j in k..=last {
+            let a = (index.checkpoints[j].out_offset - from) as usize;
+            let b = (span_out_end(index, j) - from) as usize;
+            cache.insert(key, j, Arc::new(all[a..b].to_vec()));
+        }
+    }
+    Ok(Some(take))
+}
+
+/// Fetches spans `first..=last` (and the first one's window), verifies them and
+/// inflates from the first checkpoint: `dst` receives the bytes from `pos` on.
+fn inflate_spans(
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    first: usize,
+    last: usize,
+    pos: u64,
+    dst: &mut [u8],
+) -> Result<()> {
+    let range = spans_range(index, first, last)
+        .ok_or_else(|| Error::Index("span outside the index".into()))?;
+    let cp = &index.checkpoints[first];
+    let (data, window) = fetch_span_and_window(source, windows, range.clone(), first, cp)?;
+    verify_spans(index, first, last, range.start, &data)?;
+    match index.compression {
+        Compression::Gzip => {
+            let window = window.as_deref().unwrap_or(&cp.window_deflate);
+            crate::zran::extract_with_window(cp, window, &data, pos - cp.out_offset, dst)
+        }
+        Compression::None => {
+            let skip = (pos - cp.out_offset) as usize;
+            let src = data
+                .get(skip..skip + dst.len())
+                .ok_or_else(|| Error::Index("plain span too short".into()))?;
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+    }
 }
 
 /// Where a pass reading from `pos` (in span `k`) should start inflating. Normally `k`.

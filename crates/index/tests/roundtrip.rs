@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ferry_index::entry::EntryKind;
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::indexer::{index_gzip, index_tar};
+use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{CountingSource, MemSource, RangeSource};
@@ -255,8 +256,11 @@ proptest! {
         span in prop::sample::select(vec![64u64 << 10, 256 << 10, 4 << 20]),
         probes in prop::collection::vec((any::<u64>(), 0usize..70_000), 8),
         split in any::<bool>(),
+        inflated in prop::sample::select(vec![0usize, 300 << 10, 64 << 20]),
     ) {
         let layers = vec![lower, upper];
+        // One cache for both layers (0: none), small enough at 300 KiB to evict.
+        let cache = (inflated > 0).then(|| InflatedSpans::new(inflated));
         let mut readers = Vec::new();
         let mut counters = Vec::new();
         for l in &layers {
@@ -279,6 +283,9 @@ proptest! {
             if has_windows {
                 // Alternate local and fetched-alongside windows.
                 reader = reader.with_windows(Arc::new(BlobWindows::new(Arc::new(MemSource(windows)), level % 2 == 0)));
+            }
+            if let Some(cache) = &cache {
+                reader = reader.with_inflated_cache(cache.clone());
             }
             readers.push(reader);
         }
@@ -343,6 +350,54 @@ fn small_read_costs_at_most_one_span_plus_overlap() {
             "read at {off} cost {cost}, spans are at most {max_span}"
         );
     }
+}
+
+/// Reads inside a span another read inflated moments ago copy from the inflated-span
+/// cache: no fetch, no inflate. Readers of one layer through indexes with other span
+/// sizes share the cache and never see each other's spans; whole-file copies pass by it.
+#[test]
+fn reads_inside_a_recently_inflated_span_copy_from_the_cache() {
+    let (data, gz, _, _) = split_layer();
+    let index64 = index_gzip(&gz[..], 64 << 10, None).expect("index");
+    let index256 = index_gzip(&gz[..], 256 << 10, None).expect("index");
+    let cache = InflatedSpans::new(8 << 20);
+    let src = Arc::new(CountingSource::new(MemSource(gz.clone())));
+    let reader = LayerReader::new(
+        LayerFormat::Indexed(Arc::new(index64)),
+        src.clone() as Arc<dyn RangeSource>,
+    )
+    .with_inflated_cache(cache.clone());
+    let other = LayerReader::new(
+        LayerFormat::Indexed(Arc::new(index256)),
+        Arc::new(MemSource(gz)) as Arc<dyn RangeSource>,
+    )
+    .with_inflated_cache(cache.clone());
+    let read = |r: &LayerReader, off: usize, len: usize| {
+        let mut buf = vec![0u8; len];
+        let n = r.read_at(0, off as u64, &mut buf).expect("read");
+        assert_eq!(&buf[..n], &data[off..off + n], "bytes at {off}");
+    };
+    read(&reader, 200_000, 4096);
+    let (fetched, requests) = (src.bytes_read(), src.requests());
+    assert_eq!(cache.stats().hits, 0);
+    // Neighbours in the same 64 KiB span: copied, nothing fetched.
+    read(&reader, 200_000 + 5000, 4096);
+    read(&reader, 200_000 - 3000, 100);
+    assert_eq!((src.bytes_read(), src.requests()), (fetched, requests));
+    assert_eq!(cache.stats().hits, 2);
+    // The other index numbers its spans differently: its reads are its own.
+    for off in [0, 100_000, 200_000, 350_000, 599_000] {
+        read(&other, off, 1000);
+        read(&reader, off, 1000);
+    }
+    // A read across spans keeps every span it inflated; a whole-file copy passes by.
+    read(&reader, 400_000, 200_000);
+    let inserts = cache.stats().inserts;
+    let mut all = Vec::new();
+    reader.copy_file(0, &mut all).expect("copy");
+    assert!(all == data);
+    assert_eq!(cache.stats().inserts, inserts);
+    assert!(cache.stats().bytes <= 8 << 20);
 }
 
 /// Layers without an index (zstd, gzip, plain tar) are read whole and serve the same

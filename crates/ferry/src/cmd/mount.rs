@@ -174,6 +174,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let shown = mountpoint.display().to_string();
+    ferry_fs::release_idle_inflated_spans();
     ferry_fs::mount_foreground(
         FerryFs::new(image),
         &mountpoint,

@@ -1,0 +1,262 @@
+//! A bounded memory cache of recently inflated spans of indexed gzip layers, shared by
+//! every reader of a process.
+//!
+//! Why: a read inside a span must inflate from the span's checkpoint up to the bytes it
+//! wants. A workload that starts reads many small neighbouring files (a Python import
+//! opens hundreds of `.py`/`.so` files that sit next to each other in the tar), so
+//! without this each of them inflates the same span prefix again: a profile of a
+//! container start through FUSE spent most of the daemon's CPU in inflate, about five
+//! times the bytes served. With it, the first read of a span inflates the whole span
+//! once and the neighbours copy.
+//!
+//! What it must not do: hold memory for long. It is a start-up accelerator, bounded by
+//! `max_bytes` (least recently used spans go first), and [`InflatedSpans::release_idle`]
+//! drops what was not used since its previous call, so a caller ticking it every few
+//! seconds gives the memory back once the burst is over. It holds only bytes a reader
+//! has already verified and inflated; it never fetches.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Identifies one reader's spans in the cache; see [`InflatedSpans::new_key`].
+pub type LayerKey = u64;
+
+#[derive(Debug)]
+struct Entry {
+    data: Arc<Vec<u8>>,
+    last_use: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    map: HashMap<(LayerKey, usize), Entry>,
+    /// The last key handed out.
+    keys: u64,
+    bytes: usize,
+    /// Advances on every use; orders entries for eviction.
+    tick: u64,
+    /// Entries last used before this tick are idle at the next `release_idle`.
+    idle_before: u64,
+}
+
+/// Counters, for status and metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct InflatedStats {
+    /// Reads of a span served from the cache.
+    pub hits: u64,
+    /// Spans inflated and put in the cache.
+    pub inserts: u64,
+    /// Bytes inflated to fill the cache (whole spans, and any walk back to a local
+    /// checkpoint before them).
+    #[serde(default)]
+    pub inflated_bytes: u64,
+    /// Bytes held right now.
+    pub bytes: u64,
+}
+
+/// The cache (see the module doc).
+#[derive(Debug)]
+pub struct InflatedSpans {
+    max_bytes: usize,
+    inner: Mutex<Inner>,
+    hits: AtomicU64,
+    inserts: AtomicU64,
+    inflated_bytes: AtomicU64,
+}
+
+impl InflatedSpans {
+    /// A cache holding at most `max_bytes` of inflated spans (0: it holds nothing).
+    pub fn new(max_bytes: usize) -> Arc<InflatedSpans> {
+        Arc::new(InflatedSpans {
+            max_bytes,
+            inner: Mutex::new(Inner::default()),
+            hits: AtomicU64::new(0),
+            inserts: AtomicU64::new(0),
+            inflated_bytes: AtomicU64::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A key for one layer reader's spans. Spans are numbered by the reader's own index,
+    /// and two indexes of one layer (other span sizes, or one that lies) must never see
+    /// each other's bytes, so every reader gets its own key rather than the layer's
+    /// digest.
+    pub fn new_key(&self) -> LayerKey {
+        let mut inner = self.lock();
+        inner.keys += 1;
+        inner.keys
+    }
+
+    /// Whether a span of `len` inflated bytes is worth keeping: at most a quarter of
+    /// the bound, so one large span cannot flush everything else.
+    pub fn admits(&self, len: u64) -> bool {
+        len > 0 && len <= (self.max_bytes / 4) as u64
+    }
+
+    /// Span `span` of `layer`, if cached.
+    pub fn get(&self, layer: &LayerKey, span: usize) -> Option<Arc<Vec<u8>>> {
+        let mut inner = self.lock();
+        inner.tick += 1;
+        let tick = inner.tick;
+        let entry = inner.map.get_mut(&(*layer, span))?;
+        entry.last_use = tick;
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(entry.data.clone())
+    }
+
+    /// Keeps span `span` of `layer` (its whole inflated bytes), evicting the least
+    /// recently used spans to stay within the bound. Spans [`Self::admits`] refuses
+    /// are ignored.
+    pub fn insert(&self, layer: &LayerKey, span: usize, data: Arc<Vec<u8>>) {
+        let len = data.len();
+        if !self.admits(len as u64) {
+            return;
+        }
+        let mut inner = self.lock();
+        inner.tick += 1;
+        let tick = inner.tick;
+        if let Some(old) = inner.map.insert(
+            (*layer, span),
+            Entry {
+                data,
+                last_use: tick,
+            },
+        ) {
+            inner.bytes -= old.data.len();
+        }
+        inner.bytes += len;
+        self.inserts.fetch_add(1, Ordering::Relaxed);
+        while inner.bytes > self.max_bytes {
+            // A linear scan: the cache holds tens of spans, and eviction is rare next
+            // to the inflate it saves.
+            let Some(oldest) = inner
+                .map
+                .iter()
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            if let Some(e) = inner.map.remove(&oldest) {
+                inner.bytes -= e.data.len();
+            }
+        }
+    }
+
+    /// Drops the spans not used since the previous call (the first call drops the ones
+    /// not used since the cache was made). Tick it every few seconds: memory held for a
+    /// burst of reads is returned within two ticks of the burst's end.
+    pub fn release_idle(&self) -> usize {
+        let mut inner = self.lock();
+        let before = inner.idle_before;
+        let mut freed = 0;
+        inner.map.retain(|_, e| {
+            let keep = e.last_use >= before;
+            if !keep {
+                freed += e.data.len();
+            }
+            keep
+        });
+        inner.bytes -= freed;
+        inner.idle_before = inner.tick + 1;
+        freed
+    }
+
+    /// Counts `n` bytes inflated to fill the cache.
+    pub fn note_inflated(&self, n: u64) {
+        self.inflated_bytes.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Hits, inserts and bytes held.
+    pub fn stats(&self) -> InflatedStats {
+        InflatedStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            inserts: self.inserts.load(Ordering::Relaxed),
+            inflated_bytes: self.inflated_bytes.load(Ordering::Relaxed),
+            bytes: self.lock().bytes as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(n: usize, fill: u8) -> Arc<Vec<u8>> {
+        Arc::new(vec![fill; n])
+    }
+
+    #[test]
+    fn every_reader_gets_its_own_key() {
+        let cache = InflatedSpans::new(100);
+        let (a, b) = (cache.new_key(), cache.new_key());
+        assert_ne!(a, b);
+        cache.insert(&a, 0, span(10, 1));
+        assert!(cache.get(&b, 0).is_none());
+    }
+
+    #[test]
+    fn spans_are_kept_per_layer_and_evicted_least_recently_used_first() {
+        let cache = InflatedSpans::new(400);
+        let (a, b) = (1, 2);
+        cache.insert(&a, 0, span(100, 1));
+        cache.insert(&b, 0, span(100, 2));
+        cache.insert(&a, 1, span(100, 3));
+        assert_eq!(cache.get(&a, 0).as_deref(), Some(&vec![1u8; 100]));
+        assert_eq!(cache.get(&b, 0).as_deref(), Some(&vec![2u8; 100]));
+        assert!(cache.get(&b, 1).is_none());
+        // Full at 400: a fifth span evicts the least recently used, (a, 1).
+        cache.insert(&b, 1, span(100, 4));
+        cache.insert(&b, 2, span(100, 5));
+        assert!(cache.get(&a, 1).is_none());
+        assert!(cache.get(&a, 0).is_some());
+        assert_eq!(cache.stats().bytes, 400);
+        assert_eq!(cache.stats().inserts, 5);
+        assert_eq!(cache.stats().hits, 3);
+    }
+
+    #[test]
+    fn large_and_empty_spans_are_not_admitted() {
+        let cache = InflatedSpans::new(400);
+        cache.insert(&0, 0, span(101, 0));
+        cache.insert(&0, 1, span(0, 0));
+        assert!(cache.get(&0, 0).is_none());
+        assert!(cache.get(&0, 1).is_none());
+        assert_eq!(cache.stats().bytes, 0);
+        let off = InflatedSpans::new(0);
+        off.insert(&0, 0, span(1, 0));
+        assert!(off.get(&0, 0).is_none());
+    }
+
+    #[test]
+    fn replacing_a_span_counts_its_bytes_once() {
+        let cache = InflatedSpans::new(400);
+        cache.insert(&0, 0, span(50, 0));
+        cache.insert(&0, 0, span(80, 1));
+        assert_eq!(cache.stats().bytes, 80);
+        assert_eq!(cache.get(&0, 0).map(|d| d[0]), Some(1));
+    }
+
+    #[test]
+    fn idle_spans_are_released_within_two_ticks() {
+        let cache = InflatedSpans::new(1000);
+        let l = 7;
+        cache.insert(&l, 0, span(10, 0));
+        cache.insert(&l, 1, span(10, 1));
+        // Both were used since the cache was made.
+        assert_eq!(cache.release_idle(), 0);
+        assert!(cache.get(&l, 1).is_some());
+        // Span 0 was not used since the previous tick; span 1 was.
+        assert_eq!(cache.release_idle(), 10);
+        assert!(cache.get(&l, 0).is_none());
+        assert_eq!(cache.stats().bytes, 10);
+        // Span 1 was last used before that tick.
+        assert_eq!(cache.release_idle(), 10);
+        assert_eq!(cache.stats().bytes, 0);
+        assert!(cache.get(&l, 1).is_none());
+    }
+}
