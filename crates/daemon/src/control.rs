@@ -66,6 +66,12 @@ pub struct StatusReport {
     pub store: Option<StoreStatus>,
     /// Every live mount.
     pub mounts: Vec<MountStatus>,
+    /// The file cache (fully local files served by passthrough), if there is one.
+    #[serde(default)]
+    pub file_cache: Option<ferry_fs::FileCacheSnapshot>,
+    /// The process's inflated-span cache.
+    #[serde(default)]
+    pub inflated_cache: Option<ferry_index::inflated::InflatedStats>,
 }
 
 /// Body of `GET /v1/health`.
@@ -133,11 +139,20 @@ async fn health(State(state): State<ControlState>) -> axum::Json<Health> {
 
 async fn status(State(state): State<ControlState>) -> Result<axum::Json<StatusReport>, ApiError> {
     let backend = state.backend.clone();
-    let (store, mounts) = blocking(move || Ok((backend.store_status(), backend.list()))).await?;
+    let (store, mounts, file_cache) = blocking(move || {
+        Ok((
+            backend.store_status(),
+            backend.list(),
+            backend.file_cache_status(),
+        ))
+    })
+    .await?;
     Ok(axum::Json(StatusReport {
         daemon: (*state.info).clone(),
         store,
         mounts,
+        file_cache,
+        inflated_cache: Some(ferry_fs::inflated_spans().stats()),
     }))
 }
 

@@ -133,6 +133,10 @@ pub trait MountBackend: Send + Sync {
     fn list(&self) -> Vec<MountStatus>;
     /// The chunk store, if there is one.
     fn store_status(&self) -> Option<StoreStatus>;
+    /// The file cache's counters, if there is one.
+    fn file_cache_status(&self) -> Option<ferry_fs::FileCacheSnapshot> {
+        None
+    }
     /// How `layer` of `image` can be served, and the image's manifest digest.
     fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)>;
 }
@@ -896,6 +900,10 @@ impl MountBackend for MountManager {
                 stats: m.image.stats.snapshot(),
             })
             .collect()
+    }
+
+    fn file_cache_status(&self) -> Option<ferry_fs::FileCacheSnapshot> {
+        self.file_cache.as_ref().map(|c| c.snapshot())
     }
 
     fn store_status(&self) -> Option<StoreStatus> {

@@ -247,6 +247,9 @@ pub struct FileCacheSnapshot {
     pub passthrough_opens: u64,
     /// See [`FileCacheStats::pread_opens`].
     pub pread_opens: u64,
+    /// Files queued or being materialized right now.
+    #[serde(default)]
+    pub pending: u64,
 }
 
 /// What [`FileCache::verify`] found.
@@ -287,6 +290,9 @@ pub struct FileCache {
     stats: FileCacheStats,
     tmp_seq: AtomicU64,
     worker: Mutex<Option<SyncSender<Materialize>>>,
+    /// Reads served through FUSE so far (by every mount using the cache): the worker
+    /// waits for them to pause before materializing.
+    foreground_reads: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for FileCache {
@@ -382,6 +388,7 @@ impl FileCache {
             stats: FileCacheStats::default(),
             tmp_seq: AtomicU64::new(0),
             worker: Mutex::new(None),
+            foreground_reads: Arc::new(AtomicU64::new(0)),
         };
         {
             let mut st = lock(&cache.state);
@@ -408,9 +415,9 @@ impl FileCache {
 
     /// Counters and occupancy now.
     pub fn snapshot(&self) -> FileCacheSnapshot {
-        let (files, bytes) = {
+        let (files, bytes, pending) = {
             let st = lock(&self.state);
-            (st.items.len() as u64, st.total)
+            (st.items.len() as u64, st.total, st.pending.len() as u64)
         };
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let s = &self.stats;
@@ -425,6 +432,7 @@ impl FileCache {
             evicted: l(&s.evicted),
             passthrough_opens: l(&s.passthrough_opens),
             pread_opens: l(&s.pread_opens),
+            pending,
         }
     }
 
@@ -628,15 +636,23 @@ impl FileCache {
         lock(&self.state).pending.contains(key)
     }
 
+    /// Notes a read served through FUSE (not by passthrough): materializing waits until
+    /// such reads pause (see [`wait_for_quiet`]).
+    pub fn note_foreground_read(&self) {
+        self.foreground_reads.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn spawn_worker(self: &Arc<Self>) -> io::Result<SyncSender<Materialize>> {
         let (tx, rx) = mpsc::sync_channel::<Materialize>(QUEUE_LEN);
         let weak: Weak<FileCache> = Arc::downgrade(self);
+        let reads = self.foreground_reads.clone();
         std::thread::Builder::new()
             .name("ferry-filecache".into())
             .spawn(move || {
                 lower_thread_priority();
                 // Ends when the cache (holding the sender) is dropped.
                 while let Ok(job) = rx.recv() {
+                    wait_for_quiet(&reads);
                     let Some(cache) = weak.upgrade() else { break };
                     cache.run(job);
                 }
@@ -802,6 +818,27 @@ fn clean_tmp(dir: &Path) -> Result<u64> {
         }
     }
     Ok(removed)
+}
+
+/// How long FUSE reads must pause before the worker materializes a file.
+const QUIET: Duration = Duration::from_millis(100);
+/// Longest the worker defers a file while reads go on.
+const MAX_DEFER: Duration = Duration::from_secs(5);
+
+/// Waits until no read was served through FUSE for [`QUIET`] (at most [`MAX_DEFER`]).
+/// Materializing inflates, hashes and writes whole files: done while a container
+/// starts, it takes CPU and disk from the very reads it cannot speed up (an open's
+/// mode is fixed when it opens), so it waits for the start's burst of reads to end.
+fn wait_for_quiet(reads: &AtomicU64) {
+    let mut waited = Duration::ZERO;
+    while waited < MAX_DEFER {
+        let seen = reads.load(Ordering::Relaxed);
+        std::thread::sleep(QUIET);
+        waited += QUIET;
+        if reads.load(Ordering::Relaxed) == seen {
+            return;
+        }
+    }
 }
 
 /// Runs the calling thread at nice 10: materialization must not compete with the

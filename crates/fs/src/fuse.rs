@@ -378,6 +378,7 @@ impl Filesystem for FerryFs {
                 Err(e) => reply.error(e),
             };
         };
+        local.cache().note_foreground_read();
         let result = match self.own_handle(fh).and_then(|fh| local.cached(fh)) {
             Some(file) => self.read_cached(ino.0, &file, offset, size),
             None => self.read_file(ino.0, offset, size).inspect(|data| {

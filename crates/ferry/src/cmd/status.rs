@@ -101,6 +101,15 @@ fn table(report: &StatusReport) -> String {
             s.entries
         ));
     }
+    if let Some(c) = &report.file_cache {
+        out.push_str(&format!(
+            "file cache: {} files, {} ({} materializing), {} passthrough opens\n",
+            c.files,
+            human(c.bytes),
+            c.pending,
+            c.passthrough_opens
+        ));
+    }
     if report.mounts.is_empty() {
         out.push_str("no mounts\n");
         return out;
