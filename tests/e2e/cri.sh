@@ -289,7 +289,7 @@ snap_paths # SNAP_ROOT, SNAP_SOCK, SNAP_LOG (lib.sh)
 FERRY_BACKEND=${FERRY_CRI_BACKEND:-auto}
 if [[ $FERRY_BACKEND == auto ]]; then
     FERRY_BACKEND=snapshotter
-    "$FERRY" daemon --help 2>/dev/null | grep -q -- '--config' && FERRY_BACKEND=daemon
+    "$FERRY" daemon --help 2>/dev/null | grep -- '--config' >/dev/null && FERRY_BACKEND=daemon
 fi
 if [[ $FERRY_BACKEND == daemon ]]; then
     cat >"$E2E_TMP/daemon.toml" <<EOF

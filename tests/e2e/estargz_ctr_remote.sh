@@ -83,7 +83,7 @@ fi
 # stargz TOC entry (stargz.index.json)
 toc_ok=1
 for d in $(jq -r '.layers[].digest' <<<"$manifest"); do
-    tar -tzf "$ESGZ/blobs/sha256/${d#sha256:}" 2>/dev/null | grep -qx 'stargz.index.json' || toc_ok=0
+    tar -tzf "$ESGZ/blobs/sha256/${d#sha256:}" 2>/dev/null | grep -x 'stargz.index.json' >/dev/null || toc_ok=0
 done
 if [[ $toc_ok == 1 ]]; then
     pass "every eStargz blob is a valid tar.gz ending with stargz.index.json"

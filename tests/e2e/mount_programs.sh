@@ -363,7 +363,7 @@ STATS=""
 MOUNT_MODE=${FERRY_MOUNT_MODE:-auto}
 if [[ $MOUNT_MODE == auto ]]; then
     MOUNT_MODE=standalone
-    "$FERRY" daemon --help 2>/dev/null | grep -q -- '--config' && MOUNT_MODE=daemon
+    "$FERRY" daemon --help 2>/dev/null | grep -- '--config' >/dev/null && MOUNT_MODE=daemon
 fi
 DAEMON_CONFIG=$E2E_TMP/daemon.toml
 if [[ $MOUNT_MODE == daemon ]]; then
@@ -395,7 +395,7 @@ EOF
 else
     mount_args=(mount "$REF_IMAGE" "$MNT" --store "$WORK/store")
     umount_args=(umount "$MNT")
-    if "$FERRY" mount --help | grep -q -- '--stats-file'; then
+    if "$FERRY" mount --help | grep -- '--stats-file' >/dev/null; then
         STATS=$E2E_TMP/mount.stats.json
         mount_args+=(--stats-file "$STATS")
     fi

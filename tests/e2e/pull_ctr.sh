@@ -62,7 +62,7 @@ if [[ $PULL_RC == 0 && $PULL_OUT == *"$LAYERS layers (0 lazy, $LAYERS unpacked, 
 else
     fail "ferry pull: exit $PULL_RC"; show "$PULL_OUT"
 fi
-if ctr_ image ls -q | grep -qxF "$REF"; then
+if ctr_ image ls -q | grep -xF "$REF" >/dev/null; then
     pass "image record named '$REF', as ctr names it"
 else
     fail "no image record $REF: $(ctr_ image ls -q | tr '\n' ' ')"
@@ -126,7 +126,7 @@ if [[ $PULL_RC != 0 && $PULL_OUT == *"not found"* ]]; then
 else
     fail "missing tag: exit $PULL_RC"; show "$PULL_OUT"
 fi
-if ! ctr_ image ls -q | grep -q 'no-such-tag' && [[ -z $(ctr_ leases ls -q 2>/dev/null | grep ferry-pull || true) ]] &&
+if ! ctr_ image ls -q | grep 'no-such-tag' >/dev/null && [[ -z $(ctr_ leases ls -q 2>/dev/null | grep ferry-pull || true) ]] &&
     [[ $(ctr_ snapshots --snapshotter ferry ls | wc -l) == "$SNAPS_BEFORE" && $(staging_left) == 0 ]]; then
     pass "failed pull left no image, lease, snapshot or staging file"
 else

@@ -50,7 +50,7 @@ find_ferry
 e2e_init
 small_image
 require_ferry pull
-"$FERRY" daemon --help 2>/dev/null | grep -q -- '--config' ||
+"$FERRY" daemon --help 2>/dev/null | grep -- '--config' >/dev/null ||
     { fail "ferry binary without \`daemon --config\`: $FERRY"; e2e_summary || exit 1; }
 
 NS_OVL=$CTR_NAMESPACE-ovl
@@ -83,7 +83,7 @@ status_json() { fy "$1" "$E2E_TMP/status.err" status --json --socket "$CTL_SOCK"
 # is_fuse_mount DIR: DIR is a FUSE mount point in this mount namespace
 is_fuse_mount() {
     awk -v m="$1" '$5 == m { for (i = 7; i <= NF; i++) if ($i == "-") { print $(i + 1); break } }' \
-        /proc/self/mountinfo | grep -q '^fuse'
+        /proc/self/mountinfo | grep '^fuse' >/dev/null
 }
 
 # PROBE, run as `sh -c "$PROBE" probe [HIDDEN-PATH...]`: for every path of the rootfs

@@ -33,7 +33,7 @@ find_ferry
 e2e_init
 
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" pull --help 2>/dev/null | grep -q -- --max-buffer; then
+if [[ ! -x $FERRY ]] || ! "$FERRY" pull --help 2>/dev/null | grep -- --max-buffer >/dev/null; then
     fail "no ferry binary with pull --max-buffer: $FERRY (cargo build --release -p ferry)"
     e2e_summary || exit 1
 fi
@@ -101,7 +101,7 @@ fi
 image_field() { ctr_ image ls | awk -v r="$1" -v c="$2" '$1 == r {print $c}'; }
 # content_labels DIGEST: the labels column of `ctr content ls` for DIGEST
 content_labels() { ctr_ content ls | awk -v d="$1" '$1 == d {print $NF}'; }
-has_content() { ctr_ content ls -q | grep -qxF "$1"; }
+has_content() { ctr_ content ls -q | grep -xF "$1" >/dev/null; }
 
 # ---------------------------------------------------------------- 2. ferry pull
 set +e
@@ -224,7 +224,7 @@ if [[ -f $BIG_FILE ]]; then
     else
         fail "corrupt layer: exit $PULL_RC"; sed 's/^/    | /' <<<"$PULL_OUT" | tail -5
     fi
-    if ! ctr_ image ls -q | grep -qxF "$REF"; then
+    if ! ctr_ image ls -q | grep -xF "$REF" >/dev/null; then
         pass "no image record after the failed pull"
     else
         fail "the failed pull left an image record"

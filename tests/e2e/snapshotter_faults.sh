@@ -50,7 +50,7 @@ need_cmd containerd ctr runc jq curl timeout cmp dd
 find_ferry
 e2e_init
 small_image
-if [[ ! -x $FERRY ]] || ! "$FERRY" daemon --help 2>/dev/null | grep -q -- '--config' ||
+if [[ ! -x $FERRY ]] || ! "$FERRY" daemon --help 2>/dev/null | grep -- '--config' >/dev/null ||
     ! "$FERRY" pull --help >/dev/null 2>&1; then
     fail "no ferry binary with \`daemon --config\` and \`pull\`: $FERRY (cargo build --release -p ferry)"
     e2e_summary || exit 1
@@ -92,7 +92,7 @@ status_sum() { timeout 20 "$FERRY" status --json --socket "$CTL_SOCK" | jq "[.mo
 # snap_table: "KEY PARENT KIND" of every snapshot ferry holds
 snap_table() { timeout 30 ctr -a "$CONTAINERD_SOCK" -n "$CTR_NAMESPACE" snapshots --snapshotter ferry ls | tail -n +2 | awk '{print $1, ($3 == "" ? "-" : $2), $NF}' | LC_ALL=C sort; }
 committed() { awk '$3 == "Committed" {print $1}' <<<"$1"; }
-task_running() { timeout 20 ctr -a "$CONTAINERD_SOCK" -n "$CTR_NAMESPACE" task ls | grep -q "^$1 .*RUNNING"; }
+task_running() { timeout 20 ctr -a "$CONTAINERD_SOCK" -n "$CTR_NAMESPACE" task ls | grep "^$1 .*RUNNING" >/dev/null; }
 remove_container() {
     CT=30 cx task kill -s SIGKILL "$1"
     CT=30 cx task rm -f "$1"
@@ -283,7 +283,7 @@ BG_CMD='cat /app/hello.txt && echo bg-ok'
 BG_PIDS=()
 LOG_MARK=$(wc -l <"$SNAP_LOG")
 # bg_reached_snapshotter: a background start's Prepare is in the daemon's log
-bg_reached_snapshotter() { tail -n +$((LOG_MARK + 1)) "$SNAP_LOG" | grep -q "prepare.*bg-[0-9]-$$"; }
+bg_reached_snapshotter() { tail -n +$((LOG_MARK + 1)) "$SNAP_LOG" | grep "prepare.*bg-[0-9]-$$" >/dev/null; }
 for i in 1 2 3; do
     (
         set +e
@@ -390,7 +390,7 @@ while read -r key parent _; do
     [[ $RC == 0 ]] || bad+=" info($key)"
     CT=20 cx snapshots --snapshotter ferry usage "$key"
     [[ $RC == 0 ]] || bad+=" usage($key)"
-    if [[ $parent != - ]] && ! awk '{print $1}' <<<"$AFTER" | grep -qxF "$parent"; then
+    if [[ $parent != - ]] && ! awk '{print $1}' <<<"$AFTER" | grep -xF "$parent" >/dev/null; then
         bad+=" parent-of($key)"
     fi
 done <<<"$AFTER"
