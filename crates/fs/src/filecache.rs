@@ -650,9 +650,15 @@ impl FileCache {
             .name("ferry-filecache".into())
             .spawn(move || {
                 lower_thread_priority();
+                // Reads counted when the last job started: a queue worked off while no
+                // read comes waits for the quiet once, not once per file.
+                let mut seen = None;
                 // Ends when the cache (holding the sender) is dropped.
                 while let Ok(job) = rx.recv() {
-                    wait_for_quiet(&reads);
+                    if seen != Some(reads.load(Ordering::Relaxed)) {
+                        wait_for_quiet(&reads);
+                    }
+                    seen = Some(reads.load(Ordering::Relaxed));
                     let Some(cache) = weak.upgrade() else { break };
                     cache.run(job);
                 }
