@@ -1079,12 +1079,21 @@ mod tests {
         assert_eq!(unescape_mountinfo("/x\\777"), "/x\\777");
     }
 
+    /// True when kernel mounts can be tested here (root and /dev/fuse); says so when not,
+    /// and the test then passes without running.
+    pub(super) fn can_mount_fuse() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        let ok = unsafe { libc::geteuid() } == 0 && Path::new("/dev/fuse").exists();
+        if !ok {
+            eprintln!("skipped: needs root and /dev/fuse");
+        }
+        ok
+    }
+
     /// The real transport: needs root and /dev/fuse; skipped (passes) without them.
     #[test]
     fn kernel_mount_serves_reads_and_unmounts() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-            eprintln!("skipped: needs root and /dev/fuse");
+        if !can_mount_fuse() {
             return;
         }
         let f = fixture(View::Merged);
@@ -1127,6 +1136,7 @@ mod passthrough_tests {
 
     use ferry_oci::media::LAYER_TAR_GZIP;
 
+    use super::tests::can_mount_fuse;
     use super::*;
     use crate::device::FetchConfig;
     use crate::device::tests::{TestBackend, gzip_layer, open_store};
@@ -1214,9 +1224,7 @@ mod passthrough_tests {
     /// kernel with FUSE passthrough; skipped (passes) without them.
     #[test]
     fn kernel_passthrough_serves_cached_files_and_overlayfs_stacks_on_top() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-            eprintln!("skipped: needs root and /dev/fuse");
+        if !can_mount_fuse() {
             return;
         }
         let Some(KernelMount {
@@ -1301,9 +1309,7 @@ mod passthrough_tests {
     /// kernel had cached before it. Needs root and /dev/fuse; skipped (passes) without.
     #[test]
     fn a_recording_mount_with_a_file_cache_records_every_read() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/fuse").exists() {
-            eprintln!("skipped: needs root and /dev/fuse");
+        if !can_mount_fuse() {
             return;
         }
         let Some(KernelMount {
