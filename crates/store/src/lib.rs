@@ -3,9 +3,11 @@
 //! Owns the durable, verified chunk bytes on one node: content-addressed (an entry's key
 //! is the SHA-256 of its bytes, so the same bytes are stored once and shared by every
 //! layer and image), bounded by `max_bytes` with least-recently-used eviction of entries
-//! no live mount pins, crash-safe (entries are committed by temp file + fsync + atomic
-//! rename; after a kill -9 at any moment nothing corrupt is ever served: a damaged entry
-//! is dropped and reads as a miss), and reused across daemon restarts. Metadata (sizes,
+//! no live mount pins, crash-safe without fsync on the put path (an entry is written to a
+//! temp file and renamed into place, its record follows with the next flush; a process
+//! opening the store adopts files without records, drops records without files, and
+//! hashes each entry on its first read, so after a kill -9 or a power cut at any moment
+//! nothing corrupt is ever served: a damaged entry is dropped and reads as a miss), and reused across daemon restarts. Metadata (sizes,
 //! recency, pins) lives in a redb file beside the chunks and is rebuilt from the chunk
 //! files if it is lost.
 //!

@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use redb::{Database, ReadableTable};
+use redb::Database;
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
@@ -226,7 +226,7 @@ pub struct OwnerInfo {
 
 /// The node's chunk store. Cheap to clone; all clones share one store. Every method is
 /// synchronous and thread-safe; from async code call them through
-/// `tokio::task::spawn_blocking` (puts and first reads hash and fsync).
+/// `tokio::task::spawn_blocking` (puts hash and write, first reads hash).
 #[derive(Debug, Clone)]
 pub struct Store {
     inner: Arc<Inner>,
@@ -304,6 +304,8 @@ struct State {
     pin_counts: HashMap<ChunkKey, u32>,
     owners: HashMap<String, Owner>,
     busy: HashSet<ChunkKey>,
+    /// Entries whose record is stale or, for entries put since the last flush, not
+    /// written yet (a crash before the flush leaves files the next open adopts).
     dirty: HashSet<ChunkKey>,
 }
 
@@ -641,7 +643,8 @@ impl Store {
     }
 
     /// Stores `bytes` under `key` after checking that they hash to it. Returns once the
-    /// entry is durable (file fsynced and renamed into place, metadata committed); evicts
+    /// entry is in place and served (renamed into place; its record is written by the
+    /// next flush, and a crash before it costs only a re-hash on the next read); evicts
     /// least recently used unpinned entries first if needed, so the bound holds when this
     /// returns. Concurrent puts of one key write it once. Errors: [`Error::DigestMismatch`],
     /// [`Error::TooLarge`], [`Error::Full`] (nothing stored in each case), I/O, metadata.
@@ -1173,7 +1176,7 @@ impl Inner {
         }
     }
 
-    /// Writes a temp file with `fill`, then fsyncs it.
+    /// Writes a temp file with `fill`. Not fsynced: see [`Inner::commit`].
     fn write_temp<T>(
         &self,
         key: &ChunkKey,
@@ -1193,7 +1196,6 @@ impl Inner {
             armed: true,
         };
         let out = fill(&mut file).map_err(|e| Error::io(&path, e))?;
-        file.sync_all().map_err(|e| Error::io(&path, e))?;
         Ok((temp, out))
     }
 
@@ -1229,28 +1231,23 @@ impl Inner {
         let evicted = self.evict(victims);
         let now = self.clock.now_ms();
         let path = self.entry_path(&key);
+        // Neither the file nor its directory is fsynced and the record is written by
+        // the next flush, not here: a put is on the critical path of every cold read,
+        // and three fsyncs plus a metadata commit cost more than fetching the chunk.
+        // Nothing is lost for safety: a process that opens the store adopts files
+        // without records as unverified, drops records whose file is missing or of the
+        // wrong size, and hashes every entry on its first read, so a chunk torn by a
+        // crash reads as a miss, never as wrong bytes.
         let placed = (|| -> Result<Record> {
             evicted?;
             fs::rename(&temp.path, &path).map_err(|e| Error::io(&path, e))?;
             temp.armed = false;
-            if let Some(dir) = path.parent() {
-                sync_dir(dir)?;
-            }
-            let rec = Record {
+            Ok(Record {
                 size,
                 last_access_ms: now,
                 tick: 0,
                 verified_at_ms: now,
-            };
-            let txn = self.db.begin_write().map_err(Error::db)?;
-            {
-                let mut entries = txn.open_table(ENTRIES).map_err(Error::db)?;
-                entries
-                    .insert(key.raw().as_slice(), rec.encode().as_slice())
-                    .map_err(Error::db)?;
-            }
-            txn.commit().map_err(Error::db)?;
-            Ok(rec)
+            })
         })();
         let mut st = self.lock_state();
         st.reserved_bytes -= size;
@@ -1268,7 +1265,7 @@ impl Inner {
                         generation: 0,
                     },
                 );
-                // The tick is only known now; persist it with the next flush.
+                // Recorded, with its tick, by the next flush.
                 st.dirty.insert(key);
                 drop(st);
                 bump(&self.counters.inserts, 1);
@@ -1317,6 +1314,9 @@ impl Inner {
     }
 
     fn remove_records(&self, keys: &[ChunkKey]) -> Result<()> {
+        // Not while a flush writes: it may hold a batch taken before these entries left
+        // the index, and would otherwise write their records back after this removal.
+        let _io = self.flush_io.lock().unwrap_or_else(PoisonError::into_inner);
         let txn = self.db.begin_write().map_err(Error::db)?;
         {
             let mut entries = txn.open_table(ENTRIES).map_err(Error::db)?;
@@ -1415,18 +1415,13 @@ impl Inner {
             let txn = self.db.begin_write().map_err(Error::db)?;
             {
                 let mut entries = txn.open_table(ENTRIES).map_err(Error::db)?;
+                // Every key of the batch was in the index when it was taken, and removals
+                // of records wait for this flush (`remove_records`), so none of these
+                // writes brings back the record of an entry removed meanwhile.
                 for (k, rec) in &batch {
-                    // Only refresh records that still exist: an entry evicted since the
-                    // batch was taken must not come back as a record without a file.
-                    let present = entries
-                        .get(k.raw().as_slice())
-                        .map_err(Error::db)?
-                        .is_some();
-                    if present {
-                        entries
-                            .insert(k.raw().as_slice(), rec.encode().as_slice())
-                            .map_err(Error::db)?;
-                    }
+                    entries
+                        .insert(k.raw().as_slice(), rec.encode().as_slice())
+                        .map_err(Error::db)?;
                 }
             }
             txn.commit().map_err(Error::db)

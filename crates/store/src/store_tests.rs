@@ -877,3 +877,28 @@ fn read_hits_reach_the_metadata_only_when_flushed() {
     assert!(after.tick > before.tick);
     assert_eq!(store.stats().hits, 20);
 }
+
+#[test]
+fn a_put_is_served_at_once_and_recorded_by_the_next_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), 1000);
+    let (k, v) = chunk(1, 100);
+    store.put(&k, &v).unwrap();
+    assert_eq!(store.get(&k).unwrap().unwrap(), v);
+    let recorded = |store: &Store| {
+        let txn = store.inner.db.begin_read().unwrap();
+        let t = txn.open_table(ENTRIES).unwrap();
+        t.get(k.raw().as_slice()).unwrap().is_some()
+    };
+    // No metadata commit on the put path: a crash now leaves a file the next open
+    // adopts (see `files_without_records_are_adopted_unverified_and_strays_removed`).
+    assert!(!recorded(&store));
+    store.flush().unwrap();
+    assert!(recorded(&store));
+    // An entry evicted after its record was written loses the record too.
+    let (k2, v2) = chunk(2, 950);
+    store.put(&k2, &v2).unwrap();
+    assert!(store.get(&k).unwrap().is_none());
+    store.flush().unwrap();
+    assert!(!recorded(&store));
+}
