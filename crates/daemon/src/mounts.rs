@@ -797,17 +797,25 @@ impl MountManager {
         }
     }
 
+    /// Starts warm-up for a live mount; its hot set (trace and landmark spans) stays
+    /// pinned in the store under an owner named after the mountpoint until it goes away,
+    /// and large files whose data the trace prefetches entirely go to the file cache as
+    /// soon as it lands.
+    fn start_warm(&self, image: &Arc<MountedImage>, mountpoint: &Path) -> WarmHandle {
+        let pins = ferry_fs::warm::PinTarget::for_mount(self.store.clone(), mountpoint);
+        ferry_fs::warm::start_with_files(
+            image,
+            &self.config.warm,
+            image.trace.clone(),
+            Some(pins),
+            self.file_cache.clone(),
+        )
+    }
+
     /// Stops serving every mount. Control mounts are unmounted (and released from the fd
     /// holder); snapshotter mounts are left in place: with an fd holder their connection
     /// stays up and the next start resumes it, without one it dies with the process and
     /// the next start's restore detaches and remounts them.
-    /// Starts warm-up for a live mount; its hot set (trace and landmark spans) stays
-    /// pinned in the store under an owner named after the mountpoint until it goes away.
-    fn start_warm(&self, image: &Arc<MountedImage>, mountpoint: &Path) -> WarmHandle {
-        let pins = ferry_fs::warm::PinTarget::for_mount(self.store.clone(), mountpoint);
-        ferry_fs::warm::start_with_pins(image, &self.config.warm, image.trace.clone(), Some(pins))
-    }
-
     pub fn shutdown(&self) {
         self.reap();
         let all = std::mem::take(&mut *lock(&self.mounts));

@@ -124,20 +124,7 @@ impl<B> LocalFiles<B> {
 
     /// The cache key of the file at `loc`.
     pub(crate) fn key(&self, loc: Location, size: u64) -> Option<FileKey> {
-        let layer = self.image.image.layers().get(loc.layer)?;
-        let entry = layer.entries().get(loc.entry)?;
-        let (identity, space) = match layer.format() {
-            LayerFormat::Indexed(index) => (index.layer_digest.clone(), "tar"),
-            LayerFormat::Estargz(_) => (self.image_layer_id(loc.layer), "estargz"),
-            LayerFormat::Whole { .. } => (self.image_layer_id(loc.layer), "tar"),
-        };
-        Some(FileKey::new(&identity, space, entry.offset, size))
-    }
-
-    /// A layer's identity when its digest is not known here: the manifest digest
-    /// fixes every layer of the image.
-    fn image_layer_id(&self, layer: usize) -> String {
-        format!("{}#layer{layer}", self.image.manifest_digest)
+        file_key(&self.image, loc, size)
     }
 
     /// Opens regular file `ino`; `register` turns a cached file into a backing id.
@@ -296,6 +283,21 @@ impl<B> LocalFiles<B> {
             fill: Box::new(fill),
         });
     }
+}
+
+/// The file cache key of the `size`-byte file at `loc` of `image`.
+pub(crate) fn file_key(image: &MountedImage, loc: Location, size: u64) -> Option<FileKey> {
+    let layer = image.image.layers().get(loc.layer)?;
+    let entry = layer.entries().get(loc.entry)?;
+    // A layer's identity when its digest is not known here: the manifest digest fixes
+    // every layer of the image.
+    let image_layer_id = || format!("{}#layer{}", image.manifest_digest, loc.layer);
+    let (identity, space) = match layer.format() {
+        LayerFormat::Indexed(index) => (index.layer_digest.clone(), "tar"),
+        LayerFormat::Estargz(_) => (image_layer_id(), "estargz"),
+        LayerFormat::Whole { .. } => (image_layer_id(), "tar"),
+    };
+    Some(FileKey::new(&identity, space, entry.offset, size))
 }
 
 /// True when every byte of the file at `loc` can be read without a fetch: a layer

@@ -18,6 +18,9 @@
 //!   this process; a restarted daemon that mounts it again under the same owner name
 //!   ([`mount_pin_owner`] is deterministic) re-registers them before the store's grace
 //!   period for restored pins ends.
+//! * [`start_with_files`]: also writes the files whose data the trace's prefetch
+//!   fetches entirely (and that are big enough for the file cache) to the file cache
+//!   as soon as their last piece lands, so the workload's open finds them cached.
 //! * [`MountedImage::note_read`] records reads into the mount's trace recorder, if any.
 //!
 //! Everything here goes through the layers' device sources ([`LayerSource::warm_range`],
@@ -26,7 +29,7 @@
 //! second path to the backend) and must not starve foreground reads: fill backs off
 //! whenever a read waits for a fetch slot.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
@@ -35,11 +38,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ferry_index::merged::Location;
 use ferry_index::reader::LayerFormat;
 use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
 use crate::device::{FillWork, LayerSource};
+use crate::filecache::FileCache;
 use crate::image::MountedImage;
 use crate::stats::MountStats;
 
@@ -280,6 +285,21 @@ pub fn start_with_pins(
     trace: Option<Trace>,
     pins: Option<PinTarget>,
 ) -> WarmHandle {
+    start_with_files(image, config, trace, pins, None)
+}
+
+/// [`start_with_pins`], and with `files`: each file of at least the cache's
+/// `min_file_bytes` whose data the trace's prefetch fetches entirely is written to the
+/// file cache right after its last piece is fetched, in trace order. The workload's
+/// open then finds it cached and the kernel serves it (passthrough) instead of every
+/// read crossing FUSE and inflating spans, as on a warm node.
+pub fn start_with_files(
+    image: &Arc<MountedImage>,
+    config: &WarmConfig,
+    trace: Option<Trace>,
+    pins: Option<PinTarget>,
+    files: Option<Arc<FileCache>>,
+) -> WarmHandle {
     let control = Arc::new(Control::default());
     let pins = pins.map(|target| {
         Arc::new(Pins {
@@ -295,7 +315,11 @@ pub fn start_with_pins(
         std::thread::Builder::new()
             .name("ferry-warm".into())
             .spawn(move || {
-                run(&image, &config, trace.as_ref(), &control, pins.as_deref());
+                let targets = Targets {
+                    pins: pins.as_deref(),
+                    files: files.as_deref(),
+                };
+                run(&image, &config, trace.as_ref(), &control, targets);
                 control.finished.store(true, Ordering::Release);
             })
     };
@@ -369,32 +393,60 @@ fn pin_hot_set(image: &MountedImage, jobs: &[(usize, Range<u64>)], pins: &Pins) 
     }
 }
 
+/// What warm-up keeps besides the chunk store.
+#[derive(Clone, Copy)]
+struct Targets<'a> {
+    /// The hot set's pins.
+    pins: Option<&'a Pins>,
+    /// The file cache prefetch writes whole files to.
+    files: Option<&'a FileCache>,
+}
+
+/// One step of prefetch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// Make a compressed range of a layer local.
+    Fetch(usize, Range<u64>),
+    /// Write the `size`-byte file at a location to the file cache (the fetch steps
+    /// before it hold all its data).
+    Materialize(Location, u64),
+}
+
 fn run(
     image: &MountedImage,
     config: &WarmConfig,
     trace: Option<&Trace>,
     control: &Control,
-    pins: Option<&Pins>,
+    targets: Targets<'_>,
 ) {
     let stats = &image.stats;
     if config.prefetch {
         let jobs = prefetch_jobs(image, trace);
-        if let Some(pins) = pins {
+        if let Some(pins) = targets.pins {
             pin_hot_set(image, &jobs, pins);
         }
-        let fetched = run_jobs(&jobs, config.concurrency, control, |(layer, range)| {
-            let Some(source) = image.layer_source(*layer) else {
-                return;
-            };
-            match source.warm_range(range.clone()) {
-                Ok(n) => MountStats::add(&stats.bytes_prefetched, n),
-                Err(e) => tracing::warn!(
-                    layer,
-                    start = range.start,
-                    end = range.end,
-                    error = %e,
-                    "prefetch of a range failed; it will be read on demand"
-                ),
+        let min_file = targets.files.map(|f| f.config().min_file_bytes.max(1));
+        let steps = prefetch_steps(image, trace, &jobs, min_file);
+        let fetched = run_jobs(&steps, config.concurrency, control, |step| match step {
+            Step::Fetch(layer, range) => {
+                let Some(source) = image.layer_source(*layer) else {
+                    return;
+                };
+                match source.warm_range(range.clone()) {
+                    Ok(n) => MountStats::add(&stats.bytes_prefetched, n),
+                    Err(e) => tracing::warn!(
+                        layer,
+                        start = range.start,
+                        end = range.end,
+                        error = %e,
+                        "prefetch of a range failed; it will be read on demand"
+                    ),
+                }
+            }
+            Step::Materialize(loc, size) => {
+                if let Some(files) = targets.files {
+                    materialize(image, files, *loc, *size);
+                }
             }
         });
         if !fetched {
@@ -495,6 +547,119 @@ fn prefetch_jobs(image: &MountedImage, trace: Option<&Trace>) -> Vec<(usize, Ran
         }
     }
     jobs
+}
+
+/// The prefetch jobs as steps. With `min_file` (a file cache's smallest file), each
+/// file of at least that size the trace reads, whose data lies entirely inside the
+/// jobs' ranges of its layer, gets a materialize step right after the last fetch step
+/// holding a piece of it: prefetch then moves no byte the trace would not, and the file
+/// is cached before the workload, which reads in trace order, comes to it. A file read
+/// only in part (a library the loader maps and touches here and there) stays out.
+fn prefetch_steps(
+    image: &MountedImage,
+    trace: Option<&Trace>,
+    jobs: &[(usize, Range<u64>)],
+    min_file: Option<u64>,
+) -> Vec<Step> {
+    let fetches = jobs.iter().map(|(l, r)| Step::Fetch(*l, r.clone()));
+    let (Some(min_file), Some(trace)) = (min_file, trace) else {
+        return fetches.collect();
+    };
+    let layers = image.image.layers();
+    // Per layer, the jobs' ranges merged, to test containment.
+    let mut covered: HashMap<usize, Vec<Range<u64>>> = HashMap::new();
+    for (layer, r) in jobs {
+        covered.entry(*layer).or_default().push(r.clone());
+    }
+    for ranges in covered.values_mut() {
+        *ranges = merge_ranges(std::mem::take(ranges));
+    }
+    let mut after: HashMap<usize, Vec<(Location, u64)>> = HashMap::new();
+    let mut seen: HashSet<(usize, usize)> = HashSet::new();
+    for read in &trace.reads {
+        let Some(loc) = trace_location(image, &read.path) else {
+            continue;
+        };
+        let Some(entry) = layers
+            .get(loc.layer)
+            .and_then(|l| l.entries().get(loc.entry))
+        else {
+            continue;
+        };
+        if entry.size < min_file || !seen.insert((loc.layer, loc.entry)) {
+            continue;
+        }
+        if matches!(layers[loc.layer].format(), LayerFormat::Whole { .. }) {
+            continue; // held whole in memory: nothing to gain
+        }
+        let want = layers[loc.layer].ranges_for(loc.entry, 0, entry.size);
+        let Some(have) = covered.get(&loc.layer) else {
+            continue;
+        };
+        let inside = |w: &Range<u64>| {
+            let i = have.partition_point(|h| h.end <= w.start);
+            have.get(i)
+                .is_some_and(|h| h.start <= w.start && w.end <= h.end)
+        };
+        if want.is_empty() || !want.iter().all(inside) {
+            continue;
+        }
+        let last = jobs.iter().rposition(|(l, r)| {
+            *l == loc.layer && want.iter().any(|w| w.start < r.end && r.start < w.end)
+        });
+        if let Some(i) = last {
+            after.entry(i).or_default().push((loc, entry.size));
+        }
+    }
+    let mut steps = Vec::with_capacity(jobs.len() + seen.len());
+    for (i, step) in fetches.enumerate() {
+        steps.push(step);
+        for (loc, size) in after.remove(&i).unwrap_or_default() {
+            steps.push(Step::Materialize(loc, size));
+        }
+    }
+    steps
+}
+
+/// Sorted, disjoint ranges covering the same bytes as `ranges`.
+fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// Writes the file at `loc` to `files` unless it is there already. Its pieces were
+/// fetched by earlier steps or are in flight (the copy then waits for them).
+fn materialize(image: &MountedImage, files: &FileCache, loc: Location, size: u64) {
+    let Some(key) = crate::localfiles::file_key(image, loc, size) else {
+        return;
+    };
+    if files.contains(&key) {
+        return;
+    }
+    let Some(layer) = image.image.layers().get(loc.layer) else {
+        return;
+    };
+    let outcome = files.put(&key, size, |out| {
+        layer
+            .copy_file(loc.entry, out)
+            .map(|_| ())
+            .map_err(std::io::Error::other)
+    });
+    match outcome {
+        Ok(o) => {
+            tracing::debug!(key = %key.hex(), size, outcome = ?o, "prefetch cached a file")
+        }
+        Err(e) => {
+            tracing::warn!(key = %key.hex(), error = %e, "prefetch could not cache a file; it is served through the mount")
+        }
+    }
 }
 
 /// Where the data of the file a trace names lives, as this mount sees it. Resolved in

@@ -822,3 +822,100 @@ fn hot_keys_are_what_warm_range_makes_local() {
     );
     assert!(bare.layer_source(0).unwrap().hot_keys(span(0)).is_empty());
 }
+
+/// Prefetch writes a file to the file cache only when the trace's ranges hold all of
+/// its data (here `a`, read in two halves), right after the last of them, and fetches
+/// nothing more than without a file cache; a file read in part (`dir/c`) or too small
+/// for the cache (`b`) stays out.
+#[test]
+fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
+    let (blob, index, files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(&dir.path().join("store"));
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let config = crate::filecache::FileCacheConfig {
+        dir: Some(dir.path().join("files")),
+        min_file_bytes: 100 << 10,
+        eager_min_bytes: 0,
+        ..Default::default()
+    };
+    let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+    let trace = Trace {
+        reads: vec![
+            tr("/dir/c", 0, 70_000),
+            tr("/a", 0, 150 << 10),
+            tr("/b", 0, 5),
+            tr("/a", 150 << 10, 150 << 10),
+        ],
+    };
+    let layer = &image.image.layers()[0];
+    let loc = |p: &str| {
+        image
+            .tree
+            .get(image.tree.resolve(p).unwrap())
+            .unwrap()
+            .data
+            .unwrap()
+    };
+    let (a, c) = (loc("/a"), loc("/dir/c"));
+    let jobs = prefetch_jobs(&image, Some(&trace));
+    let steps = prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10));
+    let fetches: Vec<Step> = jobs
+        .iter()
+        .map(|(l, r)| Step::Fetch(*l, r.clone()))
+        .collect();
+    // The materialize step follows the last fetch holding a piece of `a`.
+    let a_ranges = layer.ranges_for(a.entry, 0, 300 << 10);
+    let last = jobs
+        .iter()
+        .rposition(|(_, r)| a_ranges.iter().any(|w| w.start < r.end && r.start < w.end))
+        .unwrap();
+    let mut want = fetches.clone();
+    want.insert(last + 1, Step::Materialize(a, 300 << 10));
+    assert_eq!(steps, want);
+    // Without a file cache: the fetch steps alone.
+    assert_eq!(prefetch_steps(&image, Some(&trace), &jobs, None), fetches);
+
+    start_with_files(
+        &image,
+        &prefetch_only(2),
+        Some(trace),
+        None,
+        Some(cache.clone()),
+    )
+    .wait();
+    let key = |l: ferry_index::merged::Location, size: u64| {
+        crate::localfiles::file_key(&image, l, size).unwrap()
+    };
+    let cached = cache
+        .get(&key(a, 300 << 10), 300 << 10)
+        .expect("a is cached");
+    let mut buf = vec![0u8; 300 << 10];
+    assert_eq!(cached.read_at(&mut buf, 0).unwrap(), buf.len());
+    assert_eq!(buf, files[0].1);
+    assert!(!cache.contains(&key(c, 200 << 10)), "c was read in part");
+    assert_eq!(cache.snapshot().files, 1);
+    // Caching `a` fetched nothing the trace did not.
+    let fetched: u64 = backend.log().iter().map(|r| r.end - r.start).sum();
+    assert_eq!(fetched, image.stats.snapshot().bytes_prefetched);
+    let traced: u64 = merge_ranges(jobs.iter().map(|(_, r)| r.clone()).collect())
+        .iter()
+        .map(|r| r.end - r.start)
+        .sum();
+    assert_eq!(fetched, traced);
+}
+
+#[test]
+fn merge_ranges_joins_overlapping_and_touching_ranges() {
+    assert_eq!(
+        merge_ranges(vec![5..9, 0..2, 2..3, 8..12, 20..21]),
+        vec![0..3, 5..12, 20..21]
+    );
+    assert!(merge_ranges(Vec::new()).is_empty());
+}
