@@ -26,8 +26,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_store::Store;
 use sha2::{Digest as _, Sha256};
@@ -278,6 +278,8 @@ struct State {
     total: u64,
     /// Keys queued or being written.
     pending: HashSet<FileKey>,
+    /// Keys a [`FileCache::put`] is writing now.
+    writing: HashSet<FileKey>,
 }
 
 /// The node-wide cache of decompressed files. Cheap to share (`Arc`).
@@ -287,6 +289,8 @@ pub struct FileCache {
     tmp_dir: PathBuf,
     chunk_store: Option<Arc<Store>>,
     state: Mutex<State>,
+    /// Signalled when a put ends (see [`FileCache::wait_written`]).
+    written: Condvar,
     stats: FileCacheStats,
     tmp_seq: AtomicU64,
     worker: Mutex<Option<SyncSender<Materialize>>>,
@@ -385,6 +389,7 @@ impl FileCache {
             tmp_dir,
             chunk_store,
             state: Mutex::new(State::default()),
+            written: Condvar::new(),
             stats: FileCacheStats::default(),
             tmp_seq: AtomicU64::new(0),
             worker: Mutex::new(None),
@@ -439,6 +444,32 @@ impl FileCache {
     /// True when `key` is cached (as far as this process knows).
     pub fn contains(&self, key: &FileKey) -> bool {
         lock(&self.state).items.contains_key(key)
+    }
+
+    /// Waits, at most `timeout`, while a put writes `key`; true when it is cached then.
+    /// An open that finds its file being written (prefetch materializes the files a
+    /// startup trace reads, just ahead of the workload) waits a moment for it and gets
+    /// the cached file, instead of serving every read of it through FUSE.
+    pub fn wait_written(&self, key: &FileKey, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&self.state);
+        while st.writing.contains(key) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self
+                .written
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        st.items.contains_key(key)
+    }
+
+    /// True while a put writes `key`.
+    pub fn is_writing(&self, key: &FileKey) -> bool {
+        lock(&self.state).writing.contains(key)
     }
 
     /// Opens cached file `key` when it is there and `len` bytes long; a use for the LRU.
@@ -508,9 +539,22 @@ impl FileCache {
         if len > self.config.max_bytes {
             return Ok(PutOutcome::TooLarge);
         }
-        if self.contains(key) {
-            return Ok(PutOutcome::AlreadyPresent);
+        {
+            let mut st = lock(&self.state);
+            if st.items.contains_key(key) {
+                return Ok(PutOutcome::AlreadyPresent);
+            }
+            st.writing.insert(*key);
         }
+        // Ends the `writing` mark on every path out, waking waiting opens.
+        struct Writing<'a>(&'a FileCache, FileKey);
+        impl Drop for Writing<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.state).writing.remove(&self.1);
+                self.0.written.notify_all();
+            }
+        }
+        let _writing = Writing(self, *key);
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let tmp_path = self.tmp_dir.join(format!("{}-{seq}", std::process::id()));
         let result = self.write_tmp(&tmp_path, len, fill);
@@ -886,6 +930,69 @@ mod tests {
         let n = f.read_at(&mut buf, 0).unwrap();
         buf.truncate(n);
         buf
+    }
+
+    /// An open that finds its file being written waits for it (bounded), and the mark
+    /// ends with the put however it ends.
+    #[test]
+    fn waiting_for_a_file_being_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Arc::new(FileCache::open(&config(dir.path(), 1 << 20), None).unwrap());
+        let (k, other) = (key(1), key(2));
+        assert!(
+            !cache.wait_written(&k, Duration::ZERO),
+            "neither cached nor written"
+        );
+        let (go, gate) = mpsc::channel::<bool>();
+        let writer = {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                cache.put(&k, 100, |w| {
+                    if gate.recv().unwrap() {
+                        w.write_all(&[7u8; 100])
+                    } else {
+                        Err(io::Error::other("fill failed"))
+                    }
+                })
+            })
+        };
+        while !cache.is_writing(&k) {
+            std::thread::yield_now();
+        }
+        assert!(!cache.is_writing(&other));
+        // Bounded: the put is still held.
+        assert!(!cache.wait_written(&k, Duration::from_millis(20)));
+        let waiter = {
+            let cache = cache.clone();
+            std::thread::spawn(move || cache.wait_written(&k, Duration::from_secs(30)))
+        };
+        go.send(true).unwrap();
+        assert!(waiter.join().unwrap(), "cached once the put ended");
+        assert_eq!(writer.join().unwrap().unwrap(), PutOutcome::Stored);
+        assert!(!cache.is_writing(&k));
+        assert_eq!(read_all(&cache.get(&k, 100).unwrap()), vec![7u8; 100]);
+
+        // A failed put ends the mark too; the waiter learns it is not cached.
+        let (go, gate) = mpsc::channel::<bool>();
+        let writer = {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                cache.put(&other, 100, |_| {
+                    if gate.recv().unwrap() {
+                        Ok(())
+                    } else {
+                        Err(io::Error::other("fill failed"))
+                    }
+                })
+            })
+        };
+        while !cache.is_writing(&other) {
+            std::thread::yield_now();
+        }
+        go.send(false).unwrap();
+        assert!(!cache.wait_written(&other, Duration::from_secs(30)));
+        assert!(writer.join().unwrap().is_err());
+        assert!(!cache.is_writing(&other));
     }
 
     #[test]

@@ -37,6 +37,10 @@ use crate::tree::{Ino, Node, NodeKind};
 /// restarts; a missed materialization is only a missed optimisation).
 const MAX_TRACKED: usize = 4096;
 
+/// Longest an open waits for its file while a put writes it to the cache: writing a
+/// few MiB takes tens of milliseconds; past this the open is served through FUSE.
+const WAIT_FOR_WRITE: std::time::Duration = std::time::Duration::from_millis(200);
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -139,8 +143,16 @@ impl<B> LocalFiles<B> {
             return OpenMode::Served(fh);
         };
         let key = self.key(loc, node.size);
-        let stats = self.cache.stats();
         let recording = self.image.is_recording();
+        if let Some(k) = &key
+            && !recording
+            && self.cache.is_writing(k)
+        {
+            // Prefetch is writing it just ahead of us: a short wait buys a file the
+            // kernel serves, where serving it now would inflate it a second time.
+            self.cache.wait_written(k, WAIT_FOR_WRITE);
+        }
+        let stats = self.cache.stats();
         let mut inodes = lock(&self.inodes);
         let state = inodes.entry(ino).or_insert(InodeOpens {
             opens: 0,
