@@ -550,9 +550,9 @@ fn prefetch_jobs(image: &MountedImage, trace: Option<&Trace>) -> Vec<(usize, Ran
 }
 
 /// The prefetch jobs as steps. With `min_file` (a file cache's smallest file), each
-/// file of at least that size the trace reads, whose data lies entirely inside the
-/// jobs' ranges of its layer, gets a materialize step right after the last fetch step
-/// holding a piece of it: prefetch then moves no byte the trace would not, and the file
+/// file of at least that size the trace reads, whose data lies inside the jobs' ranges
+/// of its layer (all of it, or all but [`MISSING_DIVISOR`]'s share, fetched first), gets
+/// a materialize step right after the last fetch step holding a piece of it: the file
 /// is cached before the workload, which reads in trace order, comes to it. A file read
 /// only in part (a library the loader maps and touches here and there) stays out.
 fn prefetch_steps(
@@ -574,7 +574,8 @@ fn prefetch_steps(
     for ranges in covered.values_mut() {
         *ranges = merge_ranges(std::mem::take(ranges));
     }
-    let mut after: HashMap<usize, Vec<(Location, u64)>> = HashMap::new();
+    // After job i: the missing pieces of files to cache, then the files.
+    let mut after: HashMap<usize, Vec<Step>> = HashMap::new();
     let mut seen: HashSet<(usize, usize)> = HashSet::new();
     for read in &trace.reads {
         let Some(loc) = trace_location(image, &read.path) else {
@@ -596,29 +597,55 @@ fn prefetch_steps(
         let Some(have) = covered.get(&loc.layer) else {
             continue;
         };
-        let inside = |w: &Range<u64>| {
-            let i = have.partition_point(|h| h.end <= w.start);
-            have.get(i)
-                .is_some_and(|h| h.start <= w.start && w.end <= h.end)
-        };
-        if want.is_empty() || !want.iter().all(inside) {
+        let wanted: u64 = want.iter().map(|w| w.end - w.start).sum();
+        let missing = subtract_ranges(&want, have);
+        let missing_bytes: u64 = missing.iter().map(|m| m.end - m.start).sum();
+        if wanted == 0 || missing_bytes.saturating_mul(MISSING_DIVISOR) > wanted {
             continue;
         }
         let last = jobs.iter().rposition(|(l, r)| {
             *l == loc.layer && want.iter().any(|w| w.start < r.end && r.start < w.end)
         });
         if let Some(i) = last {
-            after.entry(i).or_default().push((loc, entry.size));
+            let steps = after.entry(i).or_default();
+            steps.extend(missing.into_iter().map(|m| Step::Fetch(loc.layer, m)));
+            steps.push(Step::Materialize(loc, entry.size));
         }
     }
     let mut steps = Vec::with_capacity(jobs.len() + seen.len());
     for (i, step) in fetches.enumerate() {
         steps.push(step);
-        for (loc, size) in after.remove(&i).unwrap_or_default() {
-            steps.push(Step::Materialize(loc, size));
-        }
+        steps.extend(after.remove(&i).unwrap_or_default());
     }
     steps
+}
+
+/// A file the trace reads most of is cached whole when the pieces of it the trace
+/// leaves out are at most 1/N of its compressed bytes (they are fetched just before
+/// it). The start reads such a file nearly whole anyway (an executable, a library it
+/// walks through), and cached, the kernel serves all of it.
+const MISSING_DIVISOR: u64 = 4;
+
+/// The parts of `want` outside `have` (sorted and disjoint, as [`merge_ranges`] gives).
+fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut out = Vec::new();
+    for w in want {
+        let mut at = w.start;
+        let first = have.partition_point(|h| h.end <= w.start);
+        for h in &have[first..] {
+            if h.start >= w.end {
+                break;
+            }
+            if h.start > at {
+                out.push(at..h.start);
+            }
+            at = at.max(h.end);
+        }
+        if at < w.end {
+            out.push(at..w.end);
+        }
+    }
+    out
 }
 
 /// Sorted, disjoint ranges covering the same bytes as `ranges`.

@@ -919,3 +919,65 @@ fn merge_ranges_joins_overlapping_and_touching_ranges() {
     );
     assert!(merge_ranges(Vec::new()).is_empty());
 }
+
+/// A file the trace reads most of is cached too, its missing pieces fetched just before.
+#[test]
+fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
+    let (blob, index, _files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let image = mount(
+        vec![spec(&blob, Some(index), backend)],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let loc = |p: &str| {
+        image
+            .tree
+            .get(image.tree.resolve(p).unwrap())
+            .unwrap()
+            .data
+            .unwrap()
+    };
+    let layer = &image.image.layers()[0];
+    let a = loc("/a");
+    let a_all = layer.ranges_for(a.entry, 0, 300 << 10);
+    let rest = |trace: &Trace| {
+        let jobs = prefetch_jobs(&image, Some(trace));
+        let have = merge_ranges(jobs.iter().map(|(_, r)| r.clone()).collect());
+        let steps = prefetch_steps(&image, Some(trace), &jobs, Some(100 << 10));
+        (jobs, subtract_ranges(&a_all, &have), steps)
+    };
+    // `a` (300 KiB over five 64 KiB spans) read but for its last span: cached, the
+    // rest fetched just before.
+    let (jobs, missing, steps) = rest(&Trace {
+        reads: vec![tr("/a", 0, 200 << 10)],
+    });
+    assert!(!missing.is_empty());
+    let mut want: Vec<Step> = jobs
+        .iter()
+        .map(|(l, r)| Step::Fetch(*l, r.clone()))
+        .collect();
+    want.extend(missing.iter().map(|m| Step::Fetch(0, m.clone())));
+    want.push(Step::Materialize(a, 300 << 10));
+    assert_eq!(steps, want);
+    // Read only in its first half: left out, nothing more fetched.
+    let (jobs, missing, steps) = rest(&Trace {
+        reads: vec![tr("/a", 0, 120 << 10)],
+    });
+    let total = |rs: &[Range<u64>]| rs.iter().map(|r| r.end - r.start).sum::<u64>();
+    assert!(total(&missing) * MISSING_DIVISOR > total(&a_all));
+    assert_eq!(steps.len(), jobs.len());
+    assert!(steps.iter().all(|s| matches!(s, Step::Fetch(..))));
+}
+
+#[test]
+fn subtract_ranges_keeps_what_is_not_had() {
+    assert_eq!(
+        subtract_ranges(&[0..10], &[2..3, 5..7]),
+        vec![0..2, 3..5, 7..10]
+    );
+    assert_eq!(subtract_ranges(&[0..10, 20..30], &[0..25]), vec![25..30]);
+    assert!(subtract_ranges(&[4..6], &[0..10]).is_empty());
+    assert_eq!(subtract_ranges(&[4..6], &[]), vec![4..6]);
+}
