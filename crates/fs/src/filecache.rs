@@ -932,17 +932,15 @@ mod tests {
         buf
     }
 
-    /// An open that finds its file being written waits for it (bounded), and the mark
-    /// ends with the put however it ends.
-    #[test]
-    fn waiting_for_a_file_being_written() {
-        let dir = tempfile::tempdir().unwrap();
-        let cache = Arc::new(FileCache::open(&config(dir.path(), 1 << 20), None).unwrap());
-        let (k, other) = (key(1), key(2));
-        assert!(
-            !cache.wait_written(&k, Duration::ZERO),
-            "neither cached nor written"
-        );
+    /// A put of `k` (100 bytes of 7) held in its fill until the sender says whether the
+    /// fill succeeds; returns once the put has marked the key.
+    fn held_put(
+        cache: &Arc<FileCache>,
+        k: FileKey,
+    ) -> (
+        mpsc::Sender<bool>,
+        std::thread::JoinHandle<Result<PutOutcome>>,
+    ) {
         let (go, gate) = mpsc::channel::<bool>();
         let writer = {
             let cache = cache.clone();
@@ -959,6 +957,21 @@ mod tests {
         while !cache.is_writing(&k) {
             std::thread::yield_now();
         }
+        (go, writer)
+    }
+
+    /// An open that finds its file being written waits for it (bounded), and the mark
+    /// ends with the put however it ends.
+    #[test]
+    fn waiting_for_a_file_being_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Arc::new(FileCache::open(&config(dir.path(), 1 << 20), None).unwrap());
+        let (k, other) = (key(1), key(2));
+        assert!(
+            !cache.wait_written(&k, Duration::ZERO),
+            "neither cached nor written"
+        );
+        let (go, writer) = held_put(&cache, k);
         assert!(!cache.is_writing(&other));
         // Bounded: the put is still held.
         assert!(!cache.wait_written(&k, Duration::from_millis(20)));
@@ -973,22 +986,7 @@ mod tests {
         assert_eq!(read_all(&cache.get(&k, 100).unwrap()), vec![7u8; 100]);
 
         // A failed put ends the mark too; the waiter learns it is not cached.
-        let (go, gate) = mpsc::channel::<bool>();
-        let writer = {
-            let cache = cache.clone();
-            std::thread::spawn(move || {
-                cache.put(&other, 100, |_| {
-                    if gate.recv().unwrap() {
-                        Ok(())
-                    } else {
-                        Err(io::Error::other("fill failed"))
-                    }
-                })
-            })
-        };
-        while !cache.is_writing(&other) {
-            std::thread::yield_now();
-        }
+        let (go, writer) = held_put(&cache, other);
         go.send(false).unwrap();
         assert!(!cache.wait_written(&other, Duration::from_secs(30)));
         assert!(writer.join().unwrap().is_err());

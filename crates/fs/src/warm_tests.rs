@@ -106,6 +106,24 @@ fn read_file(image: &MountedImage, path: &str) -> Vec<u8> {
     buf
 }
 
+/// [`gzip_layer`] mounted merged, without a chunk store.
+fn storeless_gzip_image() -> Arc<MountedImage> {
+    let (blob, index, _) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    mount(
+        vec![spec(&blob, Some(index), backend)],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    )
+}
+
+/// Where the data of the file at `path` lives.
+fn data_of(image: &MountedImage, path: &str) -> ferry_index::merged::Location {
+    let node = image.tree.get(image.tree.resolve(path).unwrap()).unwrap();
+    node.data.unwrap()
+}
+
 fn tr(path: &str, offset: u64, len: u64) -> TraceRead {
     TraceRead {
         path: path.into(),
@@ -379,14 +397,7 @@ fn fill_without_a_store_does_nothing() {
 
 #[test]
 fn note_read_records_only_while_recording() {
-    let (blob, index, _) = gzip_layer();
-    let backend = LogBackend::new(blob.clone());
-    let image = mount(
-        vec![spec(&blob, Some(index), backend)],
-        None,
-        &View::Merged,
-        FetchConfig::default(),
-    );
+    let image = storeless_gzip_image();
     let a = image.tree.resolve("/a").unwrap();
     let c = image.tree.resolve("/dir/c").unwrap();
     image.note_read(a, 0, 4096);
@@ -855,14 +866,7 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
         ],
     };
     let layer = &image.image.layers()[0];
-    let loc = |p: &str| {
-        image
-            .tree
-            .get(image.tree.resolve(p).unwrap())
-            .unwrap()
-            .data
-            .unwrap()
-    };
+    let loc = |p: &str| data_of(&image, p);
     let (a, c) = (loc("/a"), loc("/dir/c"));
     let jobs = prefetch_jobs(&image, Some(&trace));
     let steps = prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10));
@@ -923,22 +927,8 @@ fn merge_ranges_joins_overlapping_and_touching_ranges() {
 /// A file the trace reads most of is cached too, its missing pieces fetched just before.
 #[test]
 fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
-    let (blob, index, _files) = gzip_layer();
-    let backend = LogBackend::new(blob.clone());
-    let image = mount(
-        vec![spec(&blob, Some(index), backend)],
-        None,
-        &View::Merged,
-        FetchConfig::default(),
-    );
-    let loc = |p: &str| {
-        image
-            .tree
-            .get(image.tree.resolve(p).unwrap())
-            .unwrap()
-            .data
-            .unwrap()
-    };
+    let image = storeless_gzip_image();
+    let loc = |p: &str| data_of(&image, p);
     let layer = &image.image.layers()[0];
     let a = loc("/a");
     let a_all = layer.ranges_for(a.entry, 0, 300 << 10);
