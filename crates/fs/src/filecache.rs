@@ -468,7 +468,8 @@ impl FileCache {
     }
 
     /// True while a put writes `key`.
-    pub fn is_writing(&self, key: &FileKey) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_writing(&self, key: &FileKey) -> bool {
         lock(&self.state).writing.contains(key)
     }
 

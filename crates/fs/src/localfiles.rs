@@ -146,10 +146,10 @@ impl<B> LocalFiles<B> {
         let recording = self.image.is_recording();
         if let Some(k) = &key
             && !recording
-            && self.cache.is_writing(k)
         {
-            // Prefetch is writing it just ahead of us: a short wait buys a file the
-            // kernel serves, where serving it now would inflate it a second time.
+            // When prefetch is writing it just ahead of us, a short wait buys a file the
+            // kernel serves, where serving it now would inflate it a second time
+            // (returns at once when nothing writes it).
             self.cache.wait_written(k, WAIT_FOR_WRITE);
         }
         let stats = self.cache.stats();
@@ -277,17 +277,7 @@ impl<B> LocalFiles<B> {
         only_if: Option<crate::filecache::CheckFn>,
     ) {
         let image = self.image.clone();
-        let fill = move |out: &mut dyn io::Write| -> io::Result<()> {
-            let layer = image
-                .image
-                .layers()
-                .get(loc.layer)
-                .ok_or_else(|| io::Error::other("no such layer"))?;
-            layer
-                .copy_file(loc.entry, out)
-                .map(|_| ())
-                .map_err(io::Error::other)
-        };
+        let fill = move |out: &mut dyn io::Write| copy_file_to(&image, loc, out);
         self.cache.schedule(Materialize {
             key,
             len: size,
@@ -310,6 +300,24 @@ pub(crate) fn file_key(image: &MountedImage, loc: Location, size: u64) -> Option
         LayerFormat::Whole { .. } => (image_layer_id(), "tar"),
     };
     Some(FileKey::new(&identity, space, entry.offset, size))
+}
+
+/// Writes the whole file at `loc` of `image` to `out` (what a materialization fills
+/// the file cache with).
+pub(crate) fn copy_file_to(
+    image: &MountedImage,
+    loc: Location,
+    out: &mut dyn io::Write,
+) -> io::Result<()> {
+    let layer = image
+        .image
+        .layers()
+        .get(loc.layer)
+        .ok_or_else(|| io::Error::other("no such layer"))?;
+    layer
+        .copy_file(loc.entry, out)
+        .map(|_| ())
+        .map_err(io::Error::other)
 }
 
 /// True when every byte of the file at `loc` can be read without a fetch: a layer

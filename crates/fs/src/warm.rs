@@ -422,11 +422,19 @@ fn run(
     let stats = &image.stats;
     if config.prefetch {
         let jobs = prefetch_jobs(image, trace);
-        if let Some(pins) = targets.pins {
-            pin_hot_set(image, &jobs, pins);
-        }
         let min_file = targets.files.map(|f| f.config().min_file_bytes.max(1));
         let steps = prefetch_steps(image, trace, &jobs, min_file);
+        if let Some(pins) = targets.pins {
+            // Everything prefetch fetches, the pieces it adds for cached files too.
+            let fetches: Vec<(usize, Range<u64>)> = steps
+                .iter()
+                .filter_map(|s| match s {
+                    Step::Fetch(l, r) => Some((*l, r.clone())),
+                    Step::Materialize(..) => None,
+                })
+                .collect();
+            pin_hot_set(image, &fetches, pins);
+        }
         let fetched = run_jobs(&steps, config.concurrency, control, |step| match step {
             Step::Fetch(layer, range) => {
                 let Some(source) = image.layer_source(*layer) else {
@@ -670,14 +678,8 @@ fn materialize(image: &MountedImage, files: &FileCache, loc: Location, size: u64
     if files.contains(&key) {
         return;
     }
-    let Some(layer) = image.image.layers().get(loc.layer) else {
-        return;
-    };
     let outcome = files.put(&key, size, |out| {
-        layer
-            .copy_file(loc.entry, out)
-            .map(|_| ())
-            .map_err(std::io::Error::other)
+        crate::localfiles::copy_file_to(image, loc, out)
     });
     match outcome {
         Ok(o) => {
