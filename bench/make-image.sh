@@ -24,7 +24,9 @@
 #               (compiler goes first: python3-scipy -> python3-pythran pulls
 #               in g++, so a compiler layer above datasci would be ~empty)
 #   4 java      default-jdk-headless
-#   5 app       /app/start.sh (imports numpy, prints "ready <version>")
+#   5 app       /app/start.sh (imports numpy, prints "ready <version>"), and the
+#               cold-start workloads /app/pandas.sh (pandas + numpy + scipy.linalg),
+#               /app/gcc.sh (compiles and runs /app/hello.c), /app/java.sh (java -version)
 # Medium image layers (same method):
 #   1 base      debootstrap --variant=minbase bookworm
 #   2 compiler  gcc libc6-dev
@@ -227,7 +229,30 @@ build_big() {
 # ferry benchmark entrypoint: time-to-ready = time until this prints "ready"
 exec python3 -c 'import numpy; print("ready", numpy.__version__)'
 EOF
-        chmod 755 "$BUILD/$name/app/start.sh"
+        # the cold-start workloads (bench/cold-start.sh WORKLOADS): each prints one line
+        # when its work is done, so "first output" is the start's whole cost
+        cat >"$BUILD/$name/app/pandas.sh" <<'EOF'
+#!/bin/sh
+exec python3 -c 'import pandas, numpy, scipy.linalg; print("ready pandas", pandas.__version__)'
+EOF
+        cat >"$BUILD/$name/app/hello.c" <<'EOF'
+#include <stdio.h>
+#include <math.h>
+int main(void) { printf("ready gcc %.3f\n", sqrt(2.0)); return 0; }
+EOF
+        cat >"$BUILD/$name/app/gcc.sh" <<'EOF'
+#!/bin/sh
+set -e
+gcc -O2 -o /tmp/hello /app/hello.c -lm
+exec /tmp/hello
+EOF
+        cat >"$BUILD/$name/app/java.sh" <<'EOF'
+#!/bin/sh
+# java -version prints to stderr; the first line on stdout is the benchmark's signal
+java -version 2>&1 | head -1 | sed 's/^/ready java /'
+EOF
+        chmod 755 "$BUILD/$name/app/start.sh" "$BUILD/$name/app/pandas.sh" \
+            "$BUILD/$name/app/gcc.sh" "$BUILD/$name/app/java.sh"
         printf 'ferry-bench image, built %s from Debian %s\n' "$(date -u +%FT%TZ)" "$SUITE" \
             >"$BUILD/$name/app/README"
         touch "$BUILD/.done-$name"

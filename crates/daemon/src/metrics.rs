@@ -48,6 +48,8 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let requests = Counters::default();
     let prefetched = Counters::default();
     let filled = Counters::default();
+    let read_waits = Counters::default();
+    let readahead = Counters::default();
     let prefetch_done = Gauges::default();
     let fill_done = Gauges::default();
     for m in backend.list() {
@@ -65,6 +67,8 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         requests.get_or_create(&labels).inc_by(s.requests);
         prefetched.get_or_create(&labels).inc_by(s.bytes_prefetched);
         filled.get_or_create(&labels).inc_by(s.bytes_filled);
+        read_waits.get_or_create(&labels).inc_by(s.read_waits);
+        readahead.get_or_create(&labels).inc_by(s.bytes_readahead);
         prefetch_done
             .get_or_create(&labels)
             .set(i64::from(s.prefetch_done));
@@ -101,6 +105,16 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         "mount_filled_bytes",
         "Compressed bytes fetched by background fill",
         filled,
+    );
+    registry.register(
+        "mount_read_waits",
+        "Reads that waited for the network (the start's critical path in round trips)",
+        read_waits,
+    );
+    registry.register(
+        "mount_readahead_bytes",
+        "Compressed bytes fetched by readahead along a layer's stream",
+        readahead,
     );
     registry.register(
         "mount_prefetch_done",

@@ -28,6 +28,11 @@ pub struct MountStats {
     pub bytes_prefetched: AtomicU64,
     /// Compressed bytes fetched by background fill.
     pub bytes_filled: AtomicU64,
+    /// Reads of a process that waited for the network: their own fetch or one in flight
+    /// they joined, each read counted once. The start's critical path in round trips.
+    pub read_waits: AtomicU64,
+    /// Compressed bytes fetched by readahead along a layer's stream (ahead of misses).
+    pub bytes_readahead: AtomicU64,
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
     pub hot_bytes: AtomicU64,
@@ -62,6 +67,12 @@ pub struct StatsSnapshot {
     pub bytes_prefetched: u64,
     /// See [`MountStats::bytes_filled`].
     pub bytes_filled: u64,
+    /// See [`MountStats::read_waits`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub read_waits: u64,
+    /// See [`MountStats::bytes_readahead`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub bytes_readahead: u64,
     /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub hot_bytes: u64,
@@ -87,6 +98,8 @@ impl MountStats {
             bytes_served: l(&self.bytes_served),
             bytes_prefetched: l(&self.bytes_prefetched),
             bytes_filled: l(&self.bytes_filled),
+            read_waits: l(&self.read_waits),
+            bytes_readahead: l(&self.bytes_readahead),
             hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),
