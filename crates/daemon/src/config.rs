@@ -66,6 +66,12 @@ pub struct FetchSection {
     /// Longest an uncached read waits (`"30s"`, `"500ms"`, `"2m"`; or seconds).
     #[serde(with = "duration_text")]
     pub timeout: Duration,
+    /// Largest readahead window along a layer's compressed stream (`"2M"`; 0: off): a
+    /// miss brings the spans after it in the same request, and a read catching up with
+    /// a window starts the next in the background, so a start waits for few round trips.
+    /// At most `request_size` (a window is one request).
+    #[serde(with = "size_text")]
+    pub readahead: u64,
 }
 
 impl Default for FetchSection {
@@ -74,6 +80,7 @@ impl Default for FetchSection {
             concurrency: 8,
             request_size: 8 << 20,
             timeout: Duration::from_secs(30),
+            readahead: ferry_fs::device::DEFAULT_READAHEAD_BYTES,
         }
     }
 }
@@ -271,6 +278,8 @@ impl DaemonConfig {
             concurrency: self.fetch.concurrency,
             max_request_bytes: self.fetch.request_size,
             timeout: self.fetch.timeout,
+            // A window is fetched in one request.
+            readahead_bytes: self.fetch.readahead.min(self.fetch.request_size),
         }
     }
 

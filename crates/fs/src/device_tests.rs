@@ -6,7 +6,7 @@ use std::io::Write;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::reader::{LayerFormat, LayerReader};
@@ -307,7 +307,12 @@ fn concurrent_reads_of_one_span_share_one_fetch() {
 fn corrupt_bytes_fail_the_read_and_are_never_stored() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(dir.path());
-    let rig = Rig::new(Some(store.clone()), FetchConfig::default());
+    // Without readahead: with it, the good neighbours in the same answer are stored.
+    let no_readahead = FetchConfig {
+        readahead_bytes: 0,
+        ..FetchConfig::default()
+    };
+    let rig = Rig::new(Some(store.clone()), no_readahead);
     rig.backend.corrupt.store(true, Ordering::SeqCst);
     let err = rig.read("a", 0, 1000).unwrap_err();
     assert!(err.to_string().contains("digest mismatch"), "{err}");
@@ -391,6 +396,8 @@ fn a_backend_that_never_answers_times_out_and_cached_data_is_still_served() {
     let config = FetchConfig {
         timeout: Duration::from_millis(100),
         concurrency: 1,
+        // (readahead would bring dir/c along with b)
+        readahead_bytes: 0,
         ..FetchConfig::default()
     };
     let rig = Rig::new(Some(store), config);
@@ -574,11 +581,24 @@ struct WindowRig {
 
 impl WindowRig {
     fn new(store: Option<Arc<Store>>, fallback: Option<Arc<TestBackend>>) -> WindowRig {
+        // These tests count windows exactly: readahead would bring its spans' windows too
+        // (readahead_brings_the_windows_of_the_spans_it_fetches covers that).
+        let config = FetchConfig {
+            readahead_bytes: 0,
+            ..FetchConfig::default()
+        };
+        Self::with_config(store, fallback, config)
+    }
+
+    fn with_config(
+        store: Option<Arc<Store>>,
+        fallback: Option<Arc<TestBackend>>,
+        config: FetchConfig,
+    ) -> WindowRig {
         let (blob, index, windows, files) = windowed_layer();
         let spans = TestBackend::new(blob);
         let windows = TestBackend::new(windows);
         let stats = Arc::new(MountStats::default());
-        let config = FetchConfig::default();
         let source = Arc::new(
             LayerSource::indexed(
                 spans.clone(),
@@ -885,4 +905,137 @@ fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound(
         3,
         "the first range is held"
     );
+}
+
+/// A layer of 48 files of 64 KiB (about one 64 KiB span each), its reader over a
+/// shared source (so it reads ahead in the background too) with `readahead` bytes and a
+/// store, the backend and the stats.
+fn readahead_rig(
+    readahead: u64,
+    store: Arc<Store>,
+) -> (LayerReader, Arc<TestBackend>, Arc<MountStats>, Files) {
+    let files: Files = (0..48)
+        .map(|i| (format!("pkg/m{i:02}.py"), noise(64 << 10, 100 + i)))
+        .collect();
+    let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, d)| (p.as_str(), d.clone())).collect();
+    let (blob, index) = indexed_gzip_layer(&named);
+    let backend = TestBackend::new(blob);
+    let stats = Arc::new(MountStats::default());
+    let config = FetchConfig {
+        readahead_bytes: readahead,
+        ..FetchConfig::default()
+    };
+    let source = LayerSource::indexed(
+        backend.clone(),
+        &index,
+        Some(store),
+        Limiter::new(config.concurrency),
+        config,
+        stats.clone(),
+    )
+    .into_shared();
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), source);
+    (reader, backend, stats, files)
+}
+
+/// Reads every file whole, in stream order, checking its bytes.
+fn read_all_in_order(reader: &LayerReader, files: &Files) {
+    for (path, data) in files {
+        let idx = reader
+            .entries()
+            .iter()
+            .position(|e| &e.path == path)
+            .unwrap();
+        let mut buf = vec![0u8; data.len()];
+        assert_eq!(reader.read_at(idx, 0, &mut buf).unwrap(), data.len());
+        assert_eq!(&buf, data, "{path}");
+    }
+}
+
+#[test]
+fn readahead_takes_round_trips_off_a_reader_moving_along_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, backend, stats, files) = readahead_rig(0, open_store(dir.path()));
+    read_all_in_order(&reader, &files);
+    let without = stats.snapshot();
+    assert_eq!(without.bytes_readahead, 0);
+    assert!(without.read_waits >= 40, "{without:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let (reader, ra_backend, stats, files) = readahead_rig(1 << 20, open_store(dir.path()));
+    read_all_in_order(&reader, &files);
+    let with = stats.snapshot();
+    assert!(
+        with.read_waits * 3 <= without.read_waits,
+        "readahead leaves a few waits, not one per span: {with:?}"
+    );
+    assert!(with.bytes_readahead > 0);
+    assert!(with.requests < without.requests, "fewer, larger requests");
+    // Every byte fetched once: readahead and reads share flights and the store.
+    let blob_len = ra_backend.blob.len() as u64;
+    assert!(ra_backend.bytes.load(Ordering::SeqCst) <= blob_len);
+    assert!(backend.bytes.load(Ordering::SeqCst) <= blob_len);
+}
+
+#[test]
+fn a_lone_read_far_from_the_last_fetches_only_a_small_window_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let readahead = 1 << 20;
+    let (reader, backend, stats, files) = readahead_rig(readahead, open_store(dir.path()));
+    let (path, data) = &files[30];
+    let idx = reader
+        .entries()
+        .iter()
+        .position(|e| &e.path == path)
+        .unwrap();
+    let mut buf = vec![0u8; 100];
+    reader.read_at(idx, 0, &mut buf).unwrap();
+    assert_eq!(&buf[..], &data[..100]);
+    let fetched = backend.bytes.load(Ordering::SeqCst);
+    // Its span (about 64 KiB, plus its neighbour when the read straddles two) and a
+    // first window of readahead/8.
+    assert!(
+        fetched <= 2 * (66 << 10) + readahead / READAHEAD_START_DIVISOR + (66 << 10),
+        "{fetched}"
+    );
+    assert_eq!(stats.snapshot().read_waits, 1);
+}
+
+#[test]
+fn the_link_meter_counts_bytes_per_second_of_busy_time() {
+    let meter = LinkMeter::default();
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    assert_eq!(meter.bytes_per_sec(), None);
+    // Two overlapping fetches in 0..100 ms, 1 MB each, then idle, then one in 1000..1100.
+    meter.begin(ms(0));
+    meter.begin(ms(20));
+    meter.end(ms(80), 1_000_000);
+    meter.end(ms(100), 1_000_000);
+    meter.begin(ms(1000));
+    meter.end(ms(1100), 1_000_000);
+    // 3 MB over 200 ms of busy time (the idle second does not count).
+    assert_eq!(meter.bytes_per_sec(), Some(15_000_000));
+}
+
+#[test]
+fn readahead_brings_the_windows_of_the_spans_it_fetches() {
+    let dir = tempfile::tempdir().unwrap();
+    let rig = WindowRig::with_config(Some(open_store(dir.path())), None, FetchConfig::default());
+    assert_eq!(rig.read("a", 0, 1000).unwrap(), &rig.content("a")[..1000]);
+    let (spans, windows) = (
+        rig.spans.calls.load(Ordering::SeqCst),
+        rig.windows.calls.load(Ordering::SeqCst),
+    );
+    assert_eq!(spans, 1, "the read and its readahead: one request");
+    assert!(rig.stats.snapshot().bytes_readahead > 0);
+    // A read further on, starting in a span the readahead brought (past the first
+    // checkpoint, so it needs that span's own window): nothing more is fetched.
+    let off = 150 << 10;
+    assert_eq!(
+        rig.read("a", off, 1000).unwrap(),
+        &rig.content("a")[off as usize..off as usize + 1000]
+    );
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), spans);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), windows);
 }

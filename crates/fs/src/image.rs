@@ -572,7 +572,7 @@ fn layer_reader(
         if let Some((backend, fallback)) = windows {
             source = source.with_windows(backend, fallback);
         }
-        let source = Arc::new(source);
+        let source = source.into_shared();
         let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
             .with_windows(source.clone())
             .with_inflated_cache(inflated_spans().clone());

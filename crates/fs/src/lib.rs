@@ -10,7 +10,9 @@
 //! * filesystem ([`tree`]): the inode tree built from the index's file tables;
 //! * device ([`device`]): file reads become the compressed spans the index names,
 //!   fetched once however many threads want them, merged when adjacent, verified
-//!   against the index's digests, bounded in time;
+//!   against the index's digests, bounded in time, with readahead along the layer's
+//!   stream ([`readahead`]: a miss fetches the window after it in the same request, a
+//!   reader catching up with a window starts the next one in the background);
 //! * cache: verified spans go into the node chunk store (`ferry-store`) and are read
 //!   from it first;
 //! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range).
@@ -25,6 +27,7 @@ pub mod filecache;
 pub mod fuse;
 pub mod image;
 mod localfiles;
+mod readahead;
 pub mod stats;
 pub mod trace;
 pub mod tree;

@@ -26,8 +26,11 @@
 //! Everything here goes through the layers' device sources ([`LayerSource::warm_range`],
 //! [`LayerSource::fill`]), so fetched bytes are verified, stored and shared with
 //! concurrent readers exactly like on-demand reads. It must not read around them (no
-//! second path to the backend) and must not starve foreground reads: fill backs off
-//! whenever a read waits for a fetch slot.
+//! second path to the backend) and must not slow a start: background fill begins only
+//! once the mount has served a read and reads have stopped waiting for the network for
+//! [`WarmConfig::fill_after_quiet_secs`], pauses again whenever one does, backs off
+//! whenever a read waits for a fetch slot, and takes at most
+//! [`WarmConfig::fill_link_percent`] of the link's measured throughput.
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -61,8 +64,18 @@ pub struct WarmConfig {
     pub background_fill: bool,
     /// Concurrent requests used by prefetch and fill (taken from the image's limit).
     pub concurrency: usize,
-    /// Background fill bandwidth cap in bytes per second (0: unlimited).
+    /// Background fill bandwidth cap in bytes per second (0: no fixed cap).
     pub fill_bytes_per_sec: u64,
+    /// Background fill takes at most this share (percent) of the link's measured
+    /// throughput ([`crate::device::link_bytes_per_sec`]), so that it never crowds the
+    /// registry link of the node; 0: no share bound (with `fill_bytes_per_sec = 0` too,
+    /// fill is unlimited).
+    pub fill_link_percent: u64,
+    /// Background fill of a mount starts once the mount has served a read (a container
+    /// uses it) and no read has waited for the network for this many seconds (the
+    /// start is over), and pauses whenever one does; 0: fill right after prefetch,
+    /// whether or not anything reads the mount.
+    pub fill_after_quiet_secs: u64,
 }
 
 impl Default for WarmConfig {
@@ -72,9 +85,20 @@ impl Default for WarmConfig {
             background_fill: true,
             concurrency: 4,
             fill_bytes_per_sec: 0,
+            fill_link_percent: DEFAULT_FILL_LINK_PERCENT,
+            fill_after_quiet_secs: DEFAULT_FILL_AFTER_QUIET_SECS,
         }
     }
 }
+
+/// Default [`WarmConfig::fill_link_percent`]: half the link stays for on-demand reads
+/// and other images' starts.
+pub const DEFAULT_FILL_LINK_PERCENT: u64 = 50;
+/// Default [`WarmConfig::fill_after_quiet_secs`]: a start's misses come in bursts well
+/// under a second apart; three seconds without one means it has settled.
+pub const DEFAULT_FILL_AFTER_QUIET_SECS: u64 = 3;
+/// Fill's pace while the link has not been measured yet (bytes per second).
+pub const FILL_UNMEASURED_BYTES_PER_SEC: u64 = 8 << 20;
 
 /// A recorded startup trace.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -466,6 +490,15 @@ fn run(
     if !config.background_fill {
         return;
     }
+    let quiet = Quiet::new(
+        Duration::from_secs(config.fill_after_quiet_secs),
+        stats.read_waits.load(Ordering::Relaxed),
+        Instant::now(),
+    );
+    // Fill is for mounts a container uses, once its start is over.
+    if !quiet.wait(stats, control) {
+        return;
+    }
     let layers: Vec<(usize, &Arc<LayerSource>)> = mount_layers(image)
         .filter_map(|l| image.layer_source(l).map(|s| (l, s)))
         .collect();
@@ -480,15 +513,16 @@ fn run(
         }
         jobs.extend(work.into_iter().map(|w| (*source, w)));
     }
-    let throttle = Throttle::new(config.fill_bytes_per_sec);
+    let throttle = Throttle::new(config.fill_bytes_per_sec, config.fill_link_percent);
     let gate = |limiter: &crate::device::Limiter, n: u64| -> bool {
-        // Yield to foreground reads: nothing new while one waits for a fetch slot.
+        // Yield to foreground reads: nothing new while one waits for a fetch slot, and
+        // after a read waited for the network, nothing until reads are quiet again.
         while limiter.waiting() > 0 {
             if !control.sleep(Duration::from_millis(5)) {
                 return false;
             }
         }
-        throttle.take(n, control)
+        quiet.wait(stats, control) && throttle.take(n, control)
     };
     // Leave foreground reads at least one slot of their own.
     let slots = layers.first().map_or(1, |(_, s)| s.limiter().slots());
@@ -729,19 +763,79 @@ fn run_jobs<T: Sync>(
     !control.stopped()
 }
 
-/// Paces background fill to a byte rate: each request reserves its bytes' share of
-/// time and waits for its turn.
+/// When background fill may run: the mount has served a read, and no read has waited
+/// for the network for `quiet` (none at all: at once). Pure but for [`Quiet::wait`].
+#[derive(Debug)]
+struct Quiet {
+    quiet: Duration,
+    /// The read waits last seen, and when they were first seen at that count.
+    last: Mutex<(u64, Instant)>,
+}
+
+impl Quiet {
+    fn new(quiet: Duration, read_waits: u64, now: Instant) -> Quiet {
+        Quiet {
+            quiet,
+            last: Mutex::new((read_waits, now)),
+        }
+    }
+
+    /// How much longer fill must wait, given the mount's counters now (`None`: fill
+    /// may go on). Never read yet: wait a whole quiet period and ask again.
+    fn remaining(&self, read_waits: u64, bytes_served: u64, now: Instant) -> Option<Duration> {
+        if self.quiet.is_zero() {
+            return None;
+        }
+        if bytes_served == 0 {
+            return Some(self.quiet);
+        }
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.0 != read_waits {
+            *last = (read_waits, now);
+            return Some(self.quiet);
+        }
+        let since = now.saturating_duration_since(last.1);
+        (since < self.quiet).then(|| self.quiet - since)
+    }
+
+    /// Sleeps until fill may go on; false when stopped first.
+    fn wait(&self, stats: &MountStats, control: &Control) -> bool {
+        loop {
+            let waits = stats.read_waits.load(Ordering::Relaxed);
+            let served = stats.bytes_served.load(Ordering::Relaxed);
+            match self.remaining(waits, served, Instant::now()) {
+                None => return !control.stopped(),
+                Some(d) => {
+                    if !control.sleep(d) {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Paces background fill to a byte rate: the fixed cap or the share of the measured
+/// link, whichever is lower (neither: unlimited); each request reserves its bytes'
+/// share of time and waits for its turn.
 struct Throttle {
     bytes_per_sec: u64,
+    link_percent: u64,
     next: Mutex<Instant>,
 }
 
 impl Throttle {
-    fn new(bytes_per_sec: u64) -> Throttle {
+    fn new(bytes_per_sec: u64, link_percent: u64) -> Throttle {
         Throttle {
             bytes_per_sec,
+            link_percent,
             next: Mutex::new(Instant::now()),
         }
+    }
+
+    /// The pace now, given the link's measured throughput (0: unlimited).
+    fn rate(&self, link: Option<u64>) -> u64 {
+        fill_rate(self.bytes_per_sec, self.link_percent, link)
     }
 
     /// Waits until `n` more bytes are within the rate; false when stopped meanwhile.
@@ -749,16 +843,33 @@ impl Throttle {
         if control.stopped() {
             return false;
         }
-        if self.bytes_per_sec == 0 {
+        let rate = self.rate(crate::device::link_bytes_per_sec());
+        if rate == 0 {
             return true;
         }
         let start = {
             let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
             let start = (*next).max(Instant::now());
-            *next = start + Duration::from_secs_f64(n as f64 / self.bytes_per_sec as f64);
+            *next = start + Duration::from_secs_f64(n as f64 / rate as f64);
             start
         };
         control.sleep(start.saturating_duration_since(Instant::now()))
+    }
+}
+
+/// Fill's pace in bytes per second (0: unlimited): the lower of the fixed cap
+/// (`bytes_per_sec`, 0: none) and `link_percent` of the link's measured throughput
+/// (`link`; unmeasured: [`FILL_UNMEASURED_BYTES_PER_SEC`]; percent 0: no share bound).
+fn fill_rate(bytes_per_sec: u64, link_percent: u64, link: Option<u64>) -> u64 {
+    let share = (link_percent > 0).then(|| match link {
+        Some(l) => (l / 100).saturating_mul(link_percent.min(100)).max(1),
+        None => FILL_UNMEASURED_BYTES_PER_SEC,
+    });
+    match (bytes_per_sec, share) {
+        (0, None) => 0,
+        (0, Some(s)) => s,
+        (cap, None) => cap,
+        (cap, Some(s)) => cap.min(s),
     }
 }
 

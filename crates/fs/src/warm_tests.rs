@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::source::{MemSource, RangeSource};
@@ -137,7 +137,16 @@ fn prefetch_only(concurrency: usize) -> WarmConfig {
         prefetch: true,
         background_fill: false,
         concurrency,
-        fill_bytes_per_sec: 0,
+        ..WarmConfig::default()
+    }
+}
+
+/// The shipped warm-up, but fill starts right after prefetch (these tests do not read
+/// the mount through FUSE, which fill waits for by default).
+fn fill_at_once() -> WarmConfig {
+    WarmConfig {
+        fill_after_quiet_secs: 0,
+        ..WarmConfig::default()
     }
 }
 
@@ -204,7 +213,7 @@ fn background_fill_makes_every_span_local() {
     };
     let warm = WarmConfig {
         concurrency: 2,
-        ..WarmConfig::default()
+        ..fill_at_once()
     };
     start(&image, &warm, Some(trace)).wait();
     let snap = image.stats.snapshot();
@@ -249,7 +258,7 @@ fn fill_stops_when_the_handle_is_dropped() {
     );
     let warm = WarmConfig {
         concurrency: 1,
-        ..WarmConfig::default()
+        ..fill_at_once()
     };
     let handle = start(&image, &warm, None);
     while backend.calls() == 0 {
@@ -294,7 +303,7 @@ fn single_layer_mount_warms_only_its_layer() {
     assert_eq!(b1.calls(), 1);
     let all = WarmConfig {
         concurrency: 2,
-        ..WarmConfig::default()
+        ..fill_at_once()
     };
     start(&image, &all, Some(trace)).wait();
     assert_eq!(b0.calls(), 0, "nor filled");
@@ -368,7 +377,7 @@ fn estargz_landmark_files_are_prefetched_and_the_blob_filled() {
         "the hot file is served from the prefetch"
     );
     // Fill: the whole blob goes into the store; nothing reaches the backend afterwards.
-    start(&image, &WarmConfig::default(), None).wait();
+    start(&image, &fill_at_once(), None).wait();
     assert!(image.stats.snapshot().fill_done);
     let calls = backend.calls();
     assert_eq!(read_file(&image, "cold"), cold);
@@ -388,7 +397,7 @@ fn fill_without_a_store_does_nothing() {
         &View::Merged,
         FetchConfig::default(),
     );
-    start(&image, &WarmConfig::default(), None).wait();
+    start(&image, &fill_at_once(), None).wait();
     assert_eq!(backend.calls(), 0);
     let snap = image.stats.snapshot();
     assert!(snap.prefetch_done);
@@ -414,9 +423,9 @@ fn note_read_records_only_while_recording() {
 #[test]
 fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
     let control = Arc::new(Control::default());
-    let unlimited = Throttle::new(0);
+    let unlimited = Throttle::new(0, 0);
     assert!(unlimited.take(u64::MAX, &control));
-    let slow = Arc::new(Throttle::new(1)); // one byte per second
+    let slow = Arc::new(Throttle::new(1, 0)); // one byte per second
     let before = *slow.next.lock().unwrap();
     assert!(slow.take(0, &control));
     // 10 bytes reserve 10 s: the next taker would wait that long, unless stopped.
@@ -493,7 +502,7 @@ fn traced_spans_stay_pinned_while_the_mount_lives_and_fill_is_not_pinned() {
     assert!(!hot.is_empty() && hot.len() < index.span_digests.len() / 2);
     let all = WarmConfig {
         concurrency: 2,
-        ..WarmConfig::default()
+        ..fill_at_once()
     };
     let mut handle = start_with_pins(&image, &all, Some(trace), pins_in(&store, "mount:/m"));
     handle.wait();
@@ -971,4 +980,91 @@ fn subtract_ranges_keeps_what_is_not_had() {
     assert_eq!(subtract_ranges(&[0..10, 20..30], &[0..25]), vec![25..30]);
     assert!(subtract_ranges(&[4..6], &[0..10]).is_empty());
     assert_eq!(subtract_ranges(&[4..6], &[]), vec![4..6]);
+}
+
+#[test]
+fn fill_waits_for_a_first_read_and_for_quiet_and_pauses_after_a_wait() {
+    let t0 = Instant::now();
+    let s = |n: u64| t0 + Duration::from_secs(n);
+    let quiet = Quiet::new(Duration::from_secs(3), 0, t0);
+    // Nothing read yet: the mount is not in use; wait and ask again.
+    assert_eq!(quiet.remaining(0, 0, s(100)), Some(Duration::from_secs(3)));
+    // Read, with reads waiting for the network until second 10.
+    assert_eq!(
+        quiet.remaining(5, 1000, s(10)),
+        Some(Duration::from_secs(3))
+    );
+    assert_eq!(
+        quiet.remaining(5, 2000, s(11)),
+        Some(Duration::from_secs(2))
+    );
+    // Reads that hit locally (served grows, waits do not) keep it quiet.
+    assert_eq!(quiet.remaining(5, 9000, s(13)), None);
+    // Another start misses: pause a whole quiet period from the moment it is seen.
+    assert_eq!(
+        quiet.remaining(6, 9500, s(20)),
+        Some(Duration::from_secs(3))
+    );
+    assert_eq!(
+        quiet.remaining(6, 9500, s(22)),
+        Some(Duration::from_secs(1))
+    );
+    assert_eq!(quiet.remaining(6, 9500, s(23)), None);
+    // 0: at once, read or not.
+    let now = Quiet::new(Duration::ZERO, 0, t0);
+    assert_eq!(now.remaining(0, 0, t0), None);
+    assert_eq!(now.remaining(7, 0, t0), None);
+}
+
+#[test]
+fn fill_rate_is_the_lower_of_the_cap_and_the_link_share() {
+    let mb = 1 << 20;
+    assert_eq!(fill_rate(0, 0, Some(100 * mb)), 0, "both off: unlimited");
+    assert_eq!(fill_rate(0, 50, Some(100 * mb)), (100 * mb / 100) * 50);
+    assert_eq!(fill_rate(0, 50, Some(200 * mb)), (200 * mb / 100) * 50);
+    assert_eq!(
+        fill_rate(10 * mb, 50, Some(200 * mb)),
+        10 * mb,
+        "the cap is lower"
+    );
+    assert_eq!(fill_rate(10 * mb, 0, Some(200 * mb)), 10 * mb);
+    assert_eq!(
+        fill_rate(0, 50, None),
+        FILL_UNMEASURED_BYTES_PER_SEC,
+        "not measured yet: a modest pace"
+    );
+    assert_eq!(fill_rate(0, 250, Some(100)), 100, "at most the whole link");
+    assert_eq!(
+        fill_rate(0, 50, Some(10)),
+        1,
+        "a tiny link: slow, never 0 (unlimited)"
+    );
+}
+
+#[test]
+fn with_the_shipped_defaults_fill_waits_for_the_mount_to_be_used() {
+    let (blob, index, _) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        Some(open_store(dir.path())),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let trace = Trace {
+        reads: vec![tr("/b", 0, 5)],
+    };
+    let handle = start(&image, &WarmConfig::default(), Some(trace));
+    while !image.stats.snapshot().prefetch_done {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let prefetched = backend.calls();
+    assert!(prefetched > 0);
+    // Nothing reads the mount: fill never starts, however long it waits.
+    handle.stop();
+    assert_eq!(backend.calls(), prefetched);
+    let snap = image.stats.snapshot();
+    assert_eq!(snap.bytes_filled, 0);
+    assert!(!snap.fill_done);
 }

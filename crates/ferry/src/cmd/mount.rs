@@ -149,6 +149,7 @@ pub fn run(args: Args) -> Result<()> {
         concurrency: args.concurrency,
         max_request_bytes: args.request_size,
         timeout: Duration::from_secs(args.timeout.max(1)),
+        ..FetchConfig::default()
     };
     let image = Arc::new(
         MountedImage::new(source, Some(Arc::new(store)), fetch, &view)
