@@ -38,9 +38,21 @@ fresh_containerd() { # [SNAPSHOTTER_SOCKET]
 DAEMON_PID=
 stop_daemon() {
     [[ -n $DAEMON_PID ]] || return 0
+    local killer holder
     kill "$DAEMON_PID" 2>/dev/null || true
+    # bounded: SIGKILL after 30 s
+    { sleep 30; kill -9 "$DAEMON_PID" 2>/dev/null; } &
+    killer=$!
     wait "$DAEMON_PID" 2>/dev/null || true
+    kill "$killer" 2>/dev/null || true
     DAEMON_PID=
+    # The daemon leaves its snapshotter mounts to its fd holder (`ferry daemon
+    # --fd-holder SOCK`, its own session) for a restarted daemon; unmounting them while
+    # it keeps their connections alive blocks for umount's timeout per layer. Ending
+    # this daemon's holder (found by its socket under our temp dir) aborts them at once.
+    for holder in $(pgrep -f -- "--fd-holder $E2E_TMP/ferry/run/fdstore.sock" || true); do
+        kill "$holder" 2>/dev/null || true
+    done
     e2e_umount_under "$E2E_TMP/ferry" 2>/dev/null || true
 }
 # start_daemon STORE_DIR [EXTRA_TOML]: a fresh `ferry daemon` whose config names only
