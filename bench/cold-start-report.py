@@ -48,8 +48,9 @@ def load(args):
     workloads = []
     with open(args.workloads) as f:
         for line in f:
-            name, cmd, trace_bytes = (line.rstrip("\n").split("\t") + ["", ""])[:3]
-            workloads.append({"name": name, "command": cmd, "trace_bytes": int(trace_bytes) if trace_bytes else None})
+            name, cmd, trace_bytes, trace = (line.rstrip("\n").split("\t") + ["", "", ""])[:4]
+            workloads.append({"name": name, "command": cmd, "trace_bytes": int(trace_bytes) if trace_bytes else None,
+                              "trace": trace or "none"})
     return rows, workloads
 
 
@@ -95,7 +96,7 @@ def ratios(rows, workloads):
                     continue
                 # what the command reads: its trace (all of it crossed FUSE, nothing
                 # cached), else what (b) served through FUSE
-                read = w["trace_bytes"] or b["served"]
+                read = (w["trace"] == "published" and w["trace_bytes"]) or b["served"]
                 add(reg, w, f"fetched before first output / read, (b) at {lat} ms", b["fetched_first"], read, 1.5, "<=")
     return out
 
@@ -139,6 +140,11 @@ def table(rows, workloads, ratio_rows, args):
         lines.append("ratios (issue 16)")
         for q in ratio_rows:
             lines.append(f"  {q['registry']:<7} {q['workload']:<8} {q['ratio']:<52} {q['value']:>7.2f}  goal {q['goal']:<6} {'met' if q['met'] else 'NOT met'}")
+    for w in workloads:
+        if w["trace"] == "failed":
+            lines.append(f"trace of {w['name']}: `ferry trace record` failed (trace-{w['name']}.txt), nothing published: its (c) ran without a trace")
+        elif w["trace"] == "partial":
+            lines.append(f"trace of {w['name']}: the command failed under `ferry trace record` (trace-{w['name']}.txt): its (c) ran with a partial trace")
     reads = [w for w in workloads if w["trace_bytes"]]
     if reads:
         lines.append("read = bytes the startup trace saw the command read: " + ", ".join(f"{w['name']} {w['trace_bytes'] / 1e6:.1f} MB" for w in reads))

@@ -72,7 +72,9 @@ for r in $REGISTRIES; do [[ $r == ferry || $r == docker ]] || e2e_die "unknown r
 for l in $LATENCIES; do [[ $l =~ ^[0-9]+$ ]] || e2e_die "latency $l is not whole milliseconds"; done
 has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 
+T_START=$(now)
 bench_prepare cold-start
+: >"$OUT/timeline.log"
 RAW=$OUT/raw.tsv
 printf 'registry\tlatency_ms\tworkload\tphase\tround\tfirst_s\tpull_s\twire\twire_first\tfetched\tfetched_first\trequests\trequests_first\tread_waits\tread_waits_first\tserved\tcpu_daemon_s\tcpu_registry_s\trss_kib\n' >"$RAW"
 
@@ -87,6 +89,9 @@ sub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 # proxy_down: bytes the proxy has sent towards the node so far ("" when none runs)
 PROXY_PID='' PROXY_STATS=''
 proxy_down() { [[ -z $PROXY_PID ]] || jq .down "$PROXY_STATS"; }
+# mark WHAT: a line in $OUT/timeline.log (seconds since the bench started), to see where
+# a run's wall time goes besides the timed starts
+mark() { printf '%s %s\n' "$(since "$T_START")" "$*" >>"$OUT/timeline.log"; }
 sum_of() { jq "[.mounts[].stats.$2] | add // 0" "$1"; } # STATUS_FILE FIELD
 cold_cache() { sync; echo 3 >/proc/sys/vm/drop_caches; }
 
@@ -115,7 +120,7 @@ clone_layout "$IMG" "$LAYOUT"
 e2e_log "image $IMG:$TAG: $(tail -1 "$OUT/index.txt")"
 IMAGE_BYTES=$(jq '[.layers[].size] | add' "$(manifest_of "$LAYOUT" "$TAG")")
 
-declare -A REG_AT REG_PID_OF TRACE_BYTES
+declare -A REG_AT REG_PID_OF TRACE_BYTES TRACE_STATUS
 for r in $REGISTRIES; do
     if [[ $r == ferry ]]; then
         : >"$E2E_TMP/reg-ferry.toml"
@@ -133,6 +138,7 @@ for r in $REGISTRIES; do
     copy "oci:$LAYOUT:$TAG" "${REG_AT[$r]}/bench/plain:v1"
     for w in $WORKLOADS; do copy "${REG_AT[$r]}/bench/plain:v1" "${REG_AT[$r]}/bench/$w:v1"; done
 done
+mark "published"
 e2e_log "published to $(for r in $REGISTRIES; do printf '%s ' "$r=${REG_AT[$r]}"; done)"
 
 # Traces: recorded once per workload against the first registry, copied to the others.
@@ -140,20 +146,30 @@ if has_phase c || has_phase d; then
     first_reg=${REGISTRIES%% *}
     for w in $WORKLOADS; do
         rm -rf "$E2E_TMP/store-trace"
+        TRACE_STATUS[$w]=published
         if ! "$FERRY" trace record --store "$E2E_TMP/store-trace" --publish --plain-http \
             "${REG_AT[$first_reg]}/bench/$w:v1" -- "$(workload_cmd "$w")" >"$OUT/trace-$w.txt" 2>&1; then
-            e2e_log "warning: ferry trace record for $w failed (what it recorded is kept): $(tail -1 "$OUT/trace-$w.txt")"
+            # (c) then runs without a trace; the report says so
+            TRACE_STATUS[$w]=failed
+            e2e_log "warning: ferry trace record for $w failed: $(tail -1 "$OUT/trace-$w.txt")"
+        elif grep -qiE '^ready.*(error|cannot|not found)' "$OUT/trace-$w.txt"; then
+            # exited 0 but printed an error as its line (java.sh pipes java's stderr)
+            TRACE_STATUS[$w]=partial
+            e2e_log "warning: the command failed under ferry trace record for $w; its trace is partial"
         fi
         # "ferry: recorded N files, R reads, B bytes"
         TRACE_BYTES[$w]=$(sed -n 's/^ferry: recorded .*, \([0-9]*\) bytes$/\1/p' "$OUT/trace-$w.txt" | tail -1)
         e2e_log "trace $w: $(grep 'recorded' "$OUT/trace-$w.txt" || echo none)"
         for r in $REGISTRIES; do
-            [[ $r == "$first_reg" ]] || copy "${TRACE_TYPES[@]}" "${REG_AT[$first_reg]}/bench/$w:v1" "${REG_AT[$r]}/bench/$w:v1"
+            [[ $r == "$first_reg" || ${TRACE_STATUS[$w]} == failed ]] || copy "${TRACE_TYPES[@]}" "${REG_AT[$first_reg]}/bench/$w:v1" "${REG_AT[$r]}/bench/$w:v1"
         done
     done
     rm -rf "$E2E_TMP/store-trace"
+    mark "traces recorded"
 fi
-for w in $WORKLOADS; do printf '%s\t%s\t%s\n' "$w" "$(workload_cmd "$w")" "${TRACE_BYTES[$w]:-}"; done >"$OUT/workloads.tsv"
+for w in $WORKLOADS; do
+    printf '%s\t%s\t%s\t%s\n' "$w" "$(workload_cmd "$w")" "${TRACE_BYTES[$w]:-}" "${TRACE_STATUS[$w]:-none}"
+done >"$OUT/workloads.tsv"
 
 # ---------------------------------------------------------------- the latency proxy
 start_proxy() { # UPSTREAM DELAY_MS: sets PROXY_ADDR, PROXY_PID, PROXY_STATS
@@ -177,8 +193,10 @@ stop_proxy() {
 # (a) for every workload: one pull, then each workload's run right after it
 phase_a() { # REGISTRY LATENCY HOST
     local ref=$3/bench/plain:v1 pull_s cpu0 wire0 w run_s
+    mark "$1 $2 (a): start"
     fresh_containerd
     cold_cache
+    mark "$1 $2 (a): caches dropped"
     cpu0=$(cpu_secs "$PHASE_REG_PID") wire0=$(proxy_down)
     T0=$(now)
     ctr_ image pull --plain-http "$ref" >/dev/null
@@ -191,18 +209,33 @@ phase_a() { # REGISTRY LATENCY HOST
         T0=$(now)
         first_output ctr_ run --rm "$ref" "bench-$CTR_ID" "$(workload_cmd "$w")"
         run_s=$(cat "$E2E_TMP/seconds")
+        check_line "$w"
         row "$1" "$2" "$w" a "$(awk -v p="$pull_s" -v r="$run_s" 'BEGIN { printf "%.3f", p + r }')" "$pull_s" \
             "$wire" "$wire" "" "" "" "" "" "" "" "" "$cpu_r" ""
         e2e_log "$1 ${2}ms $w (a): pull ${pull_s}s + run ${run_s}s ($(cat "$E2E_TMP/first-line"))"
     done
 }
 
+# check_line WORKLOAD: warn when the first line is an error rather than the workload's
+# "ready" (java.sh pipes java's stderr, so a failure still prints a line)
+check_line() {
+    if grep -qiE 'error|cannot|not found' "$E2E_TMP/first-line" || ! grep -q '^ready' "$E2E_TMP/first-line"; then
+        e2e_log "warning: $1 printed '$(cat "$E2E_TMP/first-line")', not its ready line"
+    fi
+}
+
 # (b) (c) (d): a fresh daemon on STORE, fresh containerd, ferry pull + run
 phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     local cpu_d0 cpu_r0 wire0 pull_s first end=$E2E_TMP/end-status.json
+    mark "$1 $2 $3 ($4): start"
+    stop_daemon
+    mark "$1 $2 $3 ($4): previous daemon stopped"
     start_daemon "$6"
+    mark "$1 $2 $3 ($4): daemon up"
     fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
+    mark "$1 $2 $3 ($4): containerd up"
     if [[ $4 == d ]]; then sync; else cold_cache; fi
+    mark "$1 $2 $3 ($4): caches dropped"
     rm -f "$E2E_TMP"/first-*
     cpu_d0=$(cpu_secs "$DAEMON_PID") cpu_r0=$(cpu_secs "$PHASE_REG_PID") wire0=$(proxy_down)
     T0=$(now)
@@ -210,6 +243,8 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     pull_s=$(since "$T0")
     CTR_ID=$((CTR_ID + 1))
     first_output ctr_ run --rm --snapshotter ferry "$5" "bench-$CTR_ID" "$(workload_cmd "$3")"
+    mark "$1 $2 $3 ($4): run done"
+    check_line "$3"
     status_json >"$end"
     first=$E2E_TMP/first-status.json
     local wire="" wire_first=""
@@ -238,17 +273,23 @@ wait_prefetch() { # at most 120 s
     e2e_log "prefetch or file cache not done after 120 s"
 }
 
-# (e) the floor: the image extracted once (whiteouts applied), with /proc and a /dev of
-# its own (a tmpfs with the usual nodes, not a bind of the host's: the temp dir is removed
-# recursively at exit, and must never reach the host's devices)
-ROOTFS=$E2E_TMP/rootfs
+# (e) the floor: the image extracted once (whiteouts applied) and kept for later runs in
+# $ROOTFS_CACHE/<manifest digest>, with /proc and a /dev of its own mounted inside for
+# the run (a tmpfs with the usual nodes, not a bind of the host's /dev)
+ROOTFS=${ROOTFS_CACHE:-$BENCH_ROOT/bench/out/rootfs}/$(basename "$(manifest_of "$IMG" "$TAG")")
 if has_phase e; then
-    e2e_log "extracting $IMG:$TAG for the chroot phase"
-    oci_extract "$IMG" "$TAG" "$ROOTFS" --xattrs
+    if [[ ! -f $ROOTFS.done ]]; then
+        e2e_log "extracting $IMG:$TAG to $ROOTFS for the chroot phase"
+        rm -rf "$ROOTFS"
+        oci_extract "$IMG" "$TAG" "$ROOTFS" --xattrs
+        touch "$ROOTFS.done"
+        mark "extracted"
+    fi
     mkdir -p "$ROOTFS/proc" "$ROOTFS/dev" "$ROOTFS/tmp"
     mount -t proc proc "$ROOTFS/proc"
+    e2e_defer "umount $ROOTFS/proc"
     mount -t tmpfs -o mode=755,size=1m devfs "$ROOTFS/dev"
-    e2e_defer "umount $ROOTFS/proc; umount $ROOTFS/dev"
+    e2e_defer "umount $ROOTFS/dev"
     for node in null:1:3 zero:1:5 full:1:7 random:1:8 urandom:1:9 tty:5:0; do
         IFS=: read -r name major minor <<<"$node"
         mknod -m 666 "$ROOTFS/dev/$name" c "$major" "$minor"
@@ -260,6 +301,7 @@ phase_e() { # WORKLOAD
     T0=$(now)
     first_output chroot "$ROOTFS" /usr/bin/env -i HOME=/root \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$(workload_cmd "$1")"
+    check_line "$1"
     row - - "$1" e "$(cat "$E2E_TMP/seconds")" "" "" "" "" "" "" "" "" "" "" "" "" ""
     e2e_log "$1 (e) chroot: first output after $(cat "$E2E_TMP/seconds") s ($(cat "$E2E_TMP/first-line"))"
 }
@@ -284,6 +326,7 @@ for ROUND in $(seq "$RUNS"); do
                 if has_phase c || has_phase d; then
                     phase_ferry "$r" "$l" "$w" c "$host/bench/$w:v1" "$E2E_TMP/store-c"
                     if has_phase d; then
+                        mark "$r $l $w: waiting for prefetch"
                         wait_prefetch # the warm store holds what the trace names and what (c) read
                         phase_ferry "$r" "$l" "$w" d "$host/bench/$w:v1" "$E2E_TMP/store-c"
                     fi
