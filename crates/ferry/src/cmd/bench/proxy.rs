@@ -66,6 +66,7 @@ pub trait Clock: Send + Sync {
 }
 
 /// The runtime's clock.
+#[derive(Debug)]
 pub struct RuntimeClock;
 
 impl Clock for RuntimeClock {
@@ -175,6 +176,16 @@ pub struct Relay {
     pub idle_timeout: Duration,
     pub clock: Arc<dyn Clock>,
     pub counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("upstream", &self.upstream)
+            .field("delay", &self.delay)
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Relay {
@@ -303,6 +314,7 @@ pub fn run(args: ProxyArgs) -> Result<()> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::collections::VecDeque;
@@ -465,6 +477,6 @@ mod tests {
             idle_timeout: Duration::from_secs(1),
         };
         let e = run(args).unwrap_err();
-        assert!(e.to_string().contains("loopback only"), "{e}");
+        assert!(e.to_string().contains("loopback addresses only"), "{e}");
     }
 }
