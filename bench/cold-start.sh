@@ -346,7 +346,10 @@ python3 "$HERE/cold-start-report.py" --raw "$RAW" --workloads "$OUT/workloads.ts
 cat "$OUT/result.txt"
 if command -v gnuplot >/dev/null; then
     gnuplot "$OUT/chart.gp" && e2e_log "chart: $OUT/cold-start.png"
-    if [[ -n ${CHART_TO:-} ]]; then cp "$OUT/cold-start.png" "$CHART_TO" && e2e_log "chart copied to $CHART_TO"; fi
+    if [[ -n ${CHART_TO:-} ]]; then
+        mkdir -p "$(dirname "$CHART_TO")"
+        cp "$OUT/cold-start.png" "$CHART_TO" && e2e_log "chart copied to $CHART_TO"
+    fi
 else
     e2e_log "gnuplot not installed (scripts/deps.sh): no chart"
 fi

@@ -25,14 +25,16 @@ use anyhow::{Context, Result, bail};
 use ferry_registry::loadtest;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::time::Instant;
 
 /// Largest chunk read (and queued) at once.
 const CHUNK_BYTES: usize = 64 * 1024;
-/// Chunks queued per direction: at most 16 MiB in flight, enough for loopback bandwidth
-/// at tens of milliseconds of delay.
-const QUEUE_CHUNKS: usize = 256;
+/// Bytes queued per direction: 16 MiB keeps loopback bandwidth at tens of milliseconds
+/// of delay, however small the reads.
+const QUEUE_BYTES: usize = 16 << 20;
+/// Chunks queued per direction (a second bound, for floods of tiny reads).
+const QUEUE_CHUNKS: usize = 4096;
 /// How often the stats file is rewritten (when a counter moved).
 const STATS_EVERY: Duration = Duration::from_millis(20);
 
@@ -105,11 +107,14 @@ pub struct Chunk {
 }
 
 /// Reads `from` until its end, queueing each chunk with its due time (arrival on
-/// `clock` + `delay`); the end of the stream is queued as an empty chunk. Returns when
-/// the stream ended or the writer went away; an idle read longer than `idle` is an error.
+/// `clock` + `delay`); the end of the stream is queued as an empty chunk. Each chunk takes
+/// its size from `budget` (the writer gives it back once sent), so the queue never holds
+/// more than the budget. Returns when the stream ended or the writer went away; an idle
+/// read longer than `idle` is an error.
 pub async fn read_side<R: AsyncRead + Unpin>(
     mut from: R,
     queue: mpsc::Sender<Chunk>,
+    budget: &Semaphore,
     clock: &dyn Clock,
     delay: Duration,
     idle: Duration,
@@ -123,6 +128,13 @@ pub async fn read_side<R: AsyncRead + Unpin>(
             due: clock.now() + delay,
             data: buf[..n].to_vec(),
         };
+        if n > 0 {
+            // n <= CHUNK_BYTES fits u32; an error means the semaphore was closed
+            match budget.acquire_many(n as u32).await {
+                Ok(permits) => permits.forget(),
+                Err(_) => return Ok(()),
+            }
+        }
         if queue.send(chunk).await.is_err() || n == 0 {
             return Ok(());
         }
@@ -130,10 +142,12 @@ pub async fn read_side<R: AsyncRead + Unpin>(
 }
 
 /// Sends each queued chunk to `to` at its due time, in order, counting what it wrote
-/// in `delivered`; shuts `to` down at the queued end of the stream.
+/// in `delivered` and giving its size back to `budget`; shuts `to` down at the queued end
+/// of the stream.
 pub async fn write_side<W: AsyncWrite + Unpin>(
     mut queue: mpsc::Receiver<Chunk>,
     mut to: W,
+    budget: &Semaphore,
     delivered: &AtomicU64,
 ) -> io::Result<()> {
     while let Some(chunk) = queue.recv().await {
@@ -143,6 +157,7 @@ pub async fn write_side<W: AsyncWrite + Unpin>(
         }
         to.write_all(&chunk.data).await?;
         delivered.fetch_add(chunk.data.len() as u64, Ordering::Relaxed);
+        budget.add_permits(chunk.data.len());
     }
     Ok(())
 }
@@ -161,9 +176,10 @@ where
     W: AsyncWrite + Unpin,
 {
     let (tx, rx) = mpsc::channel(QUEUE_CHUNKS);
+    let budget = Semaphore::new(QUEUE_BYTES);
     tokio::try_join!(
-        read_side(from, tx, clock, delay, idle),
-        write_side(rx, to, delivered)
+        read_side(from, tx, &budget, clock, delay, idle),
+        write_side(rx, to, &budget, delivered)
     )?;
     Ok(())
 }
@@ -357,7 +373,8 @@ mod tests {
         let input = Chunks([b"ab".to_vec(), b"cde".to_vec(), b"f".to_vec()].into());
         let (tx, mut rx) = mpsc::channel(8);
         let delay = Duration::from_millis(25);
-        read_side(input, tx, &clock, delay, Duration::from_secs(5))
+        let budget = Semaphore::new(16);
+        read_side(input, tx, &budget, &clock, delay, Duration::from_secs(5))
             .await
             .unwrap();
         let mut got = Vec::new();
@@ -376,6 +393,41 @@ mod tests {
             got, want,
             "one chunk per read, due = arrival + delay, end last"
         );
+        assert_eq!(budget.available_permits(), 10, "6 bytes queued, 6 taken");
+    }
+
+    #[tokio::test]
+    async fn a_full_budget_holds_the_reader_until_the_writer_gives_bytes_back() {
+        let budget = Arc::new(Semaphore::new(3));
+        let (tx, mut rx) = mpsc::channel(8);
+        let reader = {
+            let budget = budget.clone();
+            tokio::spawn(async move {
+                let input = Chunks([b"ab".to_vec(), b"cd".to_vec()].into());
+                read_side(
+                    input,
+                    tx,
+                    &budget,
+                    &RuntimeClock,
+                    Duration::ZERO,
+                    Duration::from_secs(5),
+                )
+                .await
+            })
+        };
+        // on this single-threaded runtime the reader runs until it has to wait
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(rx.recv().await.unwrap().data, b"ab");
+        assert!(
+            rx.try_recv().is_err(),
+            "\"cd\" must wait: 2 of 3 bytes are queued"
+        );
+        budget.add_permits(2); // the writer sent "ab"
+        assert_eq!(rx.recv().await.unwrap().data, b"cd");
+        assert_eq!(rx.recv().await.unwrap().data, b"", "then the end");
+        reader.await.unwrap().unwrap();
     }
 
     #[tokio::test]
@@ -393,11 +445,17 @@ mod tests {
         drop(tx);
         let (w, mut r) = tokio::io::duplex(64);
         let delivered = AtomicU64::new(0);
-        write_side(rx, w, &delivered).await.unwrap();
+        let budget = Semaphore::new(0);
+        write_side(rx, w, &budget, &delivered).await.unwrap();
         let mut out = Vec::new();
         r.read_to_end(&mut out).await.unwrap(); // ends: the writer shut down
         assert_eq!(out, b"one two three");
         assert_eq!(delivered.load(Ordering::Relaxed), 13);
+        assert_eq!(
+            budget.available_permits(),
+            13,
+            "what was sent is given back"
+        );
     }
 
     /// Pseudo-random bytes, so a reordered or dropped chunk cannot go unnoticed.
