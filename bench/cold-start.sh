@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
-# bench/cold-start.sh — time from `pull` to a container's first output, cold node, in one
-# run, ferry next to containerd's ordinary pull:
+# bench/cold-start.sh — time from `pull` to a container's first output on a cold node,
+# ferry with the configuration it ships next to containerd's ordinary pull and to the
+# same command on a local disk, per registry, registry latency and workload:
 #
 #   (a) containerd: `ctr image pull` + `ctr run` (overlayfs): download and unpack every
-#       layer, then start — the traditional path and the peer
-#   (b) ferry, empty chunk store, no trace:  `ferry pull` + `ctr run --snapshotter ferry`
-#   (c) ferry, empty chunk store, with the startup trace published next to the image
-#   (d) ferry, warm chunk store (what (c) left), fresh containerd and daemon
+#       layer, then start. The pull is made once per registry and latency (it does not
+#       depend on the workload) and each workload's run follows it: (a) = pull + run.
+#   (b) ferry, empty store, no trace: `ferry pull` + `ctr run --snapshotter ferry`
+#   (c) ferry, empty store, with the workload's startup trace published beside the image
+#       (`ferry trace record --publish`, once per workload)
+#   (d) ferry, warm store (what (c) left once its prefetch and file cache were done),
+#       fresh containerd and daemon
+#   (e) the command in a chroot of the image's extracted root filesystem (with /proc and
+#       /dev), cold page cache: the floor. Once per workload and round, no registry.
 #
-# Each phase gets a fresh containerd root (no content, no snapshots) and, for ferry, a
-# fresh daemon; (b) and (c) also an empty store. Background fill is off in (b)/(c) so the
-# bytes fetched are what the start needed. Printed per phase: seconds to first output,
-# compressed bytes fetched, uncompressed bytes the container read through FUSE (files the
-# file cache holds whole are read by the kernel by passthrough and not seen), and the
-# daemon's RSS; then the ratios the issues ask for (fetched/read against what the command
-# reads: all of it crosses FUSE in (b), where nothing is cached).
+# The daemon's config names only paths: every other setting is the embedded default
+# (`ferry daemon --print-config`), background fill included. Each phase gets a fresh
+# containerd root and, for ferry, a fresh daemon; (a), (b), (c) and (e) start after
+# `sync` and dropping the page cache, (d) after `sync`. A registry "N ms away" is
+# `ferry bench proxy --delay Nms` in front of it (both containerd and ferry go through
+# it); at 0 ms they talk to the registry directly.
+#
+# Measured per phase: seconds to first output (the workloads print one line when their
+# work is done); bytes over the wire (the proxy's count of bytes sent to the node, where
+# a proxy runs) and the daemon's `bytes_fetched`, both at the end of the run and at the
+# moment the first line arrived; Range requests (`requests`) and reads that waited for
+# the network (`read_waits`), summed over mounts; CPU seconds (utime+stime) of the daemon
+# and of the registry from the start of the pull to the first line; the daemon's RSS
+# after the run. Raw rows, medians (TSV, JSON), a table with the ratios issue 16 asks for
+# and a chart (gnuplot) go to $OUT.
 #
 #   bench/cold-start.sh [RUNS]        RUNS rounds (default 1); medians are reported
 #
-# Env: IMG (OCI layout, default bench/out/image from bench/make-image.sh), TAG,
-# START_CMD (default /app/start.sh), OUT (results dir, default bench/out/cold-start).
-# Needs root, containerd, runc, and the Debian packages scripts/deps.sh installs.
+# Env (see bench/README.md): IMG, TAG, WORKLOADS, REGISTRIES, LATENCIES, PHASES,
+# START_CMD, OUT, CHART_TO, FERRY. Needs root, containerd, runc, docker-registry, gnuplot
+# (for the chart) and the Debian packages scripts/deps.sh installs.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=bench/lib.sh
@@ -30,49 +44,222 @@ source "$HERE/lib.sh"
 source "$HERE/lib-containerd.sh"
 
 RUNS=${1:-1}
-bench_setup cold-start # publishes REF (gets a trace: phases c, d) and REF_PLAIN (never traced: b)
+if [[ -n ${START_CMD:-} ]]; then
+    # one custom workload (scripts/demo): short matrix unless asked for more
+    WORKLOADS=custom
+    REGISTRIES=${REGISTRIES:-ferry}
+    LATENCIES=${LATENCIES:-0}
+else
+    WORKLOADS=${WORKLOADS:-numpy pandas gcc java}
+    REGISTRIES=${REGISTRIES:-ferry docker}
+    LATENCIES=${LATENCIES:-0 10 25}
+fi
+PHASES=${PHASES:-a b c d e}
+TRACE_TYPES=(--referrer-type application/vnd.ferry.index.v1 --referrer-type application/vnd.ferry.trace.v1+json)
 
-# Before each timed phase: write back what earlier phases left dirty ((a) unpacks 1.2 GB,
-# and removing a containerd root is not free either), so no phase pays for another's I/O.
-quiesce() { sync; }
-
-run_containerd() {
-    fresh_containerd
-    quiesce
-    T0=$(now)
-    ctr_ image pull --plain-http "$REF" >/dev/null
-    since "$T0" >"$E2E_TMP/pull-seconds"
-    CTR_ID=$((CTR_ID + 1))
-    first_output ctr_ run --rm "$REF" "bench-$CTR_ID" "$START_CMD"
+workload_cmd() {
+    case $1 in
+        numpy) echo /app/start.sh ;;   # python3 -c 'import numpy'
+        pandas) echo /app/pandas.sh ;; # import pandas, numpy, scipy.linalg
+        gcc) echo /app/gcc.sh ;;       # compile and run a small C program
+        java) echo /app/java.sh ;;     # java -version
+        custom) echo "$START_CMD" ;;
+        *) return 1 ;;
+    esac
 }
-run_ferry() { # REF STORE PREFETCH
-    local ref=$1
-    shift
-    start_daemon "$1" "$2"
-    fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
-    quiesce
-    T0=$(now)
-    ferry_pull_ctr "$ref"
-    since "$T0" >"$E2E_TMP/pull-seconds"
-    CTR_ID=$((CTR_ID + 1))
-    first_output ctr_ run --rm --snapshotter ferry "$ref" "bench-$CTR_ID" "$START_CMD"
+for w in $WORKLOADS; do workload_cmd "$w" >/dev/null || e2e_die "unknown workload $w (numpy pandas gcc java)"; done
+for r in $REGISTRIES; do [[ $r == ferry || $r == docker ]] || e2e_die "unknown registry $r (ferry docker)"; done
+for l in $LATENCIES; do [[ $l =~ ^[0-9]+$ ]] || e2e_die "latency $l is not whole milliseconds"; done
+has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
+
+T_START=$(now)
+bench_prepare cold-start
+: >"$OUT/timeline.log"
+RAW=$OUT/raw.tsv
+printf 'registry\tlatency_ms\tworkload\tphase\tround\tfirst_s\tpull_s\twire\twire_first\tfetched\tfetched_first\trequests\trequests_first\tread_waits\tread_waits_first\tserved\tcpu_daemon_s\tcpu_registry_s\trss_kib\n' >"$RAW"
+
+# ---------------------------------------------------------------- measuring helpers
+CLK_TCK=$(getconf CLK_TCK)
+cpu_secs() { # PID -> utime+stime in seconds (0 when there is no such process)
+    [[ -n ${1:-} && -r /proc/$1/stat ]] || { echo 0; return; }
+    # fields after "PID (comm) ": state=1 … utime=12 stime=13
+    sed 's/^.*) //' "/proc/$1/stat" | awk -v t="$CLK_TCK" '{ printf "%.2f", ($12 + $13) / t }'
+}
+sub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
+# proxy_down: bytes the proxy has sent towards the node so far ("" when none runs)
+PROXY_PID='' PROXY_STATS=''
+proxy_down() { [[ -z $PROXY_PID ]] || jq .down "$PROXY_STATS"; }
+# mark WHAT: a line in $OUT/timeline.log (seconds since the bench started), to see where
+# a run's wall time goes besides the timed starts
+mark() { printf '%s %s\n' "$(since "$T_START")" "$*" >>"$OUT/timeline.log"; }
+sum_of() { jq "[.mounts[].stats.$2] | add // 0" "$1"; } # STATUS_FILE FIELD
+cold_cache() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+
+# ON_FIRST_LINE hook: what the node had done when the first line arrived
+snapshot_first() {
+    if [[ -n $DAEMON_PID ]]; then
+        status_json >"$E2E_TMP/first-status.json" 2>/dev/null || echo '{"mounts":[]}' >"$E2E_TMP/first-status.json"
+        cpu_secs "$DAEMON_PID" >"$E2E_TMP/first-cpu-daemon"
+    fi
+    cpu_secs "$PHASE_REG_PID" >"$E2E_TMP/first-cpu-registry"
+    proxy_down >"$E2E_TMP/first-wire"
+}
+ON_FIRST_LINE=snapshot_first
+
+# row REGISTRY LATENCY WORKLOAD PHASE FIRST PULL WIRE WIRE_FIRST FETCHED FETCHED_FIRST
+#     REQUESTS REQUESTS_FIRST WAITS WAITS_FIRST SERVED CPU_D CPU_R RSS  (empty = not measured)
+row() {
+    local IFS=$'\t'
+    printf '%s\n' "$1	$2	$3	$4	$ROUND	${*:5}" >>"$RAW"
+}
+
+# ---------------------------------------------------------------- registries and image
+LAYOUT=$E2E_TMP/layout
+clone_layout "$IMG" "$LAYOUT"
+"$FERRY" index "oci:$LAYOUT:$TAG" >"$OUT/index.txt"
+e2e_log "image $IMG:$TAG: $(tail -1 "$OUT/index.txt")"
+IMAGE_BYTES=$(jq '[.layers[].size] | add' "$(manifest_of "$LAYOUT" "$TAG")")
+
+declare -A REG_AT REG_PID_OF TRACE_BYTES TRACE_STATUS
+for r in $REGISTRIES; do
+    if [[ $r == ferry ]]; then
+        : >"$E2E_TMP/reg-ferry.toml"
+        start_ferry_registry reg-ferry "$E2E_TMP/reg-ferry.toml" >/dev/null || e2e_die "ferry registry did not start"
+    else
+        start_docker_registry reg-docker >/dev/null || e2e_die "docker-registry did not start"
+    fi
+    REG_AT[$r]=$REG_ADDR
+    REG_PID_OF[$r]=$REG_PID
+done
+copy() { "$FERRY" copy --plain-http "$@" >>"$OUT/copy.txt" 2>&1 || { tail -5 "$OUT/copy.txt" >&2; e2e_die "ferry copy $*"; }; }
+# bench/plain (never traced: (b)) and one repository per workload (its trace: (c), (d)),
+# blobs pushed once per registry and mounted into the other repositories
+for r in $REGISTRIES; do
+    copy "oci:$LAYOUT:$TAG" "${REG_AT[$r]}/bench/plain:v1"
+    for w in $WORKLOADS; do copy "${REG_AT[$r]}/bench/plain:v1" "${REG_AT[$r]}/bench/$w:v1"; done
+done
+mark "published"
+e2e_log "published to $(for r in $REGISTRIES; do printf '%s ' "$r=${REG_AT[$r]}"; done)"
+
+# Traces: recorded once per workload against the first registry, copied to the others.
+if has_phase c || has_phase d; then
+    first_reg=${REGISTRIES%% *}
+    for w in $WORKLOADS; do
+        rm -rf "$E2E_TMP/store-trace"
+        TRACE_STATUS[$w]=published
+        if ! "$FERRY" trace record --store "$E2E_TMP/store-trace" --publish --plain-http \
+            "${REG_AT[$first_reg]}/bench/$w:v1" -- "$(workload_cmd "$w")" >"$OUT/trace-$w.txt" 2>&1; then
+            # (c) then runs without a trace; the report says so
+            TRACE_STATUS[$w]=failed
+            e2e_log "warning: ferry trace record for $w failed: $(tail -1 "$OUT/trace-$w.txt")"
+        elif grep -qiE '^ready.*(error|cannot|not found)' "$OUT/trace-$w.txt"; then
+            # exited 0 but printed an error as its line (java.sh pipes java's stderr)
+            TRACE_STATUS[$w]=partial
+            e2e_log "warning: the command failed under ferry trace record for $w; its trace is partial"
+        fi
+        # "ferry: recorded N files, R reads, B bytes"
+        TRACE_BYTES[$w]=$(sed -n 's/^ferry: recorded .*, \([0-9]*\) bytes$/\1/p' "$OUT/trace-$w.txt" | tail -1)
+        e2e_log "trace $w: $(grep 'recorded' "$OUT/trace-$w.txt" || echo none)"
+        for r in $REGISTRIES; do
+            [[ $r == "$first_reg" || ${TRACE_STATUS[$w]} == failed ]] || copy "${TRACE_TYPES[@]}" "${REG_AT[$first_reg]}/bench/$w:v1" "${REG_AT[$r]}/bench/$w:v1"
+        done
+    done
+    rm -rf "$E2E_TMP/store-trace"
+    mark "traces recorded"
+fi
+for w in $WORKLOADS; do
+    printf '%s\t%s\t%s\t%s\n' "$w" "$(workload_cmd "$w")" "${TRACE_BYTES[$w]:-}" "${TRACE_STATUS[$w]:-none}"
+done >"$OUT/workloads.tsv"
+
+# ---------------------------------------------------------------- the latency proxy
+start_proxy() { # UPSTREAM DELAY_MS: sets PROXY_ADDR, PROXY_PID, PROXY_STATS
+    PROXY_ADDR=127.0.0.1:$(free_port)
+    PROXY_STATS=$E2E_TMP/proxy-stats.json
+    rm -f "$PROXY_STATS"
+    "$FERRY" bench proxy --listen "$PROXY_ADDR" --upstream "$1" --delay "${2}ms" \
+        --stats "$PROXY_STATS" >>"$OUT/proxy.log" 2>&1 &
+    PROXY_PID=$!
+    E2E_PIDS+=("$PROXY_PID")
+    wait_for 10 "proxy stats" test -s "$PROXY_STATS" || e2e_die "ferry bench proxy did not start (log $OUT/proxy.log)"
+}
+stop_proxy() {
+    [[ -n $PROXY_PID ]] || return 0
+    kill "$PROXY_PID" 2>/dev/null || true
+    wait "$PROXY_PID" 2>/dev/null || true
+    PROXY_PID=
 }
 
 # ---------------------------------------------------------------- phases
-declare -A T P FETCHED SERVED RSS
-record() { # PHASE (after a run: reads $E2E_TMP/seconds)
-    local secs
-    secs=$(cat "$E2E_TMP/seconds")
-    T[$1]+="$secs "
-    P[$1]+="$(cat "$E2E_TMP/pull-seconds") "
-    if [[ $1 != a ]]; then
-        FETCHED[$1]=$(status_sum bytes_fetched)
-        SERVED[$1]=$(status_sum bytes_served)
-        RSS[$1]=$(mem_of "$DAEMON_PID" | cut -d' ' -f1)
-        # where the RSS sits (anon vs file, threads), for tuning
-        cat "/proc/$DAEMON_PID/status" "/proc/$DAEMON_PID/smaps_rollup" >"$OUT/daemon-mem-$1.txt" 2>/dev/null || true
+# (a) for every workload: one pull, then each workload's run right after it
+phase_a() { # REGISTRY LATENCY HOST
+    local ref=$3/bench/plain:v1 pull_s cpu0 wire0 w run_s
+    mark "$1 $2 (a): start"
+    fresh_containerd
+    cold_cache
+    mark "$1 $2 (a): caches dropped"
+    cpu0=$(cpu_secs "$PHASE_REG_PID") wire0=$(proxy_down)
+    T0=$(now)
+    ctr_ image pull --plain-http "$ref" >/dev/null
+    pull_s=$(since "$T0")
+    local cpu_r wire
+    cpu_r=$(sub "$(cpu_secs "$PHASE_REG_PID")" "$cpu0")
+    wire=$([[ -z $PROXY_PID ]] || sub "$(proxy_down)" "$wire0" | cut -d. -f1)
+    for w in $WORKLOADS; do
+        CTR_ID=$((CTR_ID + 1))
+        T0=$(now)
+        first_output ctr_ run --rm "$ref" "bench-$CTR_ID" "$(workload_cmd "$w")"
+        run_s=$(cat "$E2E_TMP/seconds")
+        check_line "$w"
+        row "$1" "$2" "$w" a "$(awk -v p="$pull_s" -v r="$run_s" 'BEGIN { printf "%.3f", p + r }')" "$pull_s" \
+            "$wire" "$wire" "" "" "" "" "" "" "" "" "$cpu_r" ""
+        e2e_log "$1 ${2}ms $w (a): pull ${pull_s}s + run ${run_s}s ($(cat "$E2E_TMP/first-line"))"
+    done
+}
+
+# check_line WORKLOAD: warn when the first line is an error rather than the workload's
+# "ready" (java.sh pipes java's stderr, so a failure still prints a line)
+check_line() {
+    if grep -qiE 'error|cannot|not found' "$E2E_TMP/first-line" || ! grep -q '^ready' "$E2E_TMP/first-line"; then
+        e2e_log "warning: $1 printed '$(cat "$E2E_TMP/first-line")', not its ready line"
     fi
-    e2e_log "phase $1: first output after $secs s ($(cat "$E2E_TMP/first-line"))"
+}
+
+# (b) (c) (d): a fresh daemon on STORE, fresh containerd, ferry pull + run
+phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
+    local cpu_d0 cpu_r0 wire0 pull_s first end=$E2E_TMP/end-status.json
+    mark "$1 $2 $3 ($4): start"
+    stop_daemon
+    mark "$1 $2 $3 ($4): previous daemon stopped"
+    start_daemon "$6"
+    mark "$1 $2 $3 ($4): daemon up"
+    fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
+    mark "$1 $2 $3 ($4): containerd up"
+    if [[ $4 == d ]]; then sync; else cold_cache; fi
+    mark "$1 $2 $3 ($4): caches dropped"
+    rm -f "$E2E_TMP"/first-*
+    cpu_d0=$(cpu_secs "$DAEMON_PID") cpu_r0=$(cpu_secs "$PHASE_REG_PID") wire0=$(proxy_down)
+    T0=$(now)
+    ferry_pull_ctr "$5"
+    pull_s=$(since "$T0")
+    CTR_ID=$((CTR_ID + 1))
+    first_output ctr_ run --rm --snapshotter ferry "$5" "bench-$CTR_ID" "$(workload_cmd "$3")"
+    mark "$1 $2 $3 ($4): run done"
+    check_line "$3"
+    status_json >"$end"
+    first=$E2E_TMP/first-status.json
+    local wire="" wire_first=""
+    if [[ -n $PROXY_PID ]]; then
+        wire=$(sub "$(proxy_down)" "$wire0" | cut -d. -f1)
+        wire_first=$(sub "$(cat "$E2E_TMP/first-wire")" "$wire0" | cut -d. -f1)
+    fi
+    row "$1" "$2" "$3" "$4" "$(cat "$E2E_TMP/seconds")" "$pull_s" "$wire" "$wire_first" \
+        "$(sum_of "$end" bytes_fetched)" "$(sum_of "$first" bytes_fetched)" \
+        "$(sum_of "$end" requests)" "$(sum_of "$first" requests)" \
+        "$(sum_of "$end" read_waits)" "$(sum_of "$first" read_waits)" "$(sum_of "$end" bytes_served)" \
+        "$(sub "$(cat "$E2E_TMP/first-cpu-daemon")" "$cpu_d0")" \
+        "$(sub "$(cat "$E2E_TMP/first-cpu-registry")" "$cpu_r0")" \
+        "$(mem_of "$DAEMON_PID" | cut -d' ' -f1)"
+    e2e_log "$1 ${2}ms $3 ($4): first output after $(cat "$E2E_TMP/seconds") s, $(sum_of "$first" bytes_fetched) B fetched by then ($(cat "$E2E_TMP/first-line"))"
 }
 
 # (c) leaves a warm node: prefetch done and the file cache's deferred materializations
@@ -86,43 +273,83 @@ wait_prefetch() { # at most 120 s
     e2e_log "prefetch or file cache not done after 120 s"
 }
 
-# Record the startup trace once (its own store and mount) and publish it next to REF.
-"$FERRY" trace record --store "$E2E_TMP/store-trace" --publish --plain-http "$REF" -- "$START_CMD" \
-    >"$OUT/trace.txt" 2>&1 || { cat "$OUT/trace.txt" >&2; e2e_die "ferry trace record failed"; }
-rm -rf "$E2E_TMP/store-trace"
-e2e_log "trace: $(tail -1 "$OUT/trace.txt")"
+# (e) the floor: the image extracted once (whiteouts applied) and kept for later runs in
+# $ROOTFS_CACHE/<manifest digest>, with /proc and a /dev of its own mounted inside for
+# the run (a tmpfs with the usual nodes, not a bind of the host's /dev)
+ROOTFS=${ROOTFS_CACHE:-$BENCH_ROOT/bench/out/rootfs}/$(basename "$(manifest_of "$IMG" "$TAG")")
+if has_phase e; then
+    if [[ ! -f $ROOTFS.done ]]; then
+        e2e_log "extracting $IMG:$TAG to $ROOTFS for the chroot phase"
+        rm -rf "$ROOTFS"
+        oci_extract "$IMG" "$TAG" "$ROOTFS" --xattrs
+        touch "$ROOTFS.done"
+        mark "extracted"
+    fi
+    mkdir -p "$ROOTFS/proc" "$ROOTFS/dev" "$ROOTFS/tmp"
+    mount -t proc proc "$ROOTFS/proc"
+    e2e_defer "umount $ROOTFS/proc"
+    mount -t tmpfs -o mode=755,size=1m devfs "$ROOTFS/dev"
+    e2e_defer "umount $ROOTFS/dev"
+    for node in null:1:3 zero:1:5 full:1:7 random:1:8 urandom:1:9 tty:5:0; do
+        IFS=: read -r name major minor <<<"$node"
+        mknod -m 666 "$ROOTFS/dev/$name" c "$major" "$minor"
+    done
+    ln -s /proc/self/fd "$ROOTFS/dev/fd"
+fi
+phase_e() { # WORKLOAD
+    cold_cache
+    T0=$(now)
+    first_output chroot "$ROOTFS" /usr/bin/env -i HOME=/root \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$(workload_cmd "$1")"
+    check_line "$1"
+    row - - "$1" e "$(cat "$E2E_TMP/seconds")" "" "" "" "" "" "" "" "" "" "" "" "" ""
+    e2e_log "$1 (e) chroot: first output after $(cat "$E2E_TMP/seconds") s ($(cat "$E2E_TMP/first-line"))"
+}
 
-for round in $(seq "$RUNS"); do
-    e2e_log "round $round/$RUNS"
-    run_containerd && record a
-    rm -rf "$E2E_TMP/store-b" "$E2E_TMP/store-c"
-    run_ferry "$REF_PLAIN" "$E2E_TMP/store-b" false && record b
-    run_ferry "$REF" "$E2E_TMP/store-c" true && record c
-    wait_prefetch # the warm store holds what the trace names and what (c) read
-    run_ferry "$REF" "$E2E_TMP/store-c" true && record d
+T_BENCH=$SECONDS
+for ROUND in $(seq "$RUNS"); do
+    e2e_log "round $ROUND/$RUNS"
+    PHASE_REG_PID=
+    if has_phase e; then for w in $WORKLOADS; do phase_e "$w"; done; fi
+    for r in $REGISTRIES; do
+        PHASE_REG_PID=${REG_PID_OF[$r]}
+        for l in $LATENCIES; do
+            host=${REG_AT[$r]}
+            if ((l > 0)); then
+                start_proxy "$host" "$l"
+                host=$PROXY_ADDR
+            fi
+            if has_phase a; then phase_a "$r" "$l" "$host"; fi
+            for w in $WORKLOADS; do
+                rm -rf "$E2E_TMP/store-b" "$E2E_TMP/store-c"
+                if has_phase b; then phase_ferry "$r" "$l" "$w" b "$host/bench/plain:v1" "$E2E_TMP/store-b"; fi
+                if has_phase c || has_phase d; then
+                    phase_ferry "$r" "$l" "$w" c "$host/bench/$w:v1" "$E2E_TMP/store-c"
+                    if has_phase d; then
+                        mark "$r $l $w: waiting for prefetch"
+                        wait_prefetch # the warm store holds what the trace names and what (c) read
+                        phase_ferry "$r" "$l" "$w" d "$host/bench/$w:v1" "$E2E_TMP/store-c"
+                    fi
+                fi
+                stop_daemon
+            done
+            stop_proxy
+        done
+    done
 done
-# The daemon's memory once the start is over: the inflated-span cache ([fuse]
-# inflated_cache) gives its memory back within two 5 s ticks of the last read.
-sleep 11
-RSS_IDLE=$(mem_of "$DAEMON_PID" | cut -d' ' -f1)
-stop_daemon
 stop_containerd >/dev/null 2>&1 || true
+e2e_log "measured in $((SECONDS - T_BENCH)) s"
 
 # ---------------------------------------------------------------- report
-med() { tr ' ' '\n' <<<"$1" | grep . | median; }
-ta=$(med "${T[a]}"); tb=$(med "${T[b]}"); tc=$(med "${T[c]}"); td=$(med "${T[d]}")
-row() { printf '%-44s %8s %8s %12s %12s %9s\n' "$@"; }
-{
-    echo "cold start, $REF ($(du -sh --apparent-size "$IMG/blobs" | cut -f1) layout), command $START_CMD, $RUNS round(s), medians"
-    row phase "first" "pull" "fetched" "read(FUSE)" "RSS"
-    row "(a) ctr image pull + ctr run (overlayfs)" "$ta" "$(med "${P[a]}")" - - -
-    row "(b) ferry, empty store, no trace" "$tb" "$(med "${P[b]}")" "${FETCHED[b]}" "${SERVED[b]}" "${RSS[b]}K"
-    row "(c) ferry, empty store, trace" "$tc" "$(med "${P[c]}")" "${FETCHED[c]}" "${SERVED[c]}" "${RSS[c]}K"
-    row "(d) ferry, warm store" "$td" "$(med "${P[d]}")" "${FETCHED[d]}" "${SERVED[d]}" "${RSS[d]}K"
-    echo "first = seconds from the start of the pull to the container's first output line; pull = the pull alone"
-    echo "a/b = $(ratio "$ta" "$tb")x (goal >= 10)   c/d = $(ratio "$tc" "$td") (goal <= 1.5)"
-    # What the command reads: in (b) nothing is cached, so every read crosses FUSE; in (c)
-    # and (d) files cached whole are read by the kernel (passthrough), unseen by FUSE.
-    echo "fetched/read: b $(ratio "${FETCHED[b]}" "${SERVED[b]}") (goal <= 2)   c $(ratio "${FETCHED[c]}" "${SERVED[b]}") (goal <= 1.3)   (read = ${SERVED[b]} bytes the command reads, all through FUSE in (b))"
-    echo "daemon RSS 11 s after the last start (d), five layers still mounted: ${RSS_IDLE}K"
-} | tee "$OUT/result.txt"
+python3 "$HERE/cold-start-report.py" --raw "$RAW" --workloads "$OUT/workloads.tsv" --out "$OUT" \
+    --image "$IMG:$TAG" --image-bytes "$IMAGE_BYTES" --runs "$RUNS"
+cat "$OUT/result.txt"
+if command -v gnuplot >/dev/null; then
+    gnuplot "$OUT/chart.gp" && e2e_log "chart: $OUT/cold-start.png"
+    if [[ -n ${CHART_TO:-} ]]; then
+        mkdir -p "$(dirname "$CHART_TO")"
+        cp "$OUT/cold-start.png" "$CHART_TO" && e2e_log "chart copied to $CHART_TO"
+    fi
+else
+    e2e_log "gnuplot not installed (scripts/deps.sh): no chart"
+fi

@@ -7,13 +7,16 @@
 source "$BENCH_ROOT/tests/e2e/lib.sh"
 
 # first_output CMD...: runs CMD; writes the seconds from T0 to its first output line to
-# $E2E_TMP/seconds (and the line to $E2E_TMP/first-line)
+# $E2E_TMP/seconds (and the line to $E2E_TMP/first-line). When ON_FIRST_LINE names a
+# function, it runs the moment the line arrives (after the time is taken), in a subshell:
+# it must leave what it measures in files.
 first_output() {
     local line
     rm -f "$E2E_TMP/seconds" "$E2E_TMP/first-line"
     "$@" 2>"$E2E_TMP/run.err" | {
         if IFS= read -r line; then
             since "$T0" >"$E2E_TMP/seconds"
+            [[ -z ${ON_FIRST_LINE:-} ]] || "$ON_FIRST_LINE"
             echo "$line" >"$E2E_TMP/first-line"
             cat >/dev/null
         fi
@@ -35,12 +38,29 @@ fresh_containerd() { # [SNAPSHOTTER_SOCKET]
 DAEMON_PID=
 stop_daemon() {
     [[ -n $DAEMON_PID ]] || return 0
+    local killer holder
     kill "$DAEMON_PID" 2>/dev/null || true
+    # bounded: SIGKILL after 30 s
+    { sleep 30; kill -9 "$DAEMON_PID" 2>/dev/null; } &
+    killer=$!
     wait "$DAEMON_PID" 2>/dev/null || true
+    kill "$killer" 2>/dev/null || true
     DAEMON_PID=
+    # The daemon leaves its snapshotter mounts to its fd holder (`ferry daemon
+    # --fd-holder SOCK`, its own session) for a restarted daemon; unmounting them while
+    # it keeps their connections alive blocks for umount's timeout per layer. Ending
+    # this daemon's holder (found by its socket under our temp dir) aborts them at once.
+    for holder in $(pgrep -f -- "--fd-holder $E2E_TMP/ferry/run/fdstore.sock" || true); do
+        kill "$holder" 2>/dev/null || true
+    done
     e2e_umount_under "$E2E_TMP/ferry" 2>/dev/null || true
 }
-start_daemon() { # STORE_DIR PREFETCH(true|false) [BACKGROUND_FILL(true|false), default false]
+# start_daemon STORE_DIR [EXTRA_TOML]: a fresh `ferry daemon` whose config names only
+# paths (store, control socket, snapshotter socket and root; the fd holder's socket
+# defaults to beside the control socket): every other setting is the embedded default,
+# as a node gets it (`ferry daemon --print-config`). EXTRA_TOML (whole sections) is for
+# benchmarks that measure something other than the shipped configuration.
+start_daemon() {
     stop_daemon
     rm -rf "$E2E_TMP/ferry/snapshotter" "$E2E_TMP/ferry/run"
     mkdir -p "$E2E_TMP/ferry/run" "$1"
@@ -55,10 +75,7 @@ socket = "$E2E_TMP/ferry/run/daemon.sock"
 enabled = true
 socket = "$E2E_TMP/ferry/run/snapshotter.sock"
 root = "$E2E_TMP/ferry/snapshotter"
-
-[warm]
-prefetch = $2
-background_fill = ${3:-false}
+${2:-}
 EOF
     "$FERRY" daemon --config "$E2E_TMP/ferry/daemon.toml" >"$E2E_TMP/ferry/daemon.log" 2>&1 &
     DAEMON_PID=$!
@@ -90,12 +107,10 @@ publish_bench_image() {
     e2e_log "image $REF: $(tail -1 "$OUT/index.txt")"
 }
 
-# bench_setup NAME: what every containerd benchmark does first: START_CMD (default
-# /app/start.sh) and OUT (default bench/out/NAME, created); loopback only, root, the
-# ferry binary and the bench image ($IMG) checked or built, the temp dir, and the image
-# published to a fresh ferry registry (publish_bench_image: REG, REF, REF_PLAIN)
-bench_setup() {
-    START_CMD=${START_CMD:-/app/start.sh}
+# bench_prepare NAME: what every containerd benchmark does first: OUT (default
+# bench/out/NAME, created); loopback only, root, the ferry binary and the bench image
+# ($IMG) checked or built, and the temp dir
+bench_prepare() {
     OUT=${OUT:-$BENCH_ROOT/bench/out/$1}
     mkdir -p "$OUT"
     loopback_only
@@ -103,6 +118,12 @@ bench_setup() {
     ensure_ferry
     ensure_image
     e2e_init
+}
+# bench_setup NAME: bench_prepare, START_CMD (default /app/start.sh), and the image
+# published to a fresh ferry registry (publish_bench_image: REG, REF, REF_PLAIN)
+bench_setup() {
+    START_CMD=${START_CMD:-/app/start.sh}
+    bench_prepare "$1"
     publish_bench_image
 }
 

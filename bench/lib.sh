@@ -3,11 +3,14 @@
 set -euo pipefail
 BENCH_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$BENCH_ROOT"
+# FERRY from the environment names a binary already built (as in the e2e tests)
+FERRY_GIVEN=${FERRY:+1}
 FERRY=${FERRY:-$BENCH_ROOT/target/release/ferry}
 IMG=${IMG:-$BENCH_ROOT/bench/out/image}
 TAG=${TAG:-ferry-bench}
 
 ensure_ferry() {
+    if [[ -n $FERRY_GIVEN && -x $FERRY ]]; then return 0; fi
     cargo build --release --locked -q -p ferry
 }
 ensure_image() {

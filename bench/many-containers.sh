@@ -49,7 +49,7 @@ ctr_ image pull --plain-http "$REF" >/dev/null
 pull_overlay=$(since "$T0")
 start_all overlay
 
-start_daemon "$E2E_TMP/store" true false
+start_daemon "$E2E_TMP/store" "$(printf '[warm]\nprefetch = true\nbackground_fill = false')"
 fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
 T0=$(now)
 ferry_pull_ctr "$REF"

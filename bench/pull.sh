@@ -80,7 +80,7 @@ for round in $(seq "$RUNS"); do
 
     # (b) ferry pull, fast path
     rm -rf "$E2E_TMP/ferry"
-    start_daemon "$E2E_TMP/ferry/store" false
+    start_daemon "$E2E_TMP/ferry/store" "$(printf '[warm]\nprefetch = false\nbackground_fill = false')"
     fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
     sync
     echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true

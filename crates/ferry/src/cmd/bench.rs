@@ -1,6 +1,9 @@
 //! `ferry bench …` — measurements that the scripts under `bench/` drive. `read` is local
 //! (lazy reads through the index); `registry` is the registry load tester, whose engine
-//! lives in `ferry_registry::loadtest` (this file only maps flags onto it).
+//! lives in `ferry_registry::loadtest` (this file only maps flags onto it); `proxy` is
+//! the latency-injecting TCP relay the cold-start benchmark puts before a registry.
+
+mod proxy;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,6 +34,9 @@ pub enum What {
     /// requests) at a given concurrency: LPM (layer requests per minute), requests/s and
     /// latency percentiles per request kind, errors by kind and status.
     Registry(RegistryArgs),
+    /// Relay TCP between two loopback addresses with a fixed one-way delay on every
+    /// chunk (a registry "N ms away" without netem), counting the bytes each way.
+    Proxy(proxy::ProxyArgs),
 }
 
 /// Arguments of `ferry bench registry`.
@@ -98,6 +104,7 @@ pub fn run(args: Args) -> Result<()> {
     match args.what {
         What::Read(a) => read(a),
         What::Registry(a) => registry(a),
+        What::Proxy(a) => proxy::run(a),
     }
 }
 
