@@ -1694,6 +1694,16 @@ async fn send_trace(
     .await
 }
 
+/// The referrers of `subject` in team/app, as `who` sees them.
+async fn trace_referrers(t: &TestApp, who: &str, subject: &str) -> Vec<serde_json::Value> {
+    let uri = format!("/v2/team/app/referrers/{subject}");
+    let r = t
+        .send(Method::GET, &uri, &[("authorization", who)], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    r.json()["manifests"].as_array().unwrap().clone()
+}
+
 #[tokio::test]
 async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else() {
     use crate::server::traces::{REPOSITORY_TRACE_TAG, TRACE_ARTIFACT_TYPE, TRACE_BLOB_MEDIA_TYPE};
@@ -1767,18 +1777,7 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
     let first = r.header("docker-content-digest").to_owned();
     assert_eq!(r.header("oci-subject"), subject);
-    let referrers = |t: &TestApp| {
-        let bob = bob.clone();
-        let uri = format!("/v2/team/app/referrers/{subject}");
-        async move {
-            let r = t
-                .send(Method::GET, &uri, &[("authorization", &bob)], Body::empty())
-                .await;
-            assert_eq!(r.status, StatusCode::OK);
-            r.json()["manifests"].as_array().unwrap().clone()
-        }
-    };
-    let listed = referrers(&t).await;
+    let listed = trace_referrers(&t, &bob, &subject).await;
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0]["digest"], first.as_str());
     assert_eq!(listed[0]["artifactType"], TRACE_ARTIFACT_TYPE);
@@ -1823,7 +1822,7 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
     assert_eq!(r.status, StatusCode::CREATED);
     let second = r.header("docker-content-digest").to_owned();
     assert_ne!(first, second);
-    let listed = referrers(&t).await;
+    let listed = trace_referrers(&t, &bob, &subject).await;
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0]["digest"], second.as_str());
     // A trace alice pushed herself (no accepted-from annotation) is not replaced.
@@ -1857,7 +1856,7 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
     )
     .await;
     assert_eq!(r.status, StatusCode::CREATED);
-    let listed: Vec<String> = referrers(&t)
+    let listed: Vec<String> = trace_referrers(&t, &bob, &subject)
         .await
         .iter()
         .map(|d| d["digest"].as_str().unwrap().to_owned())
@@ -2002,7 +2001,7 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
         .await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     // After all that, the repository still has the image, its tag, and two traces.
-    assert_eq!(referrers(&t).await.len(), 2);
+    assert_eq!(trace_referrers(&t, &bob, &subject).await.len(), 2);
     let r = t
         .send(
             Method::GET,
