@@ -43,6 +43,8 @@ pub struct DaemonConfig {
     pub snapshotter: SnapshotterSection,
     /// `[registry]`: registry client settings.
     pub registry: RegistrySection,
+    /// `[trace]`: startup traces recorded automatically during an image's first start.
+    pub trace: TraceSection,
     /// A store directory given on the command line: wins over `FERRY_STORE` and
     /// `store.path` (not part of the file).
     #[serde(skip)]
@@ -158,6 +160,41 @@ impl Default for SnapshotterSection {
     }
 }
 
+/// `[trace]`: an image with no trace records one during its first start on this node and
+/// shares it (see `crate::autotrace`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TraceSection {
+    /// Record a trace during the first start of an image that has none.
+    pub auto_record: bool,
+    /// The recording ends when reads have gone this long without a new first touch.
+    #[serde(with = "duration_text")]
+    pub quiet: Duration,
+    /// The recording ends this long after its first read, whatever happens.
+    #[serde(with = "duration_text")]
+    pub max_duration: Duration,
+    /// Most traces the node keeps (`traces/` in the store directory).
+    pub store_entries: usize,
+    /// Most bytes of traces the node keeps.
+    #[serde(with = "size_text")]
+    pub store_bytes: u64,
+}
+
+impl Default for TraceSection {
+    fn default() -> Self {
+        TraceSection {
+            auto_record: true,
+            quiet: Duration::from_secs(3),
+            max_duration: Duration::from_secs(60),
+            store_entries: 256,
+            store_bytes: 64 << 20,
+        }
+    }
+}
+
+/// Longest accepted `trace.max_duration`.
+const MAX_TRACE_DURATION: Duration = Duration::from_secs(3600);
+
 /// `[registry]`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -218,6 +255,33 @@ impl DaemonConfig {
         }
         if self.store.max_bytes == 0 {
             return Err(Error::Config("store.max_bytes must be positive".into()));
+        }
+        let t = &self.trace;
+        if t.quiet < Duration::from_millis(100) || t.quiet > t.max_duration {
+            return Err(Error::Config(format!(
+                "trace.quiet must be at least 100ms and at most trace.max_duration ({}), not {}",
+                format_duration(t.max_duration),
+                format_duration(t.quiet)
+            )));
+        }
+        if t.max_duration > MAX_TRACE_DURATION {
+            return Err(Error::Config(format!(
+                "trace.max_duration must be at most {}, not {}",
+                format_duration(MAX_TRACE_DURATION),
+                format_duration(t.max_duration)
+            )));
+        }
+        if t.store_entries == 0 || t.store_entries > 100_000 {
+            return Err(Error::Config(format!(
+                "trace.store_entries must be between 1 and 100000, not {}",
+                t.store_entries
+            )));
+        }
+        if t.store_bytes < 1 << 20 {
+            return Err(Error::Config(format!(
+                "trace.store_bytes must be at least 1M, not {}",
+                format_size(t.store_bytes)
+            )));
         }
         for host in &self.registry.plain_http {
             if host.is_empty() || host.contains('/') || host.contains(char::is_whitespace) {
@@ -441,6 +505,11 @@ mod tests {
         assert_eq!(c.metrics.addr, None);
         assert_eq!(c.warm, WarmConfig::default());
         assert_eq!(c.store.max_bytes, ferry_store::DEFAULT_MAX_BYTES);
+        assert!(c.trace.auto_record);
+        assert_eq!(c.trace.quiet, Duration::from_secs(3));
+        assert_eq!(c.trace.max_duration, Duration::from_secs(60));
+        assert_eq!(c.trace.store_entries, 256);
+        assert_eq!(c.trace.store_bytes, 64 << 20);
         c.validate().unwrap();
     }
 
@@ -472,9 +541,19 @@ mod tests {
             root = "/root"
             [registry]
             plain_http = ["reg.local:5000"]
+            [trace]
+            auto_record = false
+            quiet = "500ms"
+            max_duration = "2m"
+            store_entries = 8
+            store_bytes = "4M"
             "#,
         )
         .unwrap();
+        assert!(!c.trace.auto_record);
+        assert_eq!(c.trace.quiet, Duration::from_millis(500));
+        assert_eq!(c.trace.max_duration, Duration::from_secs(120));
+        assert_eq!((c.trace.store_entries, c.trace.store_bytes), (8, 4 << 20));
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/s")));
         assert_eq!(c.store.max_bytes, 1 << 20);
         assert_eq!(c.fetch_config().concurrency, 3);
@@ -510,6 +589,15 @@ mod tests {
             ("[metrics]\naddr = \"not an address\"", "addr"),
             ("[registry]\nplain_http = [\"http://x/\"]", "plain_http"),
             ("[store]\nmax_bytes = 0", "max_bytes"),
+            ("[trace]\nquiet = \"10ms\"", "trace.quiet"),
+            (
+                "[trace]\nquiet = \"2m\"\nmax_duration = \"1m\"",
+                "trace.quiet",
+            ),
+            ("[trace]\nmax_duration = \"2h\"", "trace.max_duration"),
+            ("[trace]\nstore_entries = 0", "trace.store_entries"),
+            ("[trace]\nstore_bytes = \"1K\"", "trace.store_bytes"),
+            ("[trace]\nrecord = true", "record"),
             ("this is not toml", ""),
         ] {
             let err = DaemonConfig::from_toml(doc).unwrap_err().to_string();

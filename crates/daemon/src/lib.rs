@@ -25,10 +25,15 @@
 //! layer again at the same directory, so new containers work, but containers that were
 //! already running must be restarted.
 //!
+//! Startup traces ([`autotrace`]): an image with no trace records one during its first
+//! start here and shares it (referrer push, ferry's registry endpoint, the node store);
+//! a mount looks its trace up in the background and warms up once it has the answer.
+//!
 //! Threads: FUSE callbacks run on fuser's threads and do their own blocking I/O through
 //! the registry client's runtime; mount and unmount calls block and run on blocking
 //! threads, never on the async workers that serve the sockets.
 
+pub mod autotrace;
 pub mod config;
 pub mod control;
 pub mod daemon;

@@ -97,6 +97,8 @@ impl MountBackend for MemoryBackend {
                 info: info.clone(),
                 origin,
                 stats: StatsSnapshot::default(),
+                trace: None,
+                recording: false,
             },
         );
         Ok(info)

@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use ferry_fs::{
-    FerryFs, FileCache, ImageSource, LayerSpec, MountOptions, MountedImage, StatsSnapshot, Trace,
-    View, WarmHandle,
+    FerryFs, FileCache, ImageSource, LayerSpec, MountOptions, MountedImage, StatsSnapshot, View,
+    WarmHandle,
 };
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::source::RangeSource;
@@ -33,6 +33,10 @@ use ferry_registry::client::{Client, RangeRuntime};
 use ferry_store::Store;
 use serde::{Deserialize, Serialize};
 
+use crate::autotrace::{
+    FoundTrace, ImageTraceMap, ImageTraces, NodeTraces, RegistryTraces, RemoteTraces, StopReason,
+    StopRule, TraceSource, TraceUse,
+};
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::fdstore::FdHolderClient;
@@ -42,6 +46,9 @@ use crate::fdstore::FdHolderClient;
 const IMAGE_CACHE_TTL: Duration = Duration::from_secs(60);
 /// Most images remembered at once.
 const IMAGE_CACHE_ENTRIES: usize = 32;
+/// Longest a mount's warm-up waits for its image's trace lookup before it starts
+/// without a trace (the lookup runs in the background; the mount never waits for it).
+const TRACE_LOOKUP_WAIT: Duration = Duration::from_secs(10);
 
 /// Ask for a mount (`POST /v1/mounts`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +96,12 @@ pub struct MountStatus {
     pub origin: MountOrigin,
     /// Its counters.
     pub stats: StatsSnapshot,
+    /// The startup trace its prefetch uses, once looked up (`None`: none, or not yet).
+    #[serde(default)]
+    pub trace: Option<TraceUse>,
+    /// True while its reads are recorded into a startup trace.
+    #[serde(default)]
+    pub recording: bool,
 }
 
 /// The chunk store as status reports it.
@@ -194,7 +207,48 @@ struct ActiveMount {
     origin: MountOrigin,
     image: Arc<MountedImage>,
     session: fuser::BackgroundSession,
-    _warm: WarmHandle,
+    warm: WarmCell,
+}
+
+/// A mount's warm-up, started in the background once its trace lookup answered.
+#[derive(Default)]
+struct WarmSlot {
+    handle: Option<WarmHandle>,
+    trace: Option<TraceUse>,
+    /// The mount went away (or was handed over): a late warm-up is not started.
+    closed: bool,
+}
+
+/// The mount's [`WarmSlot`]; dropping it stops the warm-up (and releases its pins).
+struct WarmCell(Arc<Mutex<WarmSlot>>);
+
+impl WarmCell {
+    /// Leaves the hot set pinned for the next daemon (see [`WarmHandle::keep_pins`]).
+    fn keep_pins(&self) {
+        let handle = {
+            let mut slot = lock(&self.0);
+            slot.closed = true;
+            slot.handle.take()
+        };
+        if let Some(h) = handle {
+            h.keep_pins();
+        }
+    }
+
+    fn trace(&self) -> Option<TraceUse> {
+        lock(&self.0).trace.clone()
+    }
+}
+
+impl Drop for WarmCell {
+    fn drop(&mut self) {
+        let handle = {
+            let mut slot = lock(&self.0);
+            slot.closed = true;
+            slot.handle.take()
+        };
+        drop(handle);
+    }
 }
 
 /// Version of the [`KeptMount`] record; a record of another version is not resumed.
@@ -299,9 +353,14 @@ pub struct MountManager {
     /// Mount points with a mount in progress (so two requests cannot race for one).
     pending: Mutex<HashSet<PathBuf>>,
     images: Mutex<HashMap<String, Arc<ImageTemplate>>>,
-    /// Startup traces looked up per image manifest, kept as long as opened images, so
-    /// the layers of one image (one mount each under the snapshotter) ask once.
-    traces: Mutex<HashMap<String, (Instant, Option<Trace>)>>,
+    /// Startup traces looked up (and recorded) per image manifest, kept as long as
+    /// opened images (longer while recording), so the layers of one image (one mount
+    /// each under the snapshotter) ask once and record into one trace.
+    traces: Mutex<ImageTraceMap>,
+    /// Where traces are looked up and shared beyond this node.
+    remote: Arc<dyn RemoteTraces>,
+    /// The node's own traces (`traces/` in the store directory).
+    node_traces: Option<Arc<NodeTraces>>,
     /// Decompressed copies of fully local files, shared by every mount.
     file_cache: Option<Arc<FileCache>>,
     /// The process keeping every mount's `/dev/fuse` descriptor across restarts.
@@ -442,11 +501,30 @@ impl MountManager {
         } else {
             None
         };
+        let remote: Arc<dyn RemoteTraces> = Arc::new(RegistryTraces {
+            client: client.clone(),
+            runtime: runtime.clone(),
+            timeout: config.fetch.timeout,
+        });
+        let traces_dir = store.root().join("traces");
+        let node_traces = match NodeTraces::open(
+            &traces_dir,
+            config.trace.store_entries,
+            config.trace.store_bytes,
+        ) {
+            Ok(t) => Some(Arc::new(t)),
+            Err(e) => {
+                tracing::warn!(error = %e, "node trace store unavailable; traces are not kept on this node");
+                None
+            }
+        };
         Ok(MountManager {
             store,
             client,
             runtime,
             config,
+            remote,
+            node_traces,
             mounts: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(HashSet::new()),
             images: Mutex::new(HashMap::new()),
@@ -565,7 +643,8 @@ impl MountManager {
                 source.manifest_digest, record.info.manifest_digest
             )));
         }
-        let image = self.mounted_image(&record.info.image, record.info.layer.as_deref(), source)?;
+        let (image, traces) =
+            self.mounted_image(&record.info.image, record.info.layer.as_deref(), source)?;
         record.generation = record.generation.checked_add(1).unwrap_or(1);
         let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone())
             .resumed(record.generation);
@@ -577,7 +656,7 @@ impl MountManager {
         let session = ferry_fs::fuse::resume(fs, device, &record.init, &opts)?;
         self.keep(&record, kept_copy.as_fd());
         drop(kept_copy);
-        let warm = self.start_warm(&image, &mountpoint);
+        let warm = self.start_warm(&image, &mountpoint, traces);
         tracing::info!(
             mountpoint = %mountpoint.display(),
             image = %record.info.image,
@@ -594,20 +673,22 @@ impl MountManager {
                 origin: record.origin,
                 image,
                 session,
-                _warm: warm,
+                warm,
             },
         );
         Ok(())
     }
 
-    /// The image a mount serves: `layer` alone or the merged view, over the node store,
-    /// with the image's startup trace (fresh mounts and resumed connections alike).
+    /// The image a mount serves: `layer` alone or the merged view, over the node store
+    /// (fresh mounts and resumed connections alike), and its image's trace state. While
+    /// the image's first start is recorded, its reads go into the image's shared
+    /// recorder.
     fn mounted_image(
         &self,
         image: &str,
         layer: Option<&str>,
         source: ImageSource,
-    ) -> Result<Arc<MountedImage>> {
+    ) -> Result<(Arc<MountedImage>, Arc<ImageTraces>)> {
         let view = match layer {
             Some(d) => View::Layer(d.to_string()),
             None => View::Merged,
@@ -618,8 +699,11 @@ impl MountManager {
             self.config.fetch_config(),
             &view,
         )?;
-        mounted.trace = self.trace_for(image, &mounted.manifest_digest);
-        Ok(Arc::new(mounted))
+        let traces = self.image_traces(image, &mounted.manifest_digest);
+        if let Some(recorder) = self.recorder_for(image, &mounted.manifest_digest, &traces) {
+            mounted.share_recorder(recorder);
+        }
+        Ok((Arc::new(mounted), traces))
     }
 
     fn mount_options(&self, image: &MountedImage) -> MountOptions {
@@ -630,29 +714,124 @@ impl MountManager {
         }
     }
 
-    /// The startup trace published for `image` (manifest `manifest`), when prefetch is
-    /// on; looked up once per [`IMAGE_CACHE_TTL`]. A trace that cannot be read is logged
-    /// and ignored: the mount works without prefetch.
-    fn trace_for(&self, image: &str, manifest: &str) -> Option<Trace> {
+    /// The trace state of manifest `manifest` of `image`: looked up once per
+    /// [`IMAGE_CACHE_TTL`] on a background thread (see [`crate::autotrace::lookup`]);
+    /// with prefetch off, no trace. A state whose image is being recorded is kept.
+    fn image_traces(&self, image: &str, manifest: &str) -> Arc<ImageTraces> {
+        let mut map = lock(&self.traces);
+        let recording = |t: &ImageTraces| lock(&t.recorder).is_some();
+        if let Some((at, t)) = map.get(manifest)
+            && (at.elapsed() < IMAGE_CACHE_TTL || recording(t))
+        {
+            return t.clone();
+        }
+        map.retain(|_, (at, t)| at.elapsed() < IMAGE_CACHE_TTL || recording(t));
+        let traces = Arc::new(ImageTraces::default());
+        map.insert(manifest.to_owned(), (Instant::now(), traces.clone()));
+        drop(map);
         if !self.config.warm.prefetch {
+            traces.set(None);
+            return traces;
+        }
+        let (remote, node) = (self.remote.clone(), self.node_traces.clone());
+        let (image, manifest) = (image.to_owned(), manifest.to_owned());
+        let answer = traces.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-trace-lookup".into())
+            .spawn(move || {
+                let found = crate::autotrace::lookup(&*remote, node.as_deref(), &image, &manifest);
+                match &found {
+                    Some(f) => tracing::info!(image = %image, source = ?f.info.source, recorded_for = %f.info.recorded_for, reads = f.info.reads, "startup trace found"),
+                    None => tracing::info!(image = %image, "no startup trace"),
+                }
+                if let Some(f) = &found
+                    && f.info.source != TraceSource::PreviousVersion
+                    && let Some(recorder) = lock(&answer.recorder).take()
+                {
+                    // The image has its own trace after all: no need to record one.
+                    recorder.take();
+                }
+                answer.set(found);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot look up the startup trace");
+            traces.set(None);
+        }
+        traces
+    }
+
+    /// The recorder a new mount of manifest `manifest` notes its reads into: the image's
+    /// shared one while its first start is recorded (started by its first mount), none
+    /// when automatic recording is off or the image has its own trace.
+    fn recorder_for(
+        &self,
+        image: &str,
+        manifest: &str,
+        traces: &Arc<ImageTraces>,
+    ) -> Option<Arc<ferry_fs::trace::Recorder>> {
+        if !self.config.trace.auto_record || traces.has_own_trace() {
             return None;
         }
-        if let Some((at, trace)) = lock(&self.traces).get(manifest)
-            && at.elapsed() < IMAGE_CACHE_TTL
-        {
-            return trace.clone();
+        let mut slot = lock(&traces.recorder);
+        if let Some(r) = &*slot {
+            return Some(r.clone());
         }
-        let trace = match ferry_fs::find_trace(image, manifest, &self.client, &self.runtime) {
-            Ok(t) => t,
+        let recorder = Arc::new(ferry_fs::trace::Recorder::default());
+        recorder.start_passive();
+        let rule = StopRule {
+            quiet: self.config.trace.quiet,
+            max_duration: self.config.trace.max_duration,
+        };
+        let watched = recorder.clone();
+        let (remote, node, state) = (
+            self.remote.clone(),
+            self.node_traces.clone(),
+            traces.clone(),
+        );
+        let image_name = image.to_owned();
+        let (image, manifest) = (image.to_owned(), manifest.to_owned());
+        // In the slot before the watcher looks at who holds the recorder.
+        *slot = Some(recorder.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ferry-trace-record".into())
+            .spawn(move || {
+                // Held here, in the image's slot and by each mount recording into it.
+                let alive = || Arc::strong_count(&watched) > 2;
+                let reason =
+                    crate::autotrace::watch(&watched, &rule, &crate::autotrace::SystemClock, &alive);
+                let trace = watched.take();
+                if reason == StopReason::Cancelled || trace.reads.is_empty() {
+                    lock(&state.recorder).take();
+                    return;
+                }
+                tracing::info!(image = %image, ?reason, reads = trace.reads.len(), files = trace.files(), bytes = trace.bytes(), "recorded a startup trace");
+                state.set(Some(FoundTrace {
+                    info: TraceUse {
+                        source: TraceSource::Node,
+                        recorded_for: manifest.clone(),
+                        reads: trace.reads.len(),
+                        bytes: trace.bytes(),
+                    },
+                    trace: trace.clone(),
+                }));
+                // After the answer: a mount made meanwhile sees the trace, not a gap.
+                lock(&state.recorder).take();
+                let shared =
+                    crate::autotrace::share(&*remote, node.as_deref(), &image, &manifest, &trace);
+                tracing::info!(image = %image, ?shared, "shared the startup trace");
+            });
+        match spawned {
+            Ok(_) => {
+                tracing::info!(image = %image_name, "recording a startup trace during the first start");
+                Some(recorder)
+            }
             Err(e) => {
-                tracing::warn!(image, error = %e, "startup trace not usable; ignored");
+                tracing::warn!(error = %e, "cannot record a startup trace");
+                slot.take();
+                recorder.take();
                 None
             }
-        };
-        let mut traces = lock(&self.traces);
-        traces.retain(|_, (at, _)| at.elapsed() < IMAGE_CACHE_TTL);
-        traces.insert(manifest.to_owned(), (Instant::now(), trace.clone()));
-        trace
+        }
     }
 
     /// The chunk store.
@@ -731,7 +910,8 @@ impl MountManager {
             )));
         }
         let source = self.source_for(&request.image, request.layer.as_deref())?;
-        let image = self.mounted_image(&request.image, request.layer.as_deref(), source)?;
+        let (image, traces) =
+            self.mounted_image(&request.image, request.layer.as_deref(), source)?;
         let opts = self.mount_options(&image);
         let fs = FerryFs::with_file_cache(image.clone(), self.file_cache.clone());
         let info = MountInfo {
@@ -756,7 +936,7 @@ impl MountManager {
             ferry_fs::mount(fs, mountpoint, &opts)?
         };
         mark_served(mountpoint, true);
-        let warm = self.start_warm(&image, mountpoint);
+        let warm = self.start_warm(&image, mountpoint, traces);
         tracing::info!(
             mountpoint = %mountpoint.display(),
             image = %request.image,
@@ -771,7 +951,7 @@ impl MountManager {
                 origin,
                 image,
                 session,
-                _warm: warm,
+                warm,
             },
         );
         Ok(info)
@@ -801,15 +981,55 @@ impl MountManager {
     /// pinned in the store under an owner named after the mountpoint until it goes away,
     /// and large files whose data the trace prefetches entirely go to the file cache as
     /// soon as it lands.
-    fn start_warm(&self, image: &Arc<MountedImage>, mountpoint: &Path) -> WarmHandle {
+    ///
+    /// It starts in the background once the image's trace lookup answered (at most
+    /// [`TRACE_LOOKUP_WAIT`]), so neither the mount nor its first reads wait for it.
+    fn start_warm(
+        &self,
+        image: &Arc<MountedImage>,
+        mountpoint: &Path,
+        traces: Arc<ImageTraces>,
+    ) -> WarmCell {
+        let slot = Arc::new(Mutex::new(WarmSlot::default()));
         let pins = ferry_fs::warm::PinTarget::for_mount(self.store.clone(), mountpoint);
-        ferry_fs::warm::start_with_files(
-            image,
-            &self.config.warm,
-            image.trace.clone(),
-            Some(pins),
+        let (image, config, files) = (
+            image.clone(),
+            self.config.warm.clone(),
             self.file_cache.clone(),
-        )
+        );
+        let mountpoint = mountpoint.to_path_buf();
+        let filled = slot.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-warm-start".into())
+            .spawn(move || {
+                let found = traces.wait(TRACE_LOOKUP_WAIT);
+                if lock(&filled).closed {
+                    return;
+                }
+                if let Some(f) = &found {
+                    tracing::info!(mountpoint = %mountpoint.display(), source = ?f.info.source, recorded_for = %f.info.recorded_for, reads = f.info.reads, "prefetching with a startup trace");
+                }
+                let info = found.as_ref().map(|f| f.info.clone());
+                let handle = ferry_fs::warm::start_with_files(
+                    &image,
+                    &config,
+                    found.map(|f| f.trace),
+                    Some(pins),
+                    files,
+                );
+                let mut slot = lock(&filled);
+                if slot.closed {
+                    drop(slot);
+                    drop(handle);
+                    return;
+                }
+                slot.trace = info;
+                slot.handle = Some(handle);
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start warm-up");
+        }
+        WarmCell(slot)
     }
 
     /// Stops serving every mount. Control mounts are unmounted (and released from the fd
@@ -838,7 +1058,7 @@ impl MountManager {
                     // Dropping the session would unmount it under running containers,
                     // and the next daemon re-registers the hot set under the same owner.
                     std::mem::forget(mount.session);
-                    mount._warm.keep_pins();
+                    mount.warm.keep_pins();
                 }
             }
         }
@@ -906,6 +1126,8 @@ impl MountBackend for MountManager {
                 info: m.info.clone(),
                 origin: m.origin,
                 stats: m.image.stats.snapshot(),
+                trace: m.warm.trace(),
+                recording: m.image.is_recording(),
             })
             .collect()
     }

@@ -320,7 +320,7 @@ impl Filesystem for FerryFs {
                 // before: without KEEP_CACHE the kernel drops the inode's page cache at
                 // open, so the reads of this open reach `read` and the recorder (and
                 // `LocalFiles::open` hands out no passthrough then).
-                let keep = if self.image.is_recording() {
+                let keep = if self.image.records_every_read() {
                     FopenFlags::empty()
                 } else {
                     FopenFlags::FOPEN_KEEP_CACHE

@@ -401,9 +401,15 @@ pub struct MountedImage {
     /// Per layer, its device-level source when it has one (indexed and eStargz
     /// layers), for warm-up.
     pub(crate) sources: Vec<Option<Arc<LayerSource>>>,
-    /// Records reads while a trace is being recorded.
-    pub(crate) recorder: Recorder,
+    /// Records reads while a trace is being recorded; shared with the other mounts of
+    /// the same image when they record into one trace ([`MountedImage::share_recorder`]).
+    pub(crate) recorder: Arc<Recorder>,
+    /// This mount's id in a shared recorder ([`Recorder::note`]'s `view`).
+    pub(crate) recorder_view: u64,
 }
+
+/// Source of [`MountedImage::recorder_view`] ids (unique in the process).
+static NEXT_RECORDER_VIEW: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl MountedImage {
     /// Wires every layer of `source` through the chunk store (`store`, when given) with
@@ -449,7 +455,8 @@ impl MountedImage {
             trace: None,
             view_layer: chosen.filter(|_| matches!(view, View::Layer(_))),
             sources,
-            recorder: Recorder::default(),
+            recorder: Arc::default(),
+            recorder_view: NEXT_RECORDER_VIEW.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -483,6 +490,17 @@ impl MountedImage {
     /// Stops recording and returns the reads recorded, in first-touch order.
     pub fn take_trace(&self) -> crate::warm::Trace {
         self.recorder.take()
+    }
+
+    /// Records this mount's reads into `recorder` (shared with other mounts, e.g. the
+    /// layer mounts of one image) instead of its own. Call before serving.
+    pub fn share_recorder(&mut self, recorder: Arc<Recorder>) {
+        self.recorder = recorder;
+    }
+
+    /// The recorder this mount notes its reads into.
+    pub fn recorder(&self) -> &Arc<Recorder> {
+        &self.recorder
     }
 
     /// The device-level source of layer `layer`, when it has one.

@@ -9,11 +9,13 @@
 //! after the last release.
 //!
 //! Recording a startup trace: reads served by passthrough never reach this process, so
-//! while the mount records ([`MountedImage::is_recording`]) a cached file is opened in
-//! cached mode (served with pread, every read noted) instead. An inode that is already
-//! in passthrough mode when the recording starts cannot switch (the kernel would refuse
-//! the open), so its opens are recorded as a read of the whole file: the trace then
-//! holds at least what was read, which is what prefetch needs.
+//! while the mount records every read ([`MountedImage::records_every_read`], `ferry
+//! trace record`) a cached file is opened in cached mode (served with pread, every read
+//! noted) instead. An inode that is already in passthrough mode when the recording
+//! starts cannot switch (the kernel would refuse the open), so its opens are recorded as
+//! a read of the whole file: the trace then holds at least what was read, which is what
+//! prefetch needs. A passive recording (the daemon's automatic one) changes nothing
+//! here: a passthrough open is noted as a read of the whole file.
 //!
 //! This module must not read layer bytes in a FUSE request
 //! (materialization is queued to the cache's background worker) nor talk to the kernel
@@ -131,6 +133,18 @@ impl<B> LocalFiles<B> {
         file_key(&self.image, loc, size)
     }
 
+    /// Notes an open whose reads will not reach this process (passthrough) as a read of
+    /// the whole file.
+    fn note_whole(&self, ino: Ino, node: &Node) {
+        self.image.recorder.note(
+            self.image.recorder_view,
+            &self.image.tree,
+            ino,
+            0,
+            node.size,
+        );
+    }
+
     /// Opens regular file `ino`; `register` turns a cached file into a backing id.
     pub(crate) fn open(
         &self,
@@ -144,8 +158,9 @@ impl<B> LocalFiles<B> {
         };
         let key = self.key(loc, node.size);
         let recording = self.image.is_recording();
+        let every_read = self.image.records_every_read();
         if let Some(k) = &key
-            && !recording
+            && !every_read
         {
             // When prefetch is writing it just ahead of us, a short wait buys a file the
             // kernel serves, where serving it now would inflate it a second time
@@ -164,9 +179,7 @@ impl<B> LocalFiles<B> {
             drop(inodes);
             if recording {
                 // Its reads will not reach us (see the module doc).
-                self.image
-                    .recorder
-                    .note(&self.image.tree, ino, 0, node.size);
+                self.note_whole(ino, node);
             }
             stats.passthrough_opens.fetch_add(1, Ordering::Relaxed);
             return OpenMode::Passthrough(fh, backing);
@@ -179,11 +192,15 @@ impl<B> LocalFiles<B> {
             }
             return OpenMode::Served(fh);
         };
-        if first && self.passthrough() && !recording {
+        if first && self.passthrough() && !every_read {
             match register(cached.file()) {
                 Ok(b) => {
                     let b = Arc::new(b);
                     state.backing = Some(b.clone());
+                    drop(inodes);
+                    if recording {
+                        self.note_whole(ino, node);
+                    }
                     stats.passthrough_opens.fetch_add(1, Ordering::Relaxed);
                     return OpenMode::Passthrough(fh, b);
                 }

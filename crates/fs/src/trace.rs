@@ -1,14 +1,15 @@
 //! Startup traces: recording which file bytes a workload reads, the JSON they are kept
 //! in, and their home as an OCI artifact referring to the image (in a registry through
 //! the referrers API or its tag fallback, in an OCI layout through the layout's
-//! referrers tag), found the same way as ferry's index artifact.
+//! referrers tag), found the same way as ferry's index artifact; the repository's newest
+//! trace also behind [`REPOSITORY_TRACE_TAG`], for a new tag of the repository.
 //!
 //! It must not fetch file data (prefetching a trace is [`crate::warm`]) and must stay
 //! cheap on the read path: [`Recorder::note`] is one atomic load when not recording.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use ferry_oci::layout::{OciLayout, artifact_manifest, descriptor, media_type};
 use ferry_oci::media::OCI_MANIFEST;
@@ -20,7 +21,7 @@ use crate::tree::{Ino, InodeTree};
 use crate::warm::{TRACE_MEDIA_TYPE, Trace, TraceRead};
 
 /// Media type of the trace JSON blob (the artifact's one layer).
-pub const TRACE_BLOB_MEDIA_TYPE: &str = "application/vnd.ferry.trace.v1+json";
+pub const TRACE_BLOB_MEDIA_TYPE: &str = ferry_registry::server::traces::TRACE_BLOB_MEDIA_TYPE;
 /// Version written into, and the only one accepted from, trace JSON.
 pub const TRACE_VERSION: u32 = 1;
 /// Most bytes of trace JSON accepted.
@@ -31,7 +32,7 @@ pub const MAX_TRACE_READS: usize = 200_000;
 pub const MAX_TRACE_PATH: usize = 4096;
 /// Annotation on a trace artifact: when it was recorded (seconds since the epoch); the
 /// newest of several traces of one image wins.
-pub const ANNOTATION_TRACE_CREATED: &str = "dev.ferry.trace.created";
+pub const ANNOTATION_TRACE_CREATED: &str = ferry_registry::server::traces::ANNOTATION_TRACE_CREATED;
 
 /// Trace JSON as written: `{"version":1,"reads":[{"path","offset","len"}…]}`. A missing
 /// version is read as 1 (what `Trace`'s own serde derive writes).
@@ -128,22 +129,48 @@ struct FileRecord {
 #[derive(Debug, Default)]
 struct Recording {
     reads: Vec<TraceRead>,
-    files: HashMap<Ino, FileRecord>,
+    /// Keyed by (view, inode): one recording may take the reads of several mounts (the
+    /// layer mounts of one image), whose inode numbers overlap.
+    files: HashMap<(u64, Ino), FileRecord>,
     /// Reads dropped because the trace was full.
     dropped: u64,
 }
 
 /// Records reads in first-touch order while switched on; a no-op otherwise.
+///
+/// Two modes: [`Recorder::start`] (`ferry trace record`) asks the FUSE layer to serve
+/// every read itself ([`Recorder::records_every_read`]: no passthrough, no page cache
+/// kept from before an open), so a workload re-run on a warm node is seen whole;
+/// [`Recorder::start_passive`] (the daemon's automatic recording during a first start)
+/// leaves the read path as it is and notes what reaches it, which on a fresh mount is
+/// every first touch (the mount's page cache starts empty; a file opened through
+/// passthrough is noted whole at open).
+///
+/// One recorder may be shared (`Arc`) by several mounts; each passes its own `view` id
+/// to [`Recorder::note`], and the reads of all of them land in one first-touch order.
 #[derive(Debug, Default)]
 pub struct Recorder {
     on: AtomicBool,
+    every_read: AtomicBool,
+    /// Reads that touched bytes no recorded read held (new first touches), for
+    /// deciding when a start has gone quiet.
+    touches: AtomicU64,
     state: Mutex<Recording>,
 }
 
 impl Recorder {
-    /// Starts (or restarts, discarding what was recorded) recording.
+    /// Starts (or restarts, discarding what was recorded) recording, with the FUSE layer
+    /// serving every read itself so that none is missed.
     pub fn start(&self) {
         *lock(&self.state) = Recording::default();
+        self.every_read.store(true, Ordering::Release);
+        self.on.store(true, Ordering::Release);
+    }
+
+    /// Starts (or restarts) recording without changing how reads are served.
+    pub fn start_passive(&self) {
+        *lock(&self.state) = Recording::default();
+        self.every_read.store(false, Ordering::Release);
         self.on.store(true, Ordering::Release);
     }
 
@@ -152,9 +179,36 @@ impl Recorder {
         self.on.load(Ordering::Acquire)
     }
 
+    /// True while recording in the mode that wants every read served by FUSE.
+    pub fn records_every_read(&self) -> bool {
+        self.is_recording() && self.every_read.load(Ordering::Acquire)
+    }
+
+    /// New first touches noted since the recording started (grows by one for each
+    /// read that added or widened a recorded read).
+    pub fn touches(&self) -> u64 {
+        self.touches.load(Ordering::Acquire)
+    }
+
+    /// Reads recorded so far.
+    pub fn len(&self) -> usize {
+        lock(&self.state).reads.len()
+    }
+
+    /// True when nothing was recorded yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when the recording is full ([`MAX_TRACE_READS`]).
+    pub fn is_full(&self) -> bool {
+        self.len() >= MAX_TRACE_READS
+    }
+
     /// Stops recording and returns what was recorded.
     pub fn take(&self) -> Trace {
         self.on.store(false, Ordering::Release);
+        self.every_read.store(false, Ordering::Release);
         let rec = std::mem::take(&mut *lock(&self.state));
         if rec.dropped > 0 {
             tracing::warn!(
@@ -165,10 +219,11 @@ impl Recorder {
         Trace { reads: rec.reads }
     }
 
-    /// Notes a read of `len` bytes at `offset` of file `ino` of `tree`. A read that
+    /// Notes a read of `len` bytes at `offset` of file `ino` of `tree`, the tree of
+    /// mount `view` (any id unique among the mounts sharing this recorder). A read that
     /// touches or overlaps a recorded read of the same file widens that read in place
     /// (so a re-read records nothing); others are appended in first-touch order.
-    pub fn note(&self, tree: &InodeTree, ino: Ino, offset: u64, len: u64) {
+    pub fn note(&self, view: u64, tree: &InodeTree, ino: Ino, offset: u64, len: u64) {
         if !self.on.load(Ordering::Acquire) || len == 0 {
             return;
         }
@@ -180,7 +235,7 @@ impl Recorder {
         }
         let mut guard = lock(&self.state);
         let rec = &mut *guard;
-        let file = match rec.files.entry(ino) {
+        let file = match rec.files.entry((view, ino)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(e) => {
                 let Some(path) = tree.path_of(ino) else {
@@ -199,7 +254,11 @@ impl Recorder {
             let r_end = r.offset + r.len;
             if offset <= r_end && r.offset <= end {
                 let lo = r.offset.min(offset);
-                r.len = r_end.max(end) - lo;
+                let widened = r_end.max(end) - lo;
+                if widened != r.len {
+                    self.touches.fetch_add(1, Ordering::AcqRel);
+                }
+                r.len = widened;
                 r.offset = lo;
                 return;
             }
@@ -214,6 +273,7 @@ impl Recorder {
             offset,
             len: end - offset,
         });
+        self.touches.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -324,9 +384,16 @@ pub fn find_layout_trace(layout: &OciLayout, subject: &Descriptor) -> Result<Opt
     Trace::from_json(&bytes).map(Some)
 }
 
+/// Tag of a repository that points at its newest trace artifact (whatever image it
+/// refers to): how a new tag of the repository finds the trace of the version before it
+/// in one round trip, on any registry. Set by [`publish_registry_trace`] and by ferry's
+/// registry when it accepts a trace from a node that may only pull.
+pub const REPOSITORY_TRACE_TAG: &str = ferry_registry::server::traces::REPOSITORY_TRACE_TAG;
+
 /// Publishes `trace` to a registry as an artifact referring to image manifest `subject`
-/// (referrers API, with the tag fallback when the registry does not index subjects).
-/// Returns the artifact manifest's digest.
+/// (referrers API, with the tag fallback when the registry does not index subjects), and
+/// points the repository's [`REPOSITORY_TRACE_TAG`] at it. Returns the artifact
+/// manifest's digest.
 pub async fn publish_registry_trace(
     client: &Client,
     repo: &Repo,
@@ -348,9 +415,29 @@ pub async fn publish_registry_trace(
     let mut desc = descriptor(OCI_MANIFEST, digest.clone(), manifest.len() as u64, &[]);
     desc.set_artifact_type(Some(media_type(TRACE_MEDIA_TYPE)));
     client
-        .push_referrer(repo, subject.digest().as_ref(), &desc, manifest.into())
+        .push_referrer(
+            repo,
+            subject.digest().as_ref(),
+            &desc,
+            manifest.clone().into(),
+        )
+        .await?;
+    client
+        .put_manifest(repo, REPOSITORY_TRACE_TAG, OCI_MANIFEST, manifest.into())
         .await?;
     Ok(digest.to_string())
+}
+
+/// Sends `trace` of image manifest `subject` to ferry's registry endpoint for nodes that
+/// may only pull (see `ferry_registry::server::traces`). Returns the artifact's digest.
+pub async fn send_registry_trace(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+    trace: &Trace,
+) -> Result<String> {
+    let json = trace.to_json()?;
+    Ok(client.push_trace(repo, subject, json.into()).await?)
 }
 
 /// The trace referring to image manifest `subject` in a registry, if any (the newest
@@ -375,6 +462,41 @@ pub fn find_registry_trace(
     let Some((blob, _)) = best else {
         return Ok(None);
     };
+    fetch_trace_blob(client, repo, &blob, runtime).map(Some)
+}
+
+/// The repository's newest trace ([`REPOSITORY_TRACE_TAG`]) and the image manifest it
+/// was recorded for, if any. Call from a thread that is not inside a tokio runtime.
+pub fn find_repository_trace(
+    client: &Client,
+    repo: &Repo,
+    runtime: &RangeRuntime,
+) -> Result<Option<(String, Trace)>> {
+    let rt = runtime.handle();
+    let doc = match rt.block_on(client.get_manifest(repo, REPOSITORY_TRACE_TAG, &[OCI_MANIFEST])) {
+        Ok(doc) => doc,
+        Err(ferry_registry::client::ClientError::NotFound { .. }) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
+        .map_err(|e| Error::Invalid(format!("{REPOSITORY_TRACE_TAG} of {repo}: {e}")))?;
+    let Some(subject) = artifact.subject().as_ref().map(|s| s.digest().to_string()) else {
+        return Ok(None);
+    };
+    let Some((blob, _)) = trace_blob_of(&doc.bytes, &subject) else {
+        return Ok(None);
+    };
+    let trace = fetch_trace_blob(client, repo, &blob, runtime)?;
+    Ok(Some((subject, trace)))
+}
+
+/// Fetches, verifies and parses the trace blob `blob` (bounded by [`MAX_TRACE_BYTES`]).
+fn fetch_trace_blob(
+    client: &Client,
+    repo: &Repo,
+    blob: &Descriptor,
+    runtime: &RangeRuntime,
+) -> Result<Trace> {
     if blob.size() > MAX_TRACE_BYTES {
         return Err(Error::Invalid(format!(
             "startup trace blob {} is larger than {MAX_TRACE_BYTES} bytes",
@@ -382,7 +504,7 @@ pub fn find_registry_trace(
         )));
     }
     let digest = blob.digest().to_string();
-    let bytes = rt.block_on(async {
+    let bytes = runtime.handle().block_on(async {
         let stream = client.blob_stream(repo, &digest, None).await?;
         crate::image::collect_body(stream, blob.size()).await
     })?;
@@ -391,7 +513,7 @@ pub fn find_registry_trace(
             "startup trace blob {digest} does not match its digest"
         )));
     }
-    Trace::from_json(&bytes).map(Some)
+    Trace::from_json(&bytes)
 }
 
 #[cfg(test)]

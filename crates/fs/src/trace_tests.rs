@@ -67,18 +67,18 @@ fn recorder_coalesces_in_first_touch_order_and_ignores_rereads() {
     let a = t.resolve("/etc/a").unwrap();
     let b = t.resolve("/usr/lib/b").unwrap();
     let rec = Recorder::default();
-    rec.note(&t, a, 0, 4096); // not recording: ignored
+    rec.note(0, &t, a, 0, 4096); // not recording: ignored
     rec.start();
     assert!(rec.is_recording());
-    rec.note(&t, b, 0, 4096);
-    rec.note(&t, a, 0, 4096);
-    rec.note(&t, b, 4096, 4096); // continues b's last read
-    rec.note(&t, b, 1000, 100); // inside what was recorded: not again
-    rec.note(&t, a, 4096, 131_072); // continues a, clamped at a's 10 000 bytes
-    rec.note(&t, b, 40_000, 4096); // a new piece of b
-    rec.note(&t, b, 60_000, 4096); // past b's end: nothing
-    rec.note(&t, b, 36_000, 4000); // just before b's second piece: widens it backwards
-    rec.note(&t, crate::tree::ROOT_INO + 500, 0, 1); // unknown inode
+    rec.note(0, &t, b, 0, 4096);
+    rec.note(0, &t, a, 0, 4096);
+    rec.note(0, &t, b, 4096, 4096); // continues b's last read
+    rec.note(0, &t, b, 1000, 100); // inside what was recorded: not again
+    rec.note(0, &t, a, 4096, 131_072); // continues a, clamped at a's 10 000 bytes
+    rec.note(0, &t, b, 40_000, 4096); // a new piece of b
+    rec.note(0, &t, b, 60_000, 4096); // past b's end: nothing
+    rec.note(0, &t, b, 36_000, 4000); // just before b's second piece: widens it backwards
+    rec.note(0, &t, crate::tree::ROOT_INO + 500, 0, 1); // unknown inode
     let trace = rec.take();
     assert!(!rec.is_recording());
     let bp = t.path_of(b).unwrap();
@@ -93,8 +93,50 @@ fn recorder_coalesces_in_first_touch_order_and_ignores_rereads() {
     assert_eq!(trace.files(), 2);
     assert_eq!(trace.bytes(), 8192 + 10_000 + 8096);
     // Stopped: nothing more is recorded.
-    rec.note(&t, a, 0, 10);
+    rec.note(0, &t, a, 0, 10);
     assert!(rec.take().reads.is_empty());
+}
+
+#[test]
+fn one_recorder_merges_the_reads_of_several_mounts_in_first_touch_order() {
+    // Two layer mounts of one image: their trees number inodes alike, so the recorder
+    // keys files by (view, inode) and keeps one global first-touch order.
+    let lower = tree();
+    let upper = tree();
+    let a = lower.resolve("/etc/a").unwrap();
+    let b = upper.resolve("/usr/lib/b").unwrap();
+    let a_in_upper = upper.resolve("/etc/a").unwrap();
+    assert_eq!(a, a_in_upper, "same inode numbers in both trees");
+    let rec = Recorder::default();
+    rec.start_passive();
+    assert!(rec.is_recording());
+    assert!(
+        !rec.records_every_read(),
+        "passive: the read path stays as it is"
+    );
+    assert_eq!(rec.touches(), 0);
+    rec.note(1, &lower, a, 0, 4096);
+    rec.note(2, &upper, b, 0, 4096);
+    rec.note(2, &upper, a_in_upper, 8192, 100); // another mount's file with a's inode
+    rec.note(1, &lower, a, 4096, 4096); // continues the lower mount's read of a
+    rec.note(1, &lower, a, 0, 4096); // a re-read: no new touch
+    assert_eq!(rec.touches(), 4);
+    assert_eq!(rec.len(), 3);
+    let bp = upper.path_of(b).unwrap();
+    assert_eq!(
+        rec.take().reads,
+        vec![
+            read("/etc/a", 0, 8192),
+            read(&bp, 0, 4096),
+            read("/etc/a", 8192, 100),
+        ]
+    );
+    // The explicit mode asks the FUSE layer for every read.
+    rec.start();
+    assert!(rec.records_every_read());
+    assert!(rec.is_empty(), "a restart discards what was recorded");
+    rec.take();
+    assert!(!rec.records_every_read());
 }
 
 #[test]

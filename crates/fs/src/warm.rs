@@ -52,7 +52,7 @@ use crate::image::MountedImage;
 use crate::stats::MountStats;
 
 /// Media type of a published startup trace (artifactType of its manifest).
-pub const TRACE_MEDIA_TYPE: &str = "application/vnd.ferry.trace.v1+json";
+pub const TRACE_MEDIA_TYPE: &str = ferry_registry::server::traces::TRACE_ARTIFACT_TYPE;
 
 /// What to warm and how hard.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -878,14 +878,21 @@ impl MountedImage {
     /// Must be cheap: the read path calls it on every request (one atomic load when no
     /// trace is being recorded).
     pub fn note_read(&self, ino: u64, offset: u64, len: u32) {
-        self.recorder.note(&self.tree, ino, offset, u64::from(len));
+        self.recorder
+            .note(self.recorder_view, &self.tree, ino, offset, u64::from(len));
     }
 
-    /// True while a startup trace is being recorded. The FUSE layer then serves every
-    /// read itself (no passthrough, no page cache kept from before the open), so that
-    /// the trace sees all of them.
+    /// True while a startup trace is being recorded (either mode).
     pub fn is_recording(&self) -> bool {
         self.recorder.is_recording()
+    }
+
+    /// True while a trace is recorded that must see every read: the FUSE layer then
+    /// serves every read itself (no passthrough, no page cache kept from before the
+    /// open). A passive recording ([`crate::trace::Recorder::start_passive`]) leaves
+    /// the read path alone.
+    pub fn records_every_read(&self) -> bool {
+        self.recorder.records_every_read()
     }
 }
 

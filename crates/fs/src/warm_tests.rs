@@ -1067,4 +1067,32 @@ fn with_the_shipped_defaults_fill_waits_for_the_mount_to_be_used() {
     let snap = image.stats.snapshot();
     assert_eq!(snap.bytes_filled, 0);
     assert!(!snap.fill_done);
+
+/// A trace of another version of the image maps onto this one by path: reads past a
+/// file's end here (it shrank) are clamped to it, paths gone are skipped.
+#[test]
+fn a_trace_of_another_version_is_clamped_to_the_files_of_this_one() {
+    let image = storeless_gzip_image();
+    let layer = &image.image.layers()[0];
+    let a = data_of(&image, "/a");
+    let size = image
+        .tree
+        .get(image.tree.resolve("/a").unwrap())
+        .unwrap()
+        .size;
+    let other_version = Trace {
+        reads: vec![
+            tr("/a", 0, size * 4),
+            tr("/a", size + 4096, 1 << 20),
+            tr("/gone/in/this/version", 0, 4096),
+        ],
+    };
+    let jobs = prefetch_jobs(&image, Some(&other_version));
+    let want: Vec<(usize, Range<u64>)> = layer
+        .ranges_for(a.entry, 0, size)
+        .into_iter()
+        .map(|r| (a.layer, r))
+        .collect();
+    assert!(!want.is_empty());
+    assert_eq!(jobs, want);
 }

@@ -123,8 +123,9 @@ fn table(report: &StatusReport) -> String {
         "ERRORS",
         "PREFETCH",
         "FILL",
+        "TRACE",
     ];
-    let mut rows: Vec<[String; 8]> = vec![header.map(str::to_owned)];
+    let mut rows: Vec<[String; 9]> = vec![header.map(str::to_owned)];
     for m in &report.mounts {
         let s = &m.stats;
         let pct = if s.bytes_total == 0 {
@@ -148,9 +149,10 @@ fn table(report: &StatusReport) -> String {
             s.fetch_errors.to_string(),
             yes_no(s.prefetch_done).to_owned(),
             yes_no(s.fill_done).to_owned(),
+            trace_cell(m),
         ]);
     }
-    let widths: Vec<usize> = (0..8)
+    let widths: Vec<usize> = (0..9)
         .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
         .collect();
     for row in rows {
@@ -163,6 +165,22 @@ fn table(report: &StatusReport) -> String {
         out.push('\n');
     }
     out
+}
+
+/// The TRACE column: where the mount's startup trace came from, and whether it records.
+fn trace_cell(m: &ferry_daemon::mounts::MountStatus) -> String {
+    use ferry_daemon::autotrace::TraceSource;
+    let source = m.trace.as_ref().map(|t| match t.source {
+        TraceSource::Published => "published",
+        TraceSource::Node => "node",
+        TraceSource::PreviousVersion => "previous version",
+    });
+    match (source, m.recording) {
+        (Some(s), true) => format!("{s}, recording"),
+        (Some(s), false) => s.to_owned(),
+        (None, true) => "recording".to_owned(),
+        (None, false) => "-".to_owned(),
+    }
 }
 
 #[cfg(test)]

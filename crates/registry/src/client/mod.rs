@@ -1465,6 +1465,38 @@ impl Client {
         Ok(())
     }
 
+    /// Sends a startup trace (trace JSON) for manifest `subject` to ferry's registry
+    /// endpoint for nodes that may only pull (`PUT /v2/<name>/ferry-traces/<subject>`,
+    /// see [`crate::server::traces`]); returns the digest of the artifact the registry
+    /// built. Other registries answer 404 (or 405).
+    pub async fn push_trace(
+        &self,
+        r: &Repo,
+        subject: &str,
+        trace_json: Bytes,
+    ) -> Result<String, ClientError> {
+        check_digest(subject)?;
+        let mut call = Call::new(
+            Method::PUT,
+            format!("/v2/{}/ferry-traces/{subject}", r.repository),
+            format!("trace endpoint of {r}"),
+        )
+        .header(
+            header::CONTENT_TYPE,
+            crate::server::traces::TRACE_BLOB_MEDIA_TYPE,
+        )?;
+        // Pull access is what this endpoint asks of a node.
+        call.push = false;
+        call.body = Some(trace_json);
+        let resp = self.execute(r, &call).await?;
+        Ok(resp
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned())
+    }
+
     /// Every tag of a repository (following `Link` pagination).
     pub async fn tags(&self, r: &Repo) -> Result<Vec<String>, ClientError> {
         #[derive(serde::Deserialize)]

@@ -21,6 +21,7 @@ pub(crate) mod manifests;
 pub mod metrics;
 pub mod range;
 pub mod routes;
+pub mod traces;
 mod uploads;
 
 #[cfg(test)]
@@ -278,6 +279,10 @@ async fn handle(st: &StateInner, parts: &Parts, body: Body, route: Route<'_>) ->
             discovery::referrers(st, parts, name, digest).await
         }
         Route::Referrers { .. } => Err(method_not_allowed("GET, HEAD")),
+        Route::Traces { name, subject } if *m == Method::PUT => {
+            traces::accept(st, parts, body, name, subject).await
+        }
+        Route::Traces { .. } => Err(method_not_allowed("PUT")),
         Route::Manifest { name, reference } => match *m {
             Method::GET | Method::HEAD => manifests::pull(st, parts, name, reference).await,
             Method::PUT => manifests::push(st, parts, body, name, reference).await,

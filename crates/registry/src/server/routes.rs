@@ -26,6 +26,9 @@ pub enum Route<'a> {
     Upload { name: &'a str, id: &'a str },
     /// `/v2/<name>/referrers/<digest>`
     Referrers { name: &'a str, digest: &'a str },
+    /// `/v2/<name>/ferry-traces/<subject digest>`: a startup trace from a node that may
+    /// only pull ([`crate::server::traces`]).
+    Traces { name: &'a str, subject: &'a str },
 }
 
 impl<'a> Route<'a> {
@@ -61,6 +64,10 @@ impl<'a> Route<'a> {
             }),
             "blobs" => Some(Route::Blob { name, digest: last }),
             "referrers" => Some(Route::Referrers { name, digest: last }),
+            "ferry-traces" => Some(Route::Traces {
+                name,
+                subject: last,
+            }),
             _ => None,
         }
     }
@@ -74,7 +81,8 @@ impl<'a> Route<'a> {
             | Route::Blob { name, .. }
             | Route::UploadStart { name }
             | Route::Upload { name, .. }
-            | Route::Referrers { name, .. } => Some(name),
+            | Route::Referrers { name, .. }
+            | Route::Traces { name, .. } => Some(name),
         }
     }
 }

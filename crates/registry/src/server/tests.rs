@@ -1663,3 +1663,377 @@ async fn token_auth_through_the_merged_token_endpoint() {
             .contains("route=\"token\",status=\"200\"")
     );
 }
+
+// ---------------------------------------------------------------- traces from pull-only nodes
+
+fn trace_json(reads: usize) -> Vec<u8> {
+    let reads: Vec<_> = (0..reads)
+        .map(|i| serde_json::json!({"path": format!("/usr/lib/f{i}"), "offset": 0, "len": 4096}))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({"version": 1, "reads": reads})).unwrap()
+}
+
+async fn send_trace(
+    t: &TestApp,
+    who: Option<&str>,
+    repo: &str,
+    subject: &str,
+    ct: &str,
+    body: Vec<u8>,
+) -> Resp {
+    let mut headers = vec![("content-type", ct)];
+    if let Some(w) = who {
+        headers.push(("authorization", w));
+    }
+    t.send(
+        Method::PUT,
+        &format!("/v2/{repo}/ferry-traces/{subject}"),
+        &headers,
+        body,
+    )
+    .await
+}
+
+/// The referrers of `subject` in team/app, as `who` sees them.
+async fn trace_referrers(t: &TestApp, who: &str, subject: &str) -> Vec<serde_json::Value> {
+    let uri = format!("/v2/team/app/referrers/{subject}");
+    let r = t
+        .send(Method::GET, &uri, &[("authorization", who)], Body::empty())
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    r.json()["manifests"].as_array().unwrap().clone()
+}
+
+#[tokio::test]
+async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else() {
+    use crate::server::traces::{REPOSITORY_TRACE_TAG, TRACE_ARTIFACT_TYPE, TRACE_BLOB_MEDIA_TYPE};
+    let dir = tempfile::tempdir().unwrap();
+    let t = auth_app(dir.path(), crate::auth::AuthMode::Basic);
+    let alice = basic("alice", "wonderland");
+    let bob = basic("bob", "builder");
+    // alice (push) stores the image through the ordinary API.
+    let config = br#"{"architecture":"amd64","os":"linux"}"#;
+    let layer = b"layer bytes";
+    let mut digests = Vec::new();
+    for data in [&config[..], &layer[..]] {
+        let d = digest_of(data);
+        let r = t
+            .send(
+                Method::POST,
+                &format!("/v2/team/app/blobs/uploads/?digest={d}"),
+                &[("authorization", &alice)],
+                data.to_vec(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        digests.push(d);
+    }
+    let doc = image_manifest(
+        media::OCI_CONFIG,
+        &digests[0],
+        config.len(),
+        &[(&digests[1], layer.len())],
+        None,
+        None,
+    );
+    let subject = digest_of(&doc);
+    let r = t
+        .send(
+            Method::PUT,
+            "/v2/team/app/manifests/v1",
+            &[
+                ("authorization", &alice),
+                ("content-type", media::OCI_MANIFEST),
+            ],
+            doc.clone(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+
+    // bob may pull only: an ordinary manifest push is refused...
+    let r = t
+        .send(
+            Method::PUT,
+            "/v2/team/app/manifests/evil",
+            &[
+                ("authorization", &bob),
+                ("content-type", media::OCI_MANIFEST),
+            ],
+            doc.clone(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // ...but a trace of the image is accepted, as an artifact the registry builds.
+    let body = trace_json(3);
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        body.clone(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let first = r.header("docker-content-digest").to_owned();
+    assert_eq!(r.header("oci-subject"), subject);
+    let listed = trace_referrers(&t, &bob, &subject).await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["digest"], first.as_str());
+    assert_eq!(listed[0]["artifactType"], TRACE_ARTIFACT_TYPE);
+    assert_eq!(
+        listed[0]["annotations"]["dev.ferry.trace.accepted-from"],
+        "bob"
+    );
+    // The repository's trace tag points at it; its layer is the trace as sent.
+    let r = t
+        .send(
+            Method::GET,
+            &format!("/v2/team/app/manifests/{REPOSITORY_TRACE_TAG}"),
+            &[("authorization", &bob), ("accept", media::OCI_MANIFEST)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(digest_of(&r.body), first);
+    let artifact = r.json();
+    assert_eq!(artifact["subject"]["digest"], subject.as_str());
+    assert_eq!(artifact["layers"][0]["digest"], digest_of(&body).as_str());
+    let r = t
+        .send(
+            Method::GET,
+            &format!("/v2/team/app/blobs/{}", digest_of(&body)),
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!((r.status, r.body.to_vec()), (StatusCode::OK, body));
+
+    // Sent again: it replaces bob's earlier trace (one per manifest), never grows.
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(5),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let second = r.header("docker-content-digest").to_owned();
+    assert_ne!(first, second);
+    let listed = trace_referrers(&t, &bob, &subject).await;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["digest"], second.as_str());
+    // A trace alice pushed herself (no accepted-from annotation) is not replaced.
+    let own = image_manifest(
+        "application/vnd.oci.empty.v1+json",
+        &digest_of(b"{}"),
+        2,
+        &[],
+        Some((&subject, doc.len())),
+        Some(TRACE_ARTIFACT_TYPE),
+    );
+    let r = t
+        .send(
+            Method::PUT,
+            &format!("/v2/team/app/manifests/{}", digest_of(&own)),
+            &[
+                ("authorization", &alice),
+                ("content-type", media::OCI_MANIFEST),
+            ],
+            own.clone(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(2),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let listed: Vec<String> = trace_referrers(&t, &bob, &subject)
+        .await
+        .iter()
+        .map(|d| d["digest"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.contains(&digest_of(&own)));
+
+    // The attacker's side. No credentials (even where anonymous pull were allowed):
+    let r = send_trace(
+        &t,
+        None,
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    // Wrong password:
+    let r = send_trace(
+        &t,
+        Some(&basic("bob", "nope")),
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    // A repository bob may not pull from:
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "other/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    // A repository bob may pull from, where that manifest does not exist:
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/other",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // A subject that is no manifest of the repository, or is no digest:
+    let missing = digest_of(b"nothing");
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &missing,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        "sha256:abc",
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // A subject that is itself an artifact (a trace of a trace):
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &second,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert!(
+        r.status == StatusCode::BAD_REQUEST || r.status == StatusCode::NOT_FOUND,
+        "{}",
+        r.status
+    );
+    // Wrong media type:
+    for ct in ["application/json", media::OCI_MANIFEST, ""] {
+        let r = send_trace(&t, Some(&bob), "team/app", &subject, ct, trace_json(1)).await;
+        assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{ct}");
+    }
+    // Oversize, declared or not:
+    let big = vec![b' '; (crate::server::traces::MAX_ACCEPTED_TRACE_BYTES + 1) as usize];
+    let r = send_trace(
+        &t,
+        Some(&bob),
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        big,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE, "{:?}", r.body);
+    // Not a trace: garbage, another version, unknown fields, relative or NUL paths,
+    // empty reads, overflowing offsets, no reads.
+    for bad in [
+        b"not json".to_vec(),
+        br#"{"version":2,"reads":[{"path":"/a","offset":0,"len":1}]}"#.to_vec(),
+        br#"{"version":1,"reads":[{"path":"/a","offset":0,"len":1}],"x":1}"#.to_vec(),
+        br#"{"version":1,"reads":[{"path":"a","offset":0,"len":1}]}"#.to_vec(),
+        br#"{"version":1,"reads":[{"path":"/a\u0000b","offset":0,"len":1}]}"#.to_vec(),
+        br#"{"version":1,"reads":[{"path":"/a","offset":0,"len":0}]}"#.to_vec(),
+        br#"{"version":1,"reads":[{"path":"/a","offset":18446744073709551615,"len":2}]}"#.to_vec(),
+        br#"{"version":1,"reads":[]}"#.to_vec(),
+    ] {
+        let r = send_trace(
+            &t,
+            Some(&bob),
+            "team/app",
+            &subject,
+            TRACE_BLOB_MEDIA_TYPE,
+            bad.clone(),
+        )
+        .await;
+        assert_eq!(
+            r.status,
+            StatusCode::BAD_REQUEST,
+            "{}",
+            String::from_utf8_lossy(&bad)
+        );
+    }
+    // Other methods on the endpoint:
+    let r = t
+        .send(
+            Method::GET,
+            &format!("/v2/team/app/ferry-traces/{subject}"),
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    // After all that, the repository still has the image, its tag, and two traces.
+    assert_eq!(trace_referrers(&t, &bob, &subject).await.len(), 2);
+    let r = t
+        .send(
+            Method::GET,
+            "/v2/team/app/tags/list",
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    let mut tags: Vec<String> = r.json()["tags"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    tags.sort();
+    assert_eq!(tags, vec![REPOSITORY_TRACE_TAG.to_owned(), "v1".to_owned()]);
+}
+
+#[tokio::test]
+async fn an_open_registry_takes_traces_as_it_takes_pushes() {
+    use crate::server::traces::TRACE_BLOB_MEDIA_TYPE;
+    let t = app();
+    let (subject, _) = t.push_image("team/app", "v1", b"layer").await;
+    // Open registry: anyone may push, so anyone may add a trace.
+    let r = send_trace(
+        &t,
+        None,
+        "team/app",
+        &subject,
+        TRACE_BLOB_MEDIA_TYPE,
+        trace_json(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+}
