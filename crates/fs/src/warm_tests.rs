@@ -1067,6 +1067,7 @@ fn with_the_shipped_defaults_fill_waits_for_the_mount_to_be_used() {
     let snap = image.stats.snapshot();
     assert_eq!(snap.bytes_filled, 0);
     assert!(!snap.fill_done);
+}
 
 /// A trace of another version of the image maps onto this one by path: reads past a
 /// file's end here (it shrank) are clamped to it, paths gone are skipped.
