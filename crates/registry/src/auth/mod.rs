@@ -357,7 +357,7 @@ impl Authenticator {
         {
             return Ok(VerifiedUser { name });
         }
-        if !auth.failed_logins.allows(client, user, Instant::now()) {
+        if !auth.failed_logins.try_begin(client, user, Instant::now()) {
             return Err(LoginRefused::Throttled);
         }
         auth.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
@@ -372,9 +372,9 @@ impl Authenticator {
             }
         };
         if !matched {
-            auth.failed_logins.failed(client, user, Instant::now());
             return Err(LoginRefused::Wrong);
         }
+        auth.failed_logins.succeeded(client, user, Instant::now());
         let name: Arc<str> = Arc::from(user);
         auth.basic_cache.insert(
             key,

@@ -2,10 +2,11 @@
 //! client address and per user name, so a flood of bad logins cannot occupy the CPUs that
 //! serve everyone else (a verified credential is cached and never reaches bcrypt again).
 //!
-//! Each key holds a token bucket: `FAILURE_BURST` failures at once, refilled at
-//! `FAILURES_PER_SEC`. A login whose client or user bucket is empty is refused (429)
-//! without running bcrypt; only failures drain buckets, so clients that log in correctly
-//! are never slowed. Memory is bounded: past `MAX_KEYS` keys, full buckets (which say
+//! Each key holds a token bucket: `FAILURE_BURST` checks at once, refilled at
+//! `FAILURES_PER_SEC`. A check takes from its client's and its user's bucket before bcrypt
+//! runs (so a flood of parallel attempts is bounded too) and a right password gives it
+//! back, so only failures drain buckets and clients that log in correctly are never
+//! slowed. A login whose client or user bucket is empty is refused (429) unchecked. Memory is bounded: past `MAX_KEYS` keys, full buckets (which say
 //! nothing) are dropped, then the fullest.
 
 use std::collections::HashMap;
@@ -67,35 +68,60 @@ impl LoginThrottle {
             .chain(std::iter::once(Key::User(user.to_string())))
     }
 
-    /// Whether a password check for `user` from `client` may run bcrypt now.
-    pub fn allows(&self, client: Option<IpAddr>, user: &str, now: Instant) -> bool {
-        let buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        Self::keys(client, user).all(|key| buckets.get(&key).is_none_or(|b| b.level(now) >= 1.0))
-    }
-
-    /// Records a wrong password for `user` from `client`.
-    pub fn failed(&self, client: Option<IpAddr>, user: &str, now: Instant) {
+    /// Takes one failure's worth from the buckets of `client` and `user` if both have it,
+    /// before a password check runs: `true` means go ahead (and call
+    /// [`LoginThrottle::succeeded`] if the password was right), `false` means refuse
+    /// without checking. Taking before checking bounds the bcrypt runs in flight too, not
+    /// only the failures already counted.
+    pub fn try_begin(&self, client: Option<IpAddr>, user: &str, now: Instant) -> bool {
         let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
-        if buckets.len() >= MAX_KEYS {
-            buckets.retain(|_, b| b.level(now) < FAILURE_BURST);
-            if buckets.len() >= MAX_KEYS {
-                // Everyone is failing: keep the emptiest quarter (the most active).
-                let mut levels: Vec<f64> = buckets.values().map(|b| b.level(now)).collect();
-                let cut = levels.len() / 4;
-                levels.select_nth_unstable_by(cut, f64::total_cmp);
-                let threshold = levels[cut];
-                buckets.retain(|_, b| b.level(now) < threshold);
-            }
+        let keys: Vec<Key> = Self::keys(client, user).collect();
+        if !keys
+            .iter()
+            .all(|key| buckets.get(key).is_none_or(|b| b.level(now) >= 1.0))
+        {
+            return false;
         }
-        for key in Self::keys(client, user) {
+        if buckets.len() + keys.len() > MAX_KEYS {
+            Self::make_room(&mut buckets, now);
+        }
+        for key in keys {
             let level = buckets.get(&key).map_or(FAILURE_BURST, |b| b.level(now));
             buckets.insert(
                 key,
                 Bucket {
-                    tokens: (level - 1.0).max(0.0),
+                    tokens: level - 1.0,
                     at: now,
                 },
             );
+        }
+        true
+    }
+
+    /// Gives back what [`LoginThrottle::try_begin`] took: the password was right.
+    pub fn succeeded(&self, client: Option<IpAddr>, user: &str, now: Instant) {
+        let mut buckets = self.buckets.lock().unwrap_or_else(PoisonError::into_inner);
+        for key in Self::keys(client, user) {
+            if let Some(bucket) = buckets.get_mut(&key) {
+                let level = (bucket.level(now) + 1.0).min(FAILURE_BURST);
+                *bucket = Bucket {
+                    tokens: level,
+                    at: now,
+                };
+            }
+        }
+    }
+
+    /// Drops full buckets (they say nothing), then, if everyone is failing, all but the
+    /// emptiest quarter (the most active).
+    fn make_room(buckets: &mut HashMap<Key, Bucket>, now: Instant) {
+        buckets.retain(|_, b| b.level(now) < FAILURE_BURST);
+        if buckets.len() >= MAX_KEYS {
+            let mut levels: Vec<f64> = buckets.values().map(|b| b.level(now)).collect();
+            let cut = levels.len() / 4;
+            levels.select_nth_unstable_by(cut, f64::total_cmp);
+            let threshold = levels[cut];
+            buckets.retain(|_, b| b.level(now) < threshold);
         }
     }
 }
@@ -115,14 +141,14 @@ mod tests {
         let t = LoginThrottle::new();
         let now = Instant::now();
         for i in 0..FAILURE_BURST as usize {
-            assert!(t.allows(ip(1), &format!("user{i}"), now), "failure {i}");
-            t.failed(ip(1), &format!("user{i}"), now);
+            assert!(t.try_begin(ip(1), &format!("user{i}"), now), "attempt {i}");
         }
-        assert!(!t.allows(ip(1), "someone-else", now));
+        assert!(!t.try_begin(ip(1), "someone-else", now));
         // Another client is not affected, nor is a user that never failed.
-        assert!(t.allows(ip(2), "someone-else", now));
+        assert!(t.try_begin(ip(2), "someone-else", now));
         let later = now + Duration::from_secs_f64(1.0 / FAILURES_PER_SEC);
-        assert!(t.allows(ip(1), "someone-else", later));
+        assert!(t.try_begin(ip(1), "someone-else", later));
+        assert!(!t.try_begin(ip(1), "someone-else", later));
     }
 
     #[test]
@@ -130,12 +156,21 @@ mod tests {
         let t = LoginThrottle::new();
         let now = Instant::now();
         for i in 0..FAILURE_BURST as u8 {
-            assert!(t.allows(ip(i), "alice", now));
-            t.failed(ip(i), "alice", now);
+            assert!(t.try_begin(ip(i), "alice", now));
         }
-        assert!(!t.allows(ip(200), "alice", now));
-        assert!(t.allows(ip(200), "bob", now));
-        assert!(!t.allows(None, "alice", now));
+        assert!(!t.try_begin(ip(200), "alice", now));
+        assert!(t.try_begin(ip(200), "bob", now));
+        assert!(!t.try_begin(None, "alice", now));
+    }
+
+    #[test]
+    fn right_passwords_cost_nothing() {
+        let t = LoginThrottle::new();
+        let now = Instant::now();
+        for _ in 0..(FAILURE_BURST as usize * 3) {
+            assert!(t.try_begin(ip(1), "alice", now));
+            t.succeeded(ip(1), "alice", now);
+        }
     }
 
     #[test]
@@ -143,7 +178,7 @@ mod tests {
         let t = LoginThrottle::new();
         let now = Instant::now();
         for i in 0..(MAX_KEYS + 100) {
-            t.failed(None, &format!("u{i}"), now);
+            t.try_begin(None, &format!("u{i}"), now);
         }
         assert!(
             t.buckets
