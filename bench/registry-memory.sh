@@ -231,6 +231,10 @@ root = "$1"
 [auth]
 htpasswd = "$WORK/htpasswd"
 token_ttl = "1h"
+
+[limits]
+# The load tester is one client opening every connection.
+max_connections_per_client = $((CONNECTIONS + 64))
 EOF
     "$FERRY" registry serve --config "$WORK/ferry.toml" --addr "$SERVER_ADDR" >>"$WORK/ferry.log" 2>&1 &
     SERVER_PID=$!

@@ -115,6 +115,10 @@ root = "$work/ferry-data"
 [auth]
 htpasswd = "$work/htpasswd"
 token_ttl = "1h"
+
+[limits]
+# The load tester is one client opening every connection.
+max_connections_per_client = $((CONNECTIONS + 64))
 EOF
 log "starting ferry registry on 127.0.0.1:$FERRY_PORT"
 "$FERRY" registry serve --config "$work/ferry.toml" >"$work/ferry.log" 2>&1 &

@@ -26,3 +26,6 @@ pub mod fuzz_api;
 pub mod loadtest;
 pub mod server;
 pub mod storage;
+
+/// What printed configurations and `Debug` output show in place of a secret.
+pub const REDACTED: &str = "<redacted>";

@@ -106,7 +106,8 @@ pub fn run(args: Args) -> Result<()> {
         RegistryCommand::Gc(a) => gc(a),
         RegistryCommand::Passwd(a) => passwd(a),
         RegistryCommand::Config(a) => {
-            let config = load_config(&a)?;
+            // Secrets never reach a terminal, a ticket or a log through this command.
+            let config = load_config(&a)?.redacted();
             print!(
                 "{}",
                 toml::to_string_pretty(&config).context("encoding the configuration")?

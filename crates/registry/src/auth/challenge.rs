@@ -15,6 +15,9 @@ pub enum DeniedKind {
     Unauthorized,
     /// 403 DENIED: the client is authenticated but its user may not do this.
     Forbidden,
+    /// 429 TOOMANYREQUESTS: too many failed logins from this client or for this user;
+    /// the password was not checked.
+    Throttled,
 }
 
 /// A refused request. Renders as 401 + `WWW-Authenticate` or 403, with the spec body.
@@ -50,6 +53,15 @@ impl Denied {
         }
     }
 
+    pub(crate) fn throttled(scope: &Scope, message: impl Into<String>) -> Denied {
+        Denied {
+            kind: DeniedKind::Throttled,
+            challenge: None,
+            scope: scope.clone(),
+            message: message.into(),
+        }
+    }
+
     pub fn kind(&self) -> DeniedKind {
         self.kind
     }
@@ -58,14 +70,16 @@ impl Denied {
         match self.kind {
             DeniedKind::Unauthorized => StatusCode::UNAUTHORIZED,
             DeniedKind::Forbidden => StatusCode::FORBIDDEN,
+            DeniedKind::Throttled => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
-    /// The spec error code: "UNAUTHORIZED" or "DENIED".
+    /// The spec error code: "UNAUTHORIZED", "DENIED" or "TOOMANYREQUESTS".
     pub fn code(&self) -> &'static str {
         match self.kind {
             DeniedKind::Unauthorized => "UNAUTHORIZED",
             DeniedKind::Forbidden => "DENIED",
+            DeniedKind::Throttled => "TOOMANYREQUESTS",
         }
     }
 
@@ -105,6 +119,12 @@ impl IntoResponse for Denied {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if self.kind == DeniedKind::Throttled {
+            headers.insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(super::throttle::RETRY_AFTER_SECS),
+            );
+        }
         if let Some(challenge) = &self.challenge {
             // Challenge parts are escaped when built; a value that still is not a valid
             // header (control bytes in a configured realm) degrades to no header rather

@@ -16,8 +16,8 @@ pub const DEFAULT_SERVICE: &str = "ferry-registry";
 /// `[auth]`: who may do what. The default (no section) turns authentication off.
 ///
 /// Auth is on when `enabled = true`, or when `enabled` is absent and an `htpasswd` file is
-/// configured.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// configured. `Debug` hides the inline `secret`; [`AuthConfig::redacted`] for printing.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AuthConfig {
     /// Explicit switch; absent = on iff `htpasswd` is set.
@@ -95,6 +95,40 @@ pub enum AuthMode {
     Token,
     /// `Basic` challenges only.
     Basic,
+}
+
+impl AuthConfig {
+    /// This config with the inline signing secret replaced by [`crate::REDACTED`].
+    pub fn redacted(&self) -> AuthConfig {
+        let mut out = self.clone();
+        if out.secret.is_some() {
+            out.secret = Some(crate::REDACTED.to_string());
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.redacted();
+        f.debug_struct("AuthConfig")
+            .field("enabled", &r.enabled)
+            .field("htpasswd", &r.htpasswd)
+            .field("realm", &r.realm)
+            .field("service", &r.service)
+            .field("issuer", &r.issuer)
+            .field("secret", &r.secret)
+            .field("secret_file", &r.secret_file)
+            .field("private_key", &r.private_key)
+            .field("public_key", &r.public_key)
+            .field("token_ttl", &r.token_ttl)
+            .field("refresh_ttl", &r.refresh_ttl)
+            .field("anonymous_pull", &r.anonymous_pull)
+            .field("mode", &r.mode)
+            .field("catalog", &r.catalog)
+            .field("rules", &r.rules)
+            .finish()
+    }
 }
 
 /// One `[[auth.rules]]` entry.

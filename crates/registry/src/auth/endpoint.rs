@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{RawQuery, State};
+use axum::extract::{Extension, RawQuery, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use base64::Engine as _;
@@ -15,8 +15,9 @@ use http::{HeaderMap, HeaderValue, StatusCode, header};
 
 use super::challenge::basic_challenge;
 use super::scope::parse_scopes;
+use super::throttle::{ClientAddr, RETRY_AFTER_SECS};
 use super::token::{password_fingerprint, unix_now};
-use super::{Authenticator, Credential, Enabled, parse_authorization};
+use super::{Authenticator, Credential, Enabled, LoginRefused, parse_authorization};
 
 /// Largest query string or form body accepted.
 const MAX_REQUEST_BYTES: usize = 64 << 10;
@@ -67,6 +68,7 @@ impl TokenRequest {
 
 async fn get_token(
     State(auth): State<Arc<Authenticator>>,
+    client: Option<Extension<ClientAddr>>,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
 ) -> Response {
@@ -95,10 +97,19 @@ async fn get_token(
             None => return unauthorized(&auth, "malformed Basic credentials"),
         },
     };
-    issue(auth, request, credentials, false).await
+    issue(auth, client_ip(client), request, credentials, false).await
 }
 
-async fn post_token(State(auth): State<Arc<Authenticator>>, body: Bytes) -> Response {
+fn client_ip(client: Option<Extension<ClientAddr>>) -> Option<std::net::IpAddr> {
+    client.map(|Extension(ClientAddr(ip))| ip)
+}
+
+async fn post_token(
+    State(auth): State<Arc<Authenticator>>,
+    client: Option<Extension<ClientAddr>>,
+    body: Bytes,
+) -> Response {
+    let client = client_ip(client);
     if body.len() > MAX_REQUEST_BYTES {
         return error(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -117,9 +128,9 @@ async fn post_token(State(auth): State<Arc<Authenticator>>, body: Bytes) -> Resp
                     "password grant needs username and password",
                 );
             };
-            issue(auth, request, Some((user, password)), true).await
+            issue(auth, client, request, Some((user, password)), true).await
         }
-        Some("refresh_token") => issue(auth, request, None, true).await,
+        Some("refresh_token") => issue(auth, client, request, None, true).await,
         _ => error(
             StatusCode::BAD_REQUEST,
             "UNSUPPORTED",
@@ -131,6 +142,7 @@ async fn post_token(State(auth): State<Arc<Authenticator>>, body: Bytes) -> Resp
 /// Authenticate (password, refresh token or anonymous) and issue.
 async fn issue(
     auth: Arc<Authenticator>,
+    client: Option<std::net::IpAddr>,
     request: TokenRequest,
     credentials: Option<(String, String)>,
     oauth: bool,
@@ -165,13 +177,16 @@ async fn issue(
     } else if let Some((user, password)) = credentials {
         let verifier = auth.clone();
         let verified = tokio::task::spawn_blocking(move || {
-            let inner = verifier.enabled_inner()?;
-            verifier.authenticate_password(inner, &user, &password)
+            let inner = verifier.enabled_inner().ok_or(LoginRefused::Wrong)?;
+            verifier.authenticate_password(inner, client, &user, &password)
         })
         .await;
         match verified {
-            Ok(Some(user)) => Some(user.name.to_string()),
-            Ok(None) => return unauthorized(&auth, "invalid username or password"),
+            Ok(Ok(user)) => Some(user.name.to_string()),
+            Ok(Err(LoginRefused::Wrong)) => {
+                return unauthorized(&auth, "invalid username or password");
+            }
+            Ok(Err(LoginRefused::Throttled)) => return throttled(),
             Err(e) => {
                 tracing::error!(error = %e, "password verification task failed");
                 return error(
@@ -279,6 +294,18 @@ fn unauthorized(auth: &Authenticator, message: &str) -> Response {
             .headers_mut()
             .insert(header::WWW_AUTHENTICATE, value);
     }
+    response
+}
+
+fn throttled() -> Response {
+    let mut response = error(
+        StatusCode::TOO_MANY_REQUESTS,
+        "TOOMANYREQUESTS",
+        "too many failed logins; retry later",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_SECS));
     response
 }
 

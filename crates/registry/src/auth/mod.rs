@@ -14,10 +14,13 @@ mod endpoint;
 pub mod htpasswd;
 pub mod rules;
 pub mod scope;
+pub mod throttle;
 pub mod token;
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use base64::Engine as _;
 use http::HeaderMap;
@@ -27,6 +30,7 @@ use challenge::{BearerError, basic_challenge, bearer_challenge};
 use htpasswd::UserFile;
 use rules::Rules;
 use scope::RequestedScope;
+use throttle::LoginThrottle;
 use token::{Grant, ResourceActions, TokenSigner, unix_now};
 
 pub use challenge::{Denied, DeniedKind};
@@ -34,6 +38,7 @@ pub use config::{AccessRule, AuthConfig, AuthMode};
 pub use endpoint::token_router;
 pub use htpasswd::{HtpasswdError, hash_password, htpasswd_line, set_user};
 pub use scope::{Actions, Scope};
+pub use throttle::ClientAddr;
 
 /// How many verified tokens are remembered.
 const TOKEN_CACHE_ENTRIES: usize = 65_536;
@@ -82,12 +87,22 @@ struct Enabled {
     /// user and the htpasswd generation it was verified against.
     basic_cache: ExpiringCache<(Arc<str>, u64)>,
     bcrypt_runs: AtomicU64,
+    failed_logins: LoginThrottle,
 }
 
 /// A user whose password was verified.
 #[derive(Debug, Clone)]
 pub(crate) struct VerifiedUser {
     pub name: Arc<str>,
+}
+
+/// Why a user name and password were not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LoginRefused {
+    /// Unknown user or wrong password.
+    Wrong,
+    /// Too many recent failures from this client or for this user; not checked.
+    Throttled,
 }
 
 impl Authenticator {
@@ -128,6 +143,7 @@ impl Authenticator {
                 token_cache: ExpiringCache::new(TOKEN_CACHE_ENTRIES),
                 basic_cache: ExpiringCache::new(BASIC_CACHE_ENTRIES),
                 bcrypt_runs: AtomicU64::new(0),
+                failed_logins: LoginThrottle::new(),
             })),
             tls: false,
         })
@@ -168,6 +184,18 @@ impl Authenticator {
         headers: &HeaderMap,
         scope: &Scope,
     ) -> Result<Access, Denied> {
+        self.check_request_from(None, uri, headers, scope)
+    }
+
+    /// [`Authenticator::check_request`] for a request from `client`, whose failed logins
+    /// are throttled per address.
+    pub fn check_request_from(
+        &self,
+        client: Option<IpAddr>,
+        uri: Option<&http::Uri>,
+        headers: &HeaderMap,
+        scope: &Scope,
+    ) -> Result<Access, Denied> {
         let Some(auth) = &self.inner else {
             return Ok(Access { subject: None });
         };
@@ -202,8 +230,8 @@ impl Authenticator {
                     "token does not grant the requested access",
                 ))
             }
-            Some(Credential::Basic(value)) => match self.authenticate_basic(auth, value) {
-                Some(user) => {
+            Some(Credential::Basic(value)) => match self.authenticate_basic(auth, client, value) {
+                Ok(user) => {
                     if scope.is_base() || self.rules_allow(auth, Some(&user.name), scope) {
                         Ok(Access {
                             subject: Some(user.name.to_string()),
@@ -215,10 +243,14 @@ impl Authenticator {
                         ))
                     }
                 }
-                None => Err(Denied::unauthorized(
+                Err(LoginRefused::Wrong) => Err(Denied::unauthorized(
                     challenge(BearerError::None),
                     scope,
                     "invalid username or password",
+                )),
+                Err(LoginRefused::Throttled) => Err(Denied::throttled(
+                    scope,
+                    "too many failed logins; retry later",
                 )),
             },
             None if authorization.is_some() => Err(Denied::unauthorized(
@@ -288,24 +320,31 @@ impl Authenticator {
     }
 
     /// Verify `Basic` credentials (the base64 part), through the cache.
-    fn authenticate_basic(&self, auth: &Enabled, encoded: &str) -> Option<VerifiedUser> {
+    fn authenticate_basic(
+        &self,
+        auth: &Enabled,
+        client: Option<IpAddr>,
+        encoded: &str,
+    ) -> Result<VerifiedUser, LoginRefused> {
         let decoded = base64::engine::general_purpose::STANDARD
             .decode(encoded.trim())
-            .ok()?;
-        let decoded = String::from_utf8(decoded).ok()?;
-        let (user, password) = decoded.split_once(':')?;
-        self.authenticate_password(auth, user, password)
+            .map_err(|_| LoginRefused::Wrong)?;
+        let decoded = String::from_utf8(decoded).map_err(|_| LoginRefused::Wrong)?;
+        let (user, password) = decoded.split_once(':').ok_or(LoginRefused::Wrong)?;
+        self.authenticate_password(auth, client, user, password)
     }
 
     /// Verify a user name and password, through the cache; bcrypt runs off the async
-    /// worker's hot loop (`block_in_place`) when called inside a multi-thread runtime.
+    /// worker's hot loop (`block_in_place`) when called inside a multi-thread runtime, and
+    /// only while `client` and `user` are within their failed-login budget.
     fn authenticate_password(
         &self,
         auth: &Enabled,
+        client: Option<IpAddr>,
         user: &str,
         password: &str,
-    ) -> Option<VerifiedUser> {
-        let users_file = auth.users.as_ref()?;
+    ) -> Result<VerifiedUser, LoginRefused> {
+        let users_file = auth.users.as_ref().ok_or(LoginRefused::Wrong)?;
         let (users, generation) = users_file.current();
         let mut material = Vec::with_capacity(user.len() + password.len() + 1);
         material.extend_from_slice(user.as_bytes());
@@ -316,7 +355,10 @@ impl Authenticator {
         if let Some((name, cached_generation)) = auth.basic_cache.get(&key, now)
             && cached_generation == generation
         {
-            return Some(VerifiedUser { name });
+            return Ok(VerifiedUser { name });
+        }
+        if !auth.failed_logins.try_begin(client, user, Instant::now()) {
+            return Err(LoginRefused::Throttled);
         }
         auth.bcrypt_runs.fetch_add(1, Ordering::Relaxed);
         let matched = match users.hash_of(user) {
@@ -330,8 +372,9 @@ impl Authenticator {
             }
         };
         if !matched {
-            return None;
+            return Err(LoginRefused::Wrong);
         }
+        auth.failed_logins.succeeded(client, user, Instant::now());
         let name: Arc<str> = Arc::from(user);
         auth.basic_cache.insert(
             key,
@@ -339,7 +382,7 @@ impl Authenticator {
             now + BASIC_CACHE_TTL_SECS,
             now,
         );
-        Some(VerifiedUser { name })
+        Ok(VerifiedUser { name })
     }
 
     /// The `WWW-Authenticate` value for a refusal of `scope`.

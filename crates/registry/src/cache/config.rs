@@ -143,13 +143,24 @@ impl UpstreamConfig {
     }
 }
 
+impl UpstreamConfig {
+    /// This config with the password replaced by [`crate::REDACTED`].
+    pub fn redacted(&self) -> UpstreamConfig {
+        let mut out = self.clone();
+        if out.password.is_some() {
+            out.password = Some(crate::REDACTED.to_string());
+        }
+        out
+    }
+}
+
 impl fmt::Debug for UpstreamConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("UpstreamConfig")
             .field("url", &self.url)
             .field("namespace", &self.namespace)
             .field("username", &self.username)
-            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("password", &self.password.as_ref().map(|_| crate::REDACTED))
             .field("plain_http", &self.plain_http)
             .field("cache_dir", &self.cache_dir)
             .field("max_bytes", &self.max_bytes)

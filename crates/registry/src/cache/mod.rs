@@ -11,7 +11,11 @@
 //!   referrers are kept for `list_ttl`.
 //! - Blobs live on disk ([`disk`]), content-addressed, LRU-evicted under `max_bytes`. A
 //!   miss starts one download ([`fetch`]) into a temp file that every concurrent reader
-//!   follows as it grows; the blob enters the cache only once its digest is verified.
+//!   of the same repository follows as it grows; the blob enters the cache only once its
+//!   digest is verified. Downloads are keyed by (repository, digest), after the server's
+//!   access check for that repository: a request never joins a download started through
+//!   another repository (upstream vouched for that one, not for this), and a waiter whose
+//!   joined download fails retries once on its own rather than inherit the failure.
 //! - Concurrent misses of the same document share one upstream call ([`flight`]); the call
 //!   runs in its own task, so one client going away cancels nothing for the others.
 //! - When upstream answers 429/5xx or cannot be reached, an expired copy is served for up to
@@ -236,10 +240,17 @@ struct Shared {
     docs: MemoryCache<DocKey, Doc>,
     doc_flight: SingleFlight<DocKey, DocOutcome>,
     head_flight: SingleFlight<(String, String), Result<Option<u64>, CacheError>>,
-    /// Downloads in progress, by blob hex.
-    blobs: Mutex<HashMap<String, Arc<Inflight>>>,
+    /// Downloads in progress, by (repository, blob hex).
+    blobs: Mutex<HashMap<FlightKey, Arc<Inflight>>>,
     links: Mutex<Links>,
     clock: Clock,
+}
+
+/// (repository, blob hex): what a blob download is shared by.
+type FlightKey = (String, String);
+
+fn flight_key(repo: &str, hex: &str) -> FlightKey {
+    (repo.to_owned(), hex.to_owned())
 }
 
 /// The pull-through cache. Cheap to share (`Arc` it); all methods take `&self`.
@@ -421,12 +432,15 @@ impl PullThrough {
     ) -> Result<Option<BlobRead>, CacheError> {
         let hex = sha256_hex(digest)?;
         let shared = &self.shared;
-        if !shared.may_serve(repo, hex).await? {
-            return Ok(None);
-        }
-        // Twice at most: a download may commit between our disk check and joining it.
-        for _ in 0..2 {
+        // A download may commit between our disk check and joining it (one more round),
+        // and a joined download may fail (one retry of our own).
+        let mut retried = false;
+        for _ in 0..3 {
             if let Some(open) = shared.disk.open_blob(hex).await? {
+                // The disk copy may have come through another repository.
+                if !shared.may_serve(repo, hex).await? {
+                    return Ok(None);
+                }
                 shared.metrics.cache_hit("blob");
                 let range = checked_range(range.clone(), open.size)?;
                 return Ok(Some(BlobRead {
@@ -455,6 +469,12 @@ impl PullThrough {
                 .clone();
             let still_running = known.state == FetchState::Running;
             let size = match (known.state, known.size) {
+                // Somebody else's download failed (their client went away, a transient
+                // upstream error): never hand that to this request; try once ourselves.
+                (FetchState::Failed(_), _) if !started && !retried => {
+                    retried = true;
+                    continue;
+                }
                 (FetchState::Failed(CacheError::NotFound(_)), _) => return Ok(None),
                 (FetchState::Failed(e), _) => return Err(e),
                 (_, Some(size)) => size,
@@ -478,7 +498,7 @@ impl PullThrough {
             }));
         }
         Err(CacheError::Internal(
-            "blob neither cached nor downloading after retry".into(),
+            "blob neither cached nor downloading after retries".into(),
         ))
     }
 
@@ -600,18 +620,23 @@ impl Shared {
         }
     }
 
-    /// Size of a download in progress, if known (and, with `repo`, only if that download
-    /// was requested through `repo`).
+    /// Size of a download in progress, if known: with `repo`, only of a download
+    /// requested through `repo`; without, of any (the caller knows `repo` holds it).
     fn inflight_size(&self, hex: &str, repo: Option<&str>) -> Option<u64> {
         let blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
-        let inflight = blobs.get(hex)?;
-        if repo.is_some_and(|repo| inflight.repo != repo) {
-            return None;
-        }
-        let progress = inflight.progress.borrow();
-        match progress.state {
-            FetchState::Failed(_) => None,
-            _ => progress.size,
+        let size_of = |inflight: &Arc<Inflight>| {
+            let progress = inflight.progress.borrow();
+            match progress.state {
+                FetchState::Failed(_) => None,
+                _ => progress.size,
+            }
+        };
+        match repo {
+            Some(repo) => blobs.get(&flight_key(repo, hex)).and_then(size_of),
+            None => blobs
+                .iter()
+                .filter(|((_, h), _)| h == hex)
+                .find_map(|(_, inflight)| size_of(inflight)),
         }
     }
 
@@ -670,24 +695,12 @@ impl Shared {
         }
     }
 
-    /// Whether `repo` may read blob `hex`: yes if upstream confirmed it, or if we hold no
-    /// copy (the download itself asks upstream through `repo`); otherwise ask upstream.
+    /// Whether `repo` may read the disk copy of blob `hex`: yes if upstream confirmed it
+    /// (it served the blob to `repo`, a manifest of `repo` references it, or a HEAD said
+    /// so); otherwise ask upstream now.
     async fn may_serve(self: &Arc<Self>, repo: &str, hex: &str) -> Result<bool, CacheError> {
         if self.is_linked(repo, hex) {
             return Ok(true);
-        }
-        let downloading_for = self
-            .blobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(hex)
-            .map(|inflight| inflight.repo == repo);
-        match downloading_for {
-            // Upstream is serving it to this very repository right now.
-            Some(true) => return Ok(true),
-            Some(false) => {}
-            None if !self.disk.contains(hex) => return Ok(true),
-            None => {}
         }
         Ok(self.upstream_blob_size(repo, hex).await?.is_some())
     }
@@ -699,7 +712,7 @@ impl Shared {
         repo: &str,
         hex: &str,
     ) -> Result<Option<(Arc<Inflight>, bool)>, CacheError> {
-        if let Some(inflight) = self.joinable(hex)? {
+        if let Some(inflight) = self.joinable(repo, hex)? {
             return Ok(inflight.map(|i| (i, false)));
         }
         let temp = self.disk.create_temp(hex).await?;
@@ -720,12 +733,13 @@ impl Shared {
         }
         let race = {
             let mut blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(existing) = blobs.get(hex).filter(|i| !i.failed()) {
+            let key = flight_key(repo, hex);
+            if let Some(existing) = blobs.get(&key).filter(|i| !i.failed()) {
                 Race::Lost(Arc::clone(existing))
             } else if self.disk.contains(hex) {
                 Race::Committed
             } else {
-                blobs.insert(hex.to_owned(), Arc::clone(&inflight));
+                blobs.insert(key, Arc::clone(&inflight));
                 Race::Won
             }
         };
@@ -748,7 +762,7 @@ impl Shared {
         tokio::spawn(async move {
             let _forget = ForgetDownload {
                 shared: Arc::clone(&shared),
-                hex: hex.clone(),
+                key: flight_key(&repo, &hex),
                 inflight: forget_inflight,
             };
             shared.download(repo, hex, temp, sender, pin).await;
@@ -756,11 +770,12 @@ impl Shared {
         Ok(Some((inflight, true)))
     }
 
-    /// `Some(Some(inflight))` to join, `Some(None)` if already cached, `None` to start.
-    fn joinable(&self, hex: &str) -> Result<Option<Option<Arc<Inflight>>>, CacheError> {
+    /// `Some(Some(inflight))` to join `repo`'s download, `Some(None)` if already cached,
+    /// `None` to start one.
+    fn joinable(&self, repo: &str, hex: &str) -> Result<Option<Option<Arc<Inflight>>>, CacheError> {
         let blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
         // A failed download may linger until its task ends; never join it.
-        if let Some(inflight) = blobs.get(hex).filter(|i| !i.failed()) {
+        if let Some(inflight) = blobs.get(&flight_key(repo, hex)).filter(|i| !i.failed()) {
             return Ok(Some(Some(Arc::clone(inflight))));
         }
         if self.disk.contains(hex) {
@@ -1007,7 +1022,7 @@ impl Shared {
 /// the blob was committed, so later requests find it on disk.
 struct ForgetDownload {
     shared: Arc<Shared>,
-    hex: String,
+    key: FlightKey,
     inflight: Arc<Inflight>,
 }
 
@@ -1020,10 +1035,10 @@ impl Drop for ForgetDownload {
             .unwrap_or_else(PoisonError::into_inner);
         // Only our own entry: a retry may already have replaced a failed one.
         if blobs
-            .get(&self.hex)
+            .get(&self.key)
             .is_some_and(|current| Arc::ptr_eq(current, &self.inflight))
         {
-            blobs.remove(&self.hex);
+            blobs.remove(&self.key);
         }
     }
 }

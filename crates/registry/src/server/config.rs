@@ -106,9 +106,19 @@ impl Config {
                 "limits.max_manifest_bytes and limits.max_blob_bytes must be > 0".into(),
             ));
         }
-        if l.body_idle_timeout.is_zero() || l.header_read_timeout.is_zero() {
+        if l.body_idle_timeout.is_zero()
+            || l.header_read_timeout.is_zero()
+            || l.idle_timeout.is_zero()
+        {
             return Err(ConfigError::Invalid(
-                "limits.body_idle_timeout and limits.header_read_timeout must be > 0".into(),
+                "limits.body_idle_timeout, limits.header_read_timeout and limits.idle_timeout \
+                 must be > 0"
+                    .into(),
+            ));
+        }
+        if l.max_connections == 0 || l.max_connections_per_client == 0 {
+            return Err(ConfigError::Invalid(
+                "limits.max_connections and limits.max_connections_per_client must be > 0".into(),
             ));
         }
         if l.max_page_entries == 0 {
@@ -117,6 +127,18 @@ impl Config {
             ));
         }
         Ok(())
+    }
+
+    /// This config with every secret (upstream password, inline token secret, S3 secret
+    /// key and session token) replaced by [`crate::REDACTED`]: what is printed.
+    pub fn redacted(&self) -> Config {
+        let mut out = self.clone();
+        out.auth = self.auth.redacted();
+        out.upstream = self.upstream.as_ref().map(UpstreamConfig::redacted);
+        if let StorageConfig::S3(s3) = &self.storage {
+            out.storage = StorageConfig::S3(s3.redacted());
+        }
+        out
     }
 
     /// Apply `--root DIR`: filesystem storage rooted there.
@@ -147,13 +169,21 @@ pub struct Limits {
     /// session cancelled).
     #[serde(with = "duration_str")]
     pub body_idle_timeout: Duration,
-    /// Time allowed to send the request headers (slowloris guard).
+    /// Time allowed to send the request headers, counted from accept for the first request
+    /// of a connection (slowloris guard; a silent socket is closed after it).
     #[serde(with = "duration_str")]
     pub header_read_timeout: Duration,
+    /// A connection with no request in flight and no bytes moving for this long is closed;
+    /// so is one whose response the client has stopped reading.
+    #[serde(with = "duration_str")]
+    pub idle_timeout: Duration,
     /// Largest page of tags or repositories returned at once (`n` is capped to it).
     pub max_page_entries: usize,
     /// Connections open at once; further ones wait in the accept queue.
     pub max_connections: usize,
+    /// Connections one client address may have open at once; more are closed at accept,
+    /// so no single client holds every slot. (Clients behind one NAT share it.)
+    pub max_connections_per_client: usize,
 }
 
 impl Default for Limits {
@@ -163,8 +193,10 @@ impl Default for Limits {
             max_blob_bytes: 64 << 30,
             body_idle_timeout: Duration::from_secs(30),
             header_read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(90),
             max_page_entries: 10_000,
             max_connections: 16_384,
+            max_connections_per_client: 4096,
         }
     }
 }

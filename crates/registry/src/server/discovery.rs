@@ -127,17 +127,23 @@ struct Catalog<'a> {
 
 /// `GET /v2/_catalog[?n=&last=]`.
 pub(super) async fn catalog(st: &StateInner, parts: &Parts) -> Handled {
-    st.authorize(parts, Scope::catalog())?;
+    let access = st.authorize(parts, Scope::catalog())?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
     let n = parse_n(parts)?;
     let last = query_param(parts, "last");
-    let all = st
+    // Only names the caller may do something with: a repository's name is information
+    // the access rules protect as much as its content.
+    let subject = access.subject.as_deref();
+    let all: Vec<String> = st
         .storage
         .repo_list()
         .await
-        .map_err(|e| super::storage_failure("listing repositories", e))?;
+        .map_err(|e| super::storage_failure("listing repositories", e))?
+        .into_iter()
+        .filter(|repo| st.auth.allowed_actions(subject, repo) != Actions::NONE)
+        .collect();
     let page = paginate(&all, n, last.as_deref(), st.limits.max_page_entries);
     let link = match page.next_last {
         Some(l) => Some(link_header("/v2/_catalog", page.n, l)?),

@@ -2,9 +2,11 @@
 //! graceful shutdown.
 //!
 //! hyper-util's auto builder serves HTTP/1.1 with keep-alive and HTTP/2 (h2c prior
-//! knowledge on plain TCP, ALPN `h2` over TLS) on one port. Headers must arrive within the
-//! header read timeout; TLS handshakes are bounded the same way; a semaphore bounds open
-//! connections. On shutdown the listener closes, every connection is asked to finish its
+//! knowledge on plain TCP, ALPN `h2` over TLS) on one port. The first request's headers
+//! (TLS handshake included) must arrive within the header read timeout of accept, later
+//! ones within it too; an idle connection is closed after the idle timeout
+//! ([`super::conn_guard`]); a semaphore bounds open connections and a per-address cap
+//! keeps one client from taking them all. On shutdown the listener closes, every connection is asked to finish its
 //! in-flight requests, and stragglers are dropped after a drain period.
 
 use std::future::Future;
@@ -22,6 +24,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_rustls::TlsAcceptor;
 
 use super::config::{Config, GcConfig, Limits, TlsConfig};
+use super::conn_guard::{self, Activity, ActivityIo, ClientSlots, InFlight};
 use super::metrics::Metrics;
 use super::{AppState, router};
 use crate::auth::Authenticator;
@@ -153,6 +156,7 @@ impl Server {
             .map(|every| tokio::spawn(collect_periodically(state, gc.clone(), every)));
         let builder = Arc::new(http_builder(&limits));
         let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+        let client_slots = ClientSlots::new(limits.max_connections_per_client);
         let (stop_tx, stop_rx) = watch::channel(false);
         // Every connection task holds a sender; when all are gone, draining is done.
         let (alive_tx, mut alive_rx) = mpsc::channel::<()>(1);
@@ -177,14 +181,25 @@ impl Server {
                     }
                 },
             };
+            let Some(slot) = client_slots.acquire(peer.ip()) else {
+                // Closing at once (no response) costs the least; the client may retry
+                // once one of its other connections ends.
+                tracing::debug!(%peer, "connection refused: too many from this client");
+                drop(stream);
+                continue;
+            };
             let builder = builder.clone();
             let app = app.clone();
             let tls = tls.clone();
             let stop = stop_rx.clone();
             let alive = alive_tx.clone();
-            let handshake_timeout = limits.header_read_timeout;
+            let timeouts = ConnTimeouts {
+                first_request: limits.header_read_timeout,
+                idle: limits.idle_timeout,
+            };
             tokio::spawn(async move {
-                serve_connection(stream, peer, builder, app, tls, stop, handshake_timeout).await;
+                serve_connection(stream, peer, builder, app, tls, stop, timeouts).await;
+                drop(slot);
                 drop(permit);
                 drop(alive);
             });
@@ -247,6 +262,15 @@ fn http_builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// The watchdog's limits for one connection.
+#[derive(Debug, Clone, Copy)]
+struct ConnTimeouts {
+    first_request: Duration,
+    idle: Duration,
+}
+
+type ConnService = TowerToHyperService<InFlight<Router>>;
+
 async fn serve_connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -254,24 +278,22 @@ async fn serve_connection(
     app: Router,
     tls: Option<TlsAcceptor>,
     stop: watch::Receiver<bool>,
-    handshake_timeout: Duration,
+    timeouts: ConnTimeouts,
 ) {
     if let Err(err) = stream.set_nodelay(true) {
         tracing::debug!(%err, %peer, "set_nodelay");
     }
-    let service = TowerToHyperService::new(app);
+    let activity = Activity::new();
+    let service = TowerToHyperService::new(InFlight::new(app, Arc::clone(&activity), peer.ip()));
+    let watchdog = conn_guard::watch(Arc::clone(&activity), timeouts.first_request, timeouts.idle);
     match tls {
         None => {
-            drive(
-                builder.serve_connection(TokioIo::new(stream), service),
-                stop,
-                peer,
-            )
-            .await
+            let io = ActivityIo::new(TokioIo::new(stream), activity);
+            drive(builder.serve_connection(io, service), stop, watchdog, peer).await
         }
         Some(acceptor) => {
             let tls_stream =
-                match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+                match tokio::time::timeout(timeouts.first_request, acceptor.accept(stream)).await {
                     Ok(Ok(s)) => s,
                     Ok(Err(err)) => {
                         tracing::debug!(%err, %peer, "TLS handshake failed");
@@ -282,20 +304,18 @@ async fn serve_connection(
                         return;
                     }
                 };
-            drive(
-                builder.serve_connection(TokioIo::new(tls_stream), service),
-                stop,
-                peer,
-            )
-            .await
+            let io = ActivityIo::new(TokioIo::new(tls_stream), activity);
+            drive(builder.serve_connection(io, service), stop, watchdog, peer).await
         }
     }
 }
 
-/// Runs one connection, switching it to graceful shutdown when `stop` fires.
+/// Runs one connection, switching it to graceful shutdown when `stop` fires, and closing
+/// it when its watchdog says it is silent, idle or stalled.
 async fn drive<I>(
-    conn: auto::Connection<'_, I, TowerToHyperService<Router>, TokioExecutor>,
+    conn: auto::Connection<'_, I, ConnService, TokioExecutor>,
     mut stop: watch::Receiver<bool>,
+    watchdog: impl Future<Output = conn_guard::Expired>,
     peer: SocketAddr,
 ) where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -306,6 +326,12 @@ async fn drive<I>(
         () = async { drop(stop.wait_for(|s| *s).await) } => {
             conn.as_mut().graceful_shutdown();
             conn.await
+        }
+        why = watchdog => {
+            // Dropping the connection closes the socket; nothing is in flight (or the
+            // client is not reading what is).
+            tracing::debug!(%peer, ?why, "connection closed by its watchdog");
+            return;
         }
     };
     if let Err(err) = result {

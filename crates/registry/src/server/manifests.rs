@@ -347,10 +347,12 @@ pub(super) async fn push(
         .unwrap_or("");
     let v = validate_document(&bytes, content_type)?;
 
-    // Everything referenced must already be in this repository.
+    // Everything referenced must already be in this repository, as storage says now: a
+    // collection in another process may have removed a blob the in-memory link cache
+    // still lists, and a tag must never point at an image that cannot be pulled.
     let mut created_empty = false;
     for (blob, declared) in &v.blobs {
-        match st.linked_blob_size(name, blob).await? {
+        match st.linked_blob_size_for_manifest(name, blob).await? {
             Some(size) if size == *declared => {}
             Some(size) => {
                 return Err(invalid("a descriptor's size does not match the blob")
@@ -381,7 +383,12 @@ pub(super) async fn push(
         }
     }
     for (child, declared) in &v.children {
-        match st.manifest(name, child).await? {
+        let child_manifest = st
+            .storage
+            .manifest_get(name, child)
+            .await
+            .map_err(|e| super::storage_failure("reading a manifest", e))?;
+        match child_manifest {
             Some(m) if m.bytes.len() as u64 == *declared => {}
             Some(_) => {
                 return Err(invalid("an index entry's size does not match the manifest")

@@ -13,6 +13,7 @@
 mod blobs;
 pub mod body;
 pub mod config;
+pub mod conn_guard;
 mod discovery;
 pub mod errors;
 pub mod hot_cache;
@@ -38,7 +39,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, StatusCode, header};
 
-use crate::auth::{Actions, Authenticator, Denied, Scope};
+use crate::auth::{Access, Actions, Authenticator, Denied, Scope};
 use crate::cache::{CacheError, PullThrough};
 use crate::storage::{Storage, StorageError, StoredManifest};
 
@@ -322,12 +323,17 @@ fn read_only() -> Refusal {
 impl StateInner {
     /// Authorizes with the request URI too: HTTP/2 requests carry the host in the URI's
     /// authority, not a Host header, and the challenge's default realm is built from it.
-    fn authorize(&self, parts: &http::request::Parts, scope: Scope) -> Result<(), Denied> {
+    /// The client's address (set per connection by the listener) keys login throttling.
+    fn authorize(&self, parts: &http::request::Parts, scope: Scope) -> Result<Access, Denied> {
+        let client = parts
+            .extensions
+            .get::<crate::auth::ClientAddr>()
+            .map(|c| c.0);
         self.auth
-            .check_request(Some(&parts.uri), &parts.headers, &scope)
-            .map(|_| ())
+            .check_request_from(client, Some(&parts.uri), &parts.headers, &scope)
     }
 
+    /// Every repository-scoped check goes through here (one place for exceptions).
     fn authorize_repo(
         &self,
         parts: &http::request::Parts,
@@ -335,6 +341,7 @@ impl StateInner {
         actions: Actions,
     ) -> Result<(), Denied> {
         self.authorize(parts, Scope::repository(name, actions))
+            .map(|_| ())
     }
 
     /// Size of `digest` if `repo` links it (cached).
@@ -359,6 +366,41 @@ impl StateInner {
             .map_err(|e| storage_failure("reading a blob size", e))?;
         if let Some(size) = size {
             self.links.insert(repo, digest, size, 0);
+        }
+        Ok(size)
+    }
+
+    /// Size of `digest` if `repo` links it, asked of storage (never the cache) and with
+    /// the link and blob refreshed, for a manifest about to reference it: a collection
+    /// running now (in this process or another) then sees them as young and spares them,
+    /// and one that already removed the blob is noticed here.
+    async fn linked_blob_size_for_manifest(
+        &self,
+        repo: &str,
+        digest: &str,
+    ) -> Result<Option<u64>, ApiError> {
+        let linked = self
+            .storage
+            .blob_linked(repo, digest)
+            .await
+            .map_err(|e| storage_failure("checking a blob link", e))?;
+        if !linked {
+            self.links.remove(repo, digest);
+            return Ok(None);
+        }
+        self.storage
+            .link_blob(repo, digest)
+            .await
+            .map_err(|e| storage_failure("refreshing a blob link", e))?;
+        // After the refresh: a collection that removed the blob before it is seen here.
+        let size = self
+            .storage
+            .blob_size(digest)
+            .await
+            .map_err(|e| storage_failure("reading a blob size", e))?;
+        match size {
+            Some(size) => self.links.insert(repo, digest, size, 0),
+            None => self.links.remove(repo, digest),
         }
         Ok(size)
     }

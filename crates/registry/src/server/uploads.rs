@@ -1,8 +1,11 @@
 //! Blob pushes: upload sessions (monolithic, chunked, streamed), cross-repository mount,
 //! status and cancel.
 //!
-//! Storage verifies the digest and bounds the size; this layer checks declared lengths
-//! before reading, orders chunks (416 with the current `Range` when a chunk does not start
+//! Storage verifies the digest against the bytes received and bounds the size; this layer
+//! refuses a push that sends no bytes for a non-empty digest unless the repository already
+//! links that blob (a digest alone proves nothing: the only way to link an existing blob
+//! without its bytes is a cross-repository mount, which checks pull rights on the source),
+//! checks declared lengths before reading, orders chunks (416 with the current `Range` when a chunk does not start
 //! where the upload ends), and cancels a session whose body failed or stalled, so nothing
 //! half-written lingers.
 
@@ -43,6 +46,9 @@ pub(super) async fn start(st: &StateInner, parts: &Parts, body: Body, name: &str
     }
     if let Some(digest) = query_param(parts, "digest") {
         validate_digest(&digest)?;
+        if sends_no_bytes(parts, &body) && digest != EMPTY_BLOB_DIGEST {
+            return bodyless_push(st, name, &digest).await;
+        }
         let limit = st.limits.max_blob_bytes;
         check_declared_length(&parts.headers, limit, ErrorCode::SizeInvalid)?;
         let stream = IdleTimeoutBody::new(body, st.idle(), st.metrics.clone()).into_stream();
@@ -65,6 +71,29 @@ pub(super) async fn start(st: &StateInner, parts: &Parts, body: Body, name: &str
         return Ok(created(name, &digest)?);
     }
     new_session(st, name).await
+}
+
+/// `sha256:` of zero bytes: the one digest an empty body really is.
+const EMPTY_BLOB_DIGEST: &str =
+    "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+/// Whether the request declares or has no body.
+fn sends_no_bytes(parts: &Parts, body: &Body) -> bool {
+    content_length(&parts.headers) == Some(0) || body_is_empty(body)
+}
+
+/// A push naming `digest` without sending its bytes: accepted (idempotently) only when
+/// `name` already links the blob; anything else would link a blob by knowing its digest.
+async fn bodyless_push(st: &StateInner, name: &str, digest: &str) -> Handled {
+    if st.linked_blob_size(name, digest).await?.is_some() {
+        return Ok(created(name, digest)?);
+    }
+    Err(ApiError::digest_invalid(
+        digest,
+        "no content was sent for this digest; push the blob's bytes or mount it from a \
+         repository you may pull",
+    )
+    .into())
 }
 
 /// Whether `digest` was mounted from `from` into `name`.
@@ -275,8 +304,12 @@ pub(super) async fn finish(
         .ok_or_else(|| ApiError::digest_invalid("", "the digest query parameter is required"))?;
     validate_digest(&digest)?;
     let have = current_size(st, id).await?;
-    let declared_empty = content_length(&parts.headers) == Some(0);
-    if !declared_empty && !body_is_empty(&body) {
+    if sends_no_bytes(parts, &body) {
+        if have == 0 && digest != EMPTY_BLOB_DIGEST {
+            cancel_quietly(st, id).await;
+            return bodyless_push(st, name, &digest).await;
+        }
+    } else {
         append(st, parts, body, name, id, have).await?;
     }
     let size = match st.storage.upload_finish(id, &digest).await {

@@ -116,6 +116,17 @@ async fn blobs(s: &dyn Storage) {
     assert_eq!(read_all(read).await, b"b");
     // Idempotent.
     assert_eq!(s.blob_put(&d, body(&[&data]), LIMIT).await.unwrap(), 10);
+    // A stored blob's digest with other bytes, or none, is still refused: a push proves
+    // possession of the bytes (issue 11: linking any blob by naming its digest).
+    for wrong in [&[][..], &b"not the blob"[..]] {
+        let err = s.blob_put(&d, body(&[wrong]), LIMIT).await.unwrap_err();
+        assert!(
+            matches!(err, StorageError::DigestMismatch { .. }),
+            "{err:?}"
+        );
+    }
+    let read = s.blob_read(&d, None).await.unwrap().unwrap();
+    assert_eq!(read_all(read).await, data, "the stored blob is untouched");
 
     // Wrong content: nothing committed under either digest.
     let claimed = digest(b"something else");

@@ -512,19 +512,10 @@ impl Storage for FsStorage {
     }
 
     async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64> {
+        // The body is always received and hashed, also when the blob is already stored:
+        // accepting a push by its digest alone would let anyone with push rights anywhere
+        // link (and so read) any blob of any repository by naming it.
         let dest = self.blob_path(digest)?;
-        let existing = dest.clone();
-        let size = blocking(move || {
-            let Some(meta) = optional(fs::metadata(&existing))? else {
-                return Ok(None);
-            };
-            touch(&existing)?; // keep it young for a concurrent collection
-            Ok(Some(meta.len()))
-        })
-        .await?;
-        if let Some(size) = size {
-            return Ok(size);
-        }
         let tmp = self.temp_path();
         let tmp_for_create = tmp.clone();
         let file = blocking(move || Ok(File::create_new(&tmp_for_create)?)).await?;
@@ -536,6 +527,11 @@ impl Storage for FsStorage {
                 let actual = hasher.map(digest_string).unwrap_or_default();
                 if actual != expected {
                     return Err(StorageError::DigestMismatch { expected, actual });
+                }
+                // Already stored: keep it young for a concurrent collection, drop the copy.
+                if touch(&dest)? {
+                    let _ = fs::remove_file(&tmp);
+                    return Ok(size);
                 }
                 file.sync_all()?;
                 drop(file);

@@ -13,7 +13,9 @@
 //!   an interrupted upload or a crash never exposes a partial or wrong blob.
 //! - Blobs are stored once, content-addressed; repositories hold *links* to them. A blob
 //!   is served through a repository only if that repository links it (push, mount, or
-//!   manifest reference), so knowing a digest is not enough to read it.
+//!   manifest reference), so knowing a digest is not enough to read it. A push is
+//!   verified against the bytes received even when the blob is already stored, so naming
+//!   a digest is not enough to link it either.
 //! - Manifests are stored as blobs too, with their media type kept beside them, and are
 //!   linked into their repository as manifests.
 //! - Listing is sorted lexically (tags, repositories), so pagination is stable.
@@ -264,7 +266,9 @@ pub trait Storage: Send + Sync + Debug + 'static {
     async fn blob_list(&self) -> Result<Vec<BlobInfo>>;
 
     /// Store a whole blob from a stream, verifying it hashes to `digest`; at most `limit`
-    /// bytes. Returns its size. Idempotent if the blob already exists.
+    /// bytes. Returns its size. Idempotent if the blob already exists, but the body is
+    /// read and verified even then: a push proves possession of the bytes, never just of
+    /// the digest.
     async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64>;
 
     // ---- upload sessions ----

@@ -57,8 +57,9 @@ const MAX_SMALL_OBJECT: u64 = 4096;
 /// Width of the zero-padded offset in part names, so names sort by offset.
 const OFFSET_WIDTH: usize = 20;
 
-/// S3 backend settings (TOML: `[storage] type = "s3"` plus these keys).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+/// S3 backend settings (TOML: `[storage] type = "s3"` plus these keys). `Debug` hides
+/// the secret key and session token; [`S3Config::redacted`] for printing.
+#[derive(Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct S3Config {
     pub bucket: String,
@@ -79,6 +80,37 @@ pub struct S3Config {
     pub redirect: bool,
     /// Lifetime of presigned URLs.
     pub redirect_expiry_secs: u64,
+}
+
+impl S3Config {
+    /// This config with the secret key and session token replaced by [`crate::REDACTED`].
+    pub fn redacted(&self) -> S3Config {
+        let mut out = self.clone();
+        for secret in [&mut out.secret_access_key, &mut out.session_token] {
+            if secret.is_some() {
+                *secret = Some(crate::REDACTED.to_string());
+            }
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = self.redacted();
+        f.debug_struct("S3Config")
+            .field("bucket", &r.bucket)
+            .field("region", &r.region)
+            .field("endpoint", &r.endpoint)
+            .field("access_key_id", &r.access_key_id)
+            .field("secret_access_key", &r.secret_access_key)
+            .field("session_token", &r.session_token)
+            .field("prefix", &r.prefix)
+            .field("allow_http", &r.allow_http)
+            .field("redirect", &r.redirect)
+            .field("redirect_expiry_secs", &r.redirect_expiry_secs)
+            .finish()
+    }
 }
 
 impl Default for S3Config {
