@@ -853,9 +853,10 @@ pub fn probe_connection(mountpoint: &Path, timeout: Duration) -> ConnectionProbe
     let spawned = std::thread::Builder::new()
         .name("ferry-mount-probe".into())
         .spawn(move || {
-            // SAFETY: statfs is plain data the call fills; path is NUL-terminated and
-            // owned by this thread for the duration of the call.
+            // SAFETY: statfs is plain data, valid when zeroed.
             let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: the call fills `st` only; path is NUL-terminated and owned by this
+            // thread for the duration of the call.
             let rc = unsafe { libc::statfs(path.as_ptr(), &mut st) };
             let errno = (rc != 0).then(|| std::io::Error::last_os_error().raw_os_error());
             let _ = tx.send(errno.flatten());
@@ -1213,9 +1214,10 @@ mod tests {
     fn statvfs_flags(path: &Path) -> std::io::Result<libc::c_ulong> {
         use std::os::unix::ffi::OsStrExt;
         let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
-        // SAFETY: statvfs is plain data; the call writes only into it and reads the
-        // NUL-terminated path that outlives the call.
+        // SAFETY: statvfs is plain data, valid when zeroed.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: the call writes only into `st` and reads the NUL-terminated path that
+        // outlives the call.
         let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
@@ -1267,8 +1269,8 @@ garbage line
         let minor = libc::minor(dev);
         std::fs::write(format!("/sys/fs/fuse/connections/{minor}/abort"), b"1").unwrap();
         assert_eq!(probe(&mountpoint), ConnectionProbe::Dead);
-        // SAFETY: a NUL-terminated path that outlives the call.
         let c = std::ffi::CString::new(mountpoint.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
         assert_eq!(unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) }, 0);
         drop(session);
         assert!(!is_mounted(&mountpoint));

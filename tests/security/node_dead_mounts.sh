@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# tests/e2e/daemon_dead_mounts.sh — a `ferry mount` whose daemon and fd holder were both
+# tests/security/node_dead_mounts.sh — a `ferry mount` whose daemon and fd holder were both
 # killed with -9 (issue 11, finding 10); needs root and /dev/fuse.
 #
-#   bash tests/e2e/daemon_dead_mounts.sh
+#   bash tests/security/node_dead_mounts.sh
 #
 # 1. `ferry daemon` (with its fd holder) mounts the indexed small image from ferry's
 #    registry; a `ferry mount --foreground` serves another mount from its own process
@@ -19,7 +19,7 @@
 # Env: FERRY, E2E_KEEP=1, E2E_VERBOSE=1.
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
 
 need_root "FUSE mounts"
 need_cmd jq curl timeout stat

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# tests/e2e/security_node.sh — a local user on a node attacks ferry's lazy mounts and node
+# tests/security/node_local_user.sh — a local user on a node attacks ferry's lazy mounts and node
 # state (issue 11, findings 2 and 5); needs root, /dev/fuse, containerd and gcc.
 #
-#   bash tests/e2e/security_node.sh
+#   bash tests/security/node_local_user.sh
 #
 # Setup: an attacker account made for the run (useradd, removed at exit); the temp dir
 # opened to it (0755), as /var/lib is on a real node, so only ferry's own modes stand
@@ -29,7 +29,7 @@
 # Env: FERRY, E2E_KEEP=1, E2E_VERBOSE=1.
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
 
 need_root "useradd, FUSE, private containerd"
 need_cmd containerd ctr runc jq curl gcc useradd userdel setpriv timeout
