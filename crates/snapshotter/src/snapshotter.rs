@@ -906,13 +906,20 @@ pub(crate) fn remove_snapshot_dir(dir: &Path) -> Result<()> {
 }
 
 /// Mount points at or below `dir`, deepest first (from /proc/self/mountinfo).
-/// Creates `dir` (and missing parents) 0700, and makes an existing one 0700.
+/// Creates `dir` (and missing parents) 0700, and makes an existing one 0700; a shared
+/// sticky directory (`/tmp`) is refused rather than locked.
 fn private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
+    if std::fs::metadata(dir)?.permissions().mode() & 0o1000 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "a shared (sticky) directory cannot be the snapshotter's root",
+        ));
+    }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 

@@ -14,12 +14,22 @@ pub const PRIVATE_DIR_MODE: u32 = 0o700;
 pub const PRIVATE_FILE_MODE: u32 = 0o600;
 
 /// Creates `dir` (and missing parents, 0700 too) and makes it 0700 if it existed with
-/// group or other bits.
+/// group or other bits. A shared sticky directory (`/tmp`) is refused, never made
+/// private: node state needs a directory of its own.
 pub fn private_dir(dir: &Path) -> io::Result<()> {
     fs::DirBuilder::new()
         .recursive(true)
         .mode(PRIVATE_DIR_MODE)
         .create(dir)?;
+    if fs::metadata(dir)?.permissions().mode() & 0o1000 != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{} is a shared (sticky) directory; give ferry's state a directory of its own",
+                dir.display()
+            ),
+        ));
+    }
     tighten(dir, PRIVATE_DIR_MODE)
 }
 
@@ -67,6 +77,12 @@ mod tests {
         fs::set_permissions(&f, fs::Permissions::from_mode(0o644)).unwrap();
         tighten(&f, PRIVATE_FILE_MODE).unwrap();
         assert_eq!(mode(&f), 0o600);
+        // A shared sticky directory is refused, not locked.
+        let shared = t.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+        assert!(private_dir(&shared).is_err());
+        assert_eq!(mode(&shared), 0o1777);
         // Stricter than asked is left alone.
         fs::set_permissions(&f, fs::Permissions::from_mode(0o400)).unwrap();
         tighten(&f, PRIVATE_FILE_MODE).unwrap();
