@@ -64,7 +64,7 @@ fuzz_target!(|data: &[u8]| {
 
     let Ok(request) = http::Request::builder()
         .method(method)
-        .uri(path.as_ref())
+        .uri(&*path)
         .header("content-type", "application/json")
         .body(Body::from(body.to_vec()))
     else {
