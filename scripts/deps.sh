@@ -3,7 +3,7 @@
 set -euo pipefail
 PKGS=(containerd runc docker-registry skopeo podman stargz-snapshotter fuse3 protobuf-compiler
       pigz zstd jq wrk hyperfine debootstrap iproute2 ca-certificates apache2-utils
-      python3-grpcio python3-protobuf gnuplot-nox)
+      python3-grpcio python3-protobuf gnuplot-nox gcc libc6-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -95,6 +95,7 @@ pub struct FuseSection {
     pub threads: usize,
     /// Let every user use the mounts (the kernel checking permissions), as containers
     /// need; a daemon not run by root needs `user_allow_other` in /etc/fuse.conf for it.
+    /// Mounts are always `nosuid,nodev`.
     pub allow_other: bool,
     /// Keep every mount's FUSE connection in a holder process (`ferry daemon
     /// --fd-holder`, started on demand) so that running containers keep their lazy

@@ -55,6 +55,9 @@ pub struct DaemonInfo {
     pub metrics_addr: Option<SocketAddr>,
     /// The snapshotter socket, if the snapshotter runs.
     pub snapshotter_socket: Option<PathBuf>,
+    /// Dead ferry mounts (connection ended) found and detached at start.
+    #[serde(default)]
+    pub dead_mounts: Vec<crate::mounts::DeadMount>,
 }
 
 /// Body of `GET /v1/status`.
@@ -424,6 +427,7 @@ mod tests {
             control_socket: socket.clone(),
             metrics_addr: None,
             snapshotter_socket: None,
+            dead_mounts: Vec::new(),
         };
         let listener = bind(&socket).await.unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

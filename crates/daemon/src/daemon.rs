@@ -161,6 +161,10 @@ impl Daemon {
                 "kept FUSE connections from the previous daemon"
             );
         }
+        // Mounts whose connection ended with a previous daemon and its holder (kill -9
+        // of both) answer ENOTCONN forever and block new mounts there: detached here,
+        // and reported by `ferry status`.
+        let dead_mounts = crate::mounts::clean_dead_mounts();
         let manager = Arc::new(manager);
         let backend: Arc<dyn MountBackend> = manager.clone();
 
@@ -202,6 +206,7 @@ impl Daemon {
             snapshotter_socket: snapshotter
                 .as_ref()
                 .map(|_| config.snapshotter.socket.clone()),
+            dead_mounts,
         };
         tracing::info!(
             control = %control_socket.display(),

@@ -50,7 +50,7 @@ pub use daemon::{Daemon, stop_signal};
 pub use error::{Error, Result};
 pub use memory::MemoryBackend;
 pub use mounts::{
-    KeptMount, LayerKind, MountBackend, MountInfo, MountManager, MountOrigin, MountRequest,
-    MountStatus, ResumeReport, StoreStatus,
+    DeadMount, KeptMount, LayerKind, MountBackend, MountInfo, MountManager, MountOrigin,
+    MountRequest, MountStatus, ResumeReport, StoreStatus,
 };
 pub use remote::LazyLayers;

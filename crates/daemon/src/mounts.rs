@@ -484,6 +484,57 @@ pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
     }
 }
 
+/// A ferry FUSE mount found dead when the daemon started (see [`clean_dead_mounts`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeadMount {
+    /// Where it was mounted.
+    pub mountpoint: PathBuf,
+    /// Detached (lazily); false when that failed (see `error`).
+    pub detached: bool,
+    /// Why it could not be detached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// How long the start-up sweep waits for one mount's answer before leaving it alone.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Detaches every ferry FUSE mount of this mount namespace whose connection ended
+/// (`ENOTCONN`: its server and every copy of its descriptor died, e.g. the daemon and
+/// the fd holder both killed -9): such a mount answers nothing ever again and blocks a
+/// new mount at its mount point. Mounts this process serves, connections still open
+/// (answering, or kept by a holder whose daemon is away) and other filesystems are left
+/// alone. Call at start, after [`MountManager::resume_kept`].
+pub fn clean_dead_mounts() -> Vec<DeadMount> {
+    let mut seen = BTreeSet::new();
+    let mut found = Vec::new();
+    for mountpoint in ferry_fs::fuse::ferry_mountpoints() {
+        if served_here(&mountpoint) || !seen.insert(mountpoint.clone()) {
+            continue;
+        }
+        if ferry_fs::fuse::probe_connection(&mountpoint, PROBE_TIMEOUT)
+            != ferry_fs::fuse::ConnectionProbe::Dead
+        {
+            continue;
+        }
+        let detached = detach_stale_mount(&mountpoint);
+        match &detached {
+            Ok(()) => {
+                tracing::info!(mountpoint = %mountpoint.display(), "detached a dead ferry mount (connection ended)")
+            }
+            Err(e) => {
+                tracing::warn!(mountpoint = %mountpoint.display(), error = %e, "cannot detach a dead ferry mount")
+            }
+        }
+        found.push(DeadMount {
+            mountpoint,
+            detached: detached.is_ok(),
+            error: detached.err().map(|e| e.to_string()),
+        });
+    }
+    found
+}
+
 impl MountManager {
     /// A manager over `store`, with a registry client and I/O runtime built from `config`.
     pub fn new(store: Arc<Store>, config: DaemonConfig) -> Result<MountManager> {

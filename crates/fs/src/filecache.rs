@@ -22,7 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
@@ -379,8 +379,10 @@ impl FileCache {
         };
         let data_dir = dir.join("data");
         let tmp_dir = dir.join("tmp");
-        for d in [&data_dir, &tmp_dir] {
-            fs::create_dir_all(d).map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+        // Decompressed copies of files that may be 0600 in their image: root's alone.
+        for d in [&dir, &data_dir, &tmp_dir] {
+            ferry_store::private_dir(d)
+                .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
         }
         clean_tmp(&tmp_dir)?;
         let cache = FileCache {
@@ -610,7 +612,8 @@ impl FileCache {
         len: u64,
         fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
     ) -> Result<[u8; 32]> {
-        let file = File::create_new(tmp_path)
+        let file = ferry_store::new_private_file()
+            .open(tmp_path)
             .map_err(|e| Error::io(format!("creating {}", tmp_path.display()), e))?;
         let mut w = HashingWriter {
             inner: BufWriter::with_capacity(IO_BLOCK, file),
@@ -775,6 +778,11 @@ impl FileCache {
                 let _ = fs::remove_file(ent.path());
                 continue;
             };
+            if meta.permissions().mode() & 0o077 != 0 {
+                // Written before the cache was private.
+                ferry_store::tighten(&ent.path(), ferry_store::PRIVATE_FILE_MODE)
+                    .map_err(|e| Error::io("tightening a cached file's mode", e))?;
+            }
             let last_used_ms = st
                 .items
                 .get(&key)
@@ -959,6 +967,37 @@ mod tests {
             std::thread::yield_now();
         }
         (go, writer)
+    }
+
+    /// Cached files are decompressed copies of image files that may be 0600 there: the
+    /// cache is root's alone, and a cache made with wider modes is tightened on open.
+    #[test]
+    fn the_cache_is_private_and_old_caches_are_tightened() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("files");
+        let cache = FileCache::open(&config(&root, 1 << 20), None).unwrap();
+        cache.put(&key(1), 10, |w| w.write_all(&[1u8; 10])).unwrap();
+        drop(cache);
+        let file = fs::read_dir(root.join("data"))
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        for d in [root.clone(), root.join("data"), root.join("tmp")] {
+            assert_eq!(mode(&d), 0o700, "{}", d.display());
+        }
+        assert_eq!(mode(&file), 0o600);
+        // As an earlier version left it.
+        for (p, m) in [(&root, 0o755), (&root.join("data"), 0o755), (&file, 0o644)] {
+            fs::set_permissions(p, fs::Permissions::from_mode(m)).unwrap();
+        }
+        let cache = FileCache::open(&config(&root, 1 << 20), None).unwrap();
+        assert_eq!((mode(&root), mode(&root.join("data"))), (0o700, 0o700));
+        assert_eq!(mode(&file), 0o600);
+        assert_eq!(read_all(&cache.get(&key(1), 10).unwrap()), vec![1u8; 10]);
     }
 
     /// An open that finds its file being written waits for it (bounded), and the mark

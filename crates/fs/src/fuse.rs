@@ -19,7 +19,7 @@
 //! from before is served by inode, never mistaken for another file's.
 
 use std::ffi::OsStr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -521,7 +521,8 @@ pub struct MountOptions {
     /// FUSE worker threads (each with its own cloned /dev/fuse descriptor when > 1).
     pub threads: usize,
     /// Let every user (not only the mounting one) use the mount, the kernel checking
-    /// permissions as on any filesystem; what containers need.
+    /// permissions as on any filesystem; what containers need. Mounts are always
+    /// `nosuid,nodev`, so this never lets anyone gain privilege through the mount.
     pub allow_other: bool,
     /// Name shown in /proc/mounts.
     pub fsname: String,
@@ -544,8 +545,12 @@ fn config(opts: &MountOptions) -> fuser::Config {
         MountOption::Subtype("ferry".into()),
         MountOption::RO,
         MountOption::DefaultPermissions,
-        MountOption::Dev,
-        MountOption::Suid,
+        // An image's setuid binaries and device nodes must give nothing to a host user
+        // who reaches the mount. Containers still get them: their rootfs is an overlayfs
+        // (or a bind mount remounted by the runtime) whose own mount flags the kernel
+        // checks at exec and open, not those of the layers below it.
+        MountOption::NoSuid,
+        MountOption::NoDev,
         MountOption::Exec,
         MountOption::NoAtime,
     ];
@@ -779,18 +784,91 @@ pub fn is_mounted(mountpoint: &Path) -> bool {
         return false;
     };
     let want = mountpoint.to_string_lossy();
-    info.lines().any(|line| {
-        let fields: Vec<&str> = line.split(' ').collect();
-        let Some(dash) = fields.iter().position(|f| *f == "-") else {
-            return false;
-        };
-        fields
-            .get(4)
-            .is_some_and(|mp| unescape_mountinfo(mp) == want)
-            && fields
-                .get(dash + 1)
-                .is_some_and(|t| *t == "fuse.ferry" || *t == "fuse")
+    info.lines()
+        .filter_map(parse_mountinfo_line)
+        .any(|m| m.mountpoint == want && (m.fstype == "fuse.ferry" || m.fstype == "fuse"))
+}
+
+/// Every mount point of ferry's FUSE filesystems in this mount namespace (subtype
+/// `ferry`, or plain `fuse` with a `ferry` source), in mountinfo order; a point mounted
+/// twice is listed twice.
+pub fn ferry_mountpoints() -> Vec<PathBuf> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    ferry_mountpoints_in(&info)
+}
+
+fn ferry_mountpoints_in(info: &str) -> Vec<PathBuf> {
+    info.lines()
+        .filter_map(parse_mountinfo_line)
+        .filter(|m| {
+            m.fstype == "fuse.ferry"
+                || (m.fstype == "fuse" && (m.source == "ferry" || m.source.starts_with("ferry:")))
+        })
+        .map(|m| PathBuf::from(m.mountpoint))
+        .collect()
+}
+
+/// The fields of one /proc/self/mountinfo line that ferry reads.
+struct MountinfoLine {
+    mountpoint: String,
+    fstype: String,
+    source: String,
+}
+
+fn parse_mountinfo_line(line: &str) -> Option<MountinfoLine> {
+    let fields: Vec<&str> = line.split(' ').collect();
+    let dash = fields.iter().position(|f| *f == "-")?;
+    Some(MountinfoLine {
+        mountpoint: unescape_mountinfo(fields.get(4)?),
+        fstype: (*fields.get(dash + 1)?).to_owned(),
+        source: unescape_mountinfo(fields.get(dash + 2)?),
     })
+}
+
+/// What asking a FUSE mount's connection found (see [`probe_connection`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectionProbe {
+    /// Answered (or the kernel answered for it): something serves it.
+    Alive,
+    /// `ENOTCONN`: the connection ended (its server and every holder of its descriptor
+    /// are gone) and it never comes back; only unmounting helps.
+    Dead,
+    /// No answer within the timeout: a connection still open whose server does not
+    /// answer (e.g. kept by a holder while its daemon restarts). Left alone.
+    NoAnswer,
+}
+
+/// Asks the filesystem mounted at `mountpoint` for its statistics (`statfs`), which a
+/// FUSE mount whose connection ended refuses at once with `ENOTCONN`. A live but
+/// unserved connection would block the caller, so the call runs on its own thread and
+/// is given up after `timeout` (the thread then ends whenever the kernel answers).
+pub fn probe_connection(mountpoint: &Path, timeout: Duration) -> ConnectionProbe {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()) else {
+        return ConnectionProbe::Alive;
+    };
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let spawned = std::thread::Builder::new()
+        .name("ferry-mount-probe".into())
+        .spawn(move || {
+            // SAFETY: statfs is plain data, valid when zeroed.
+            let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+            // SAFETY: the call fills `st` only; path is NUL-terminated and owned by this
+            // thread for the duration of the call.
+            let rc = unsafe { libc::statfs(path.as_ptr(), &mut st) };
+            let errno = (rc != 0).then(|| std::io::Error::last_os_error().raw_os_error());
+            let _ = tx.send(errno.flatten());
+        });
+    if spawned.is_err() {
+        return ConnectionProbe::NoAnswer;
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(Some(libc::ENOTCONN)) => ConnectionProbe::Dead,
+        Ok(_) => ConnectionProbe::Alive,
+        Err(_) => ConnectionProbe::NoAnswer,
+    }
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space and so on).
@@ -1116,6 +1194,7 @@ mod tests {
             .unwrap_or_default();
         let link = std::fs::read_link(mountpoint.join("link"));
         let write = std::fs::write(mountpoint.join("new"), b"x");
+        let flags = statvfs_flags(&mountpoint);
         unmount(&mountpoint).unwrap();
         session.join().unwrap();
         assert!(!is_mounted(&mountpoint));
@@ -1125,6 +1204,101 @@ mod tests {
         assert_eq!(names, vec!["a", "dir", "link"]);
         assert_eq!(link.unwrap(), Path::new("a"));
         assert_eq!(write.unwrap_err().raw_os_error(), Some(libc::EROFS));
+        // The kernel ignores setuid bits and device nodes on the mount itself.
+        let flags = flags.unwrap();
+        assert_ne!(flags & libc::ST_NOSUID, 0, "mounted nosuid");
+        assert_ne!(flags & libc::ST_NODEV, 0, "mounted nodev");
+        assert_ne!(flags & libc::ST_RDONLY, 0, "mounted ro");
+    }
+
+    fn statvfs_flags(path: &Path) -> std::io::Result<libc::c_ulong> {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+        // SAFETY: statvfs is plain data, valid when zeroed.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: the call writes only into `st` and reads the NUL-terminated path that
+        // outlives the call.
+        let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(st.f_flag)
+    }
+
+    #[test]
+    fn ferry_mounts_are_found_in_mountinfo() {
+        let info = "\
+36 25 0:32 / /var/lib/ferry/snapshotter/snapshots/7/fs ro,nosuid,nodev,noatime shared:1 - fuse.ferry ferry:sha256:ab rw,user_id=0
+37 25 0:33 / /mnt/with\\040space ro - fuse ferry:sha256:cd rw
+38 25 0:34 / /mnt/other rw - fuse sshfs#host: rw
+39 25 0:35 / /mnt/plain rw - ext4 /dev/sda1 rw
+garbage line
+40 25 0:36 / /mnt/short - fuse.ferry
+";
+        assert_eq!(
+            ferry_mountpoints_in(info),
+            vec![
+                PathBuf::from("/var/lib/ferry/snapshotter/snapshots/7/fs"),
+                PathBuf::from("/mnt/with space"),
+            ]
+        );
+    }
+
+    /// A mount whose connection ended answers ENOTCONN; a served one answers.
+    #[test]
+    fn kernel_probe_tells_a_dead_connection_from_a_live_one() {
+        use std::os::unix::fs::MetadataExt;
+        if !can_mount_fuse() {
+            return;
+        }
+        let f = fixture(View::Merged);
+        let mnt = tempfile::tempdir().unwrap();
+        let mountpoint = mnt.path().canonicalize().unwrap();
+        let session = match mount(f.fs.clone(), &mountpoint, &MountOptions::default()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("skipped: cannot mount here: {e}");
+                return;
+            }
+        };
+        let probe = |p: &Path| probe_connection(p, Duration::from_secs(10));
+        assert_eq!(probe(&mountpoint), ConnectionProbe::Alive);
+        assert!(ferry_mountpoints().contains(&mountpoint));
+        // End the connection as a crash of every descriptor holder does.
+        let dev = std::fs::metadata(&mountpoint).unwrap().dev();
+        let minor = libc::minor(dev);
+        let abort = format!("/sys/fs/fuse/connections/{minor}/abort");
+        if !Path::new(&abort).exists() {
+            // fusectl is not mounted here: the connection cannot be ended from outside.
+            eprintln!("skipped the dead half: no {abort}");
+            drop(session);
+            return;
+        }
+        std::fs::write(&abort, b"1").unwrap();
+        assert_eq!(probe(&mountpoint), ConnectionProbe::Dead);
+        let c = std::ffi::CString::new(mountpoint.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) }, 0);
+        drop(session);
+        assert!(!is_mounted(&mountpoint));
+        // Not a mount at all: an ordinary directory answers.
+        assert_eq!(probe(&mountpoint), ConnectionProbe::Alive);
+    }
+
+    #[test]
+    fn mounts_ignore_setuid_bits_and_device_nodes() {
+        let cfg = config(&MountOptions::default());
+        for wanted in [MountOption::NoSuid, MountOption::NoDev, MountOption::RO] {
+            assert!(cfg.mount_options.contains(&wanted), "{wanted:?}");
+        }
+        for refused in [MountOption::Suid, MountOption::Dev, MountOption::RW] {
+            assert!(!cfg.mount_options.contains(&refused), "{refused:?}");
+        }
+        // A kept connection's mount is made the same way.
+        assert_eq!(
+            keepable_config(&MountOptions::default()).mount_options,
+            cfg.mount_options
+        );
     }
 }
 

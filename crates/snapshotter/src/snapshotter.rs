@@ -11,6 +11,7 @@
 //! ```
 
 use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::SystemTime;
@@ -96,12 +97,20 @@ impl Snapshotter {
     /// Opens (creating if needed) the snapshotter rooted at `root`, detaches what a crash
     /// left mounted on snapshots that are not remote layers, and restores the remote
     /// mounts of committed snapshots through `remote`.
+    ///
+    /// The root, `snapshots/` and `staging/` are made 0700 (tightened if they exist):
+    /// lazy layers are mounted below them and layer contents unpacked there, and no
+    /// other local user may reach either (as containerd keeps its own snapshotters).
     pub fn open(root: &Path, remote: Arc<dyn RemoteLayers>) -> Result<Snapshotter> {
         let snapshots = root.join("snapshots");
-        std::fs::create_dir_all(&snapshots).map_err(|e| Error::io("create", &snapshots, e))?;
         let staging = root.join(STAGING_DIR);
-        std::fs::create_dir_all(&staging).map_err(|e| Error::io("create", &staging, e))?;
-        let meta = Metadata::open(&root.join("metadata.redb"))?;
+        for dir in [root, &snapshots, &staging] {
+            private_dir(dir).map_err(|e| Error::io("create", dir, e))?;
+        }
+        let meta_path = root.join("metadata.redb");
+        let meta = Metadata::open(&meta_path)?;
+        std::fs::set_permissions(&meta_path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| Error::io("chmod", &meta_path, e))?;
         let snapshotter = Snapshotter {
             root: root.to_path_buf(),
             meta,
@@ -897,6 +906,23 @@ pub(crate) fn remove_snapshot_dir(dir: &Path) -> Result<()> {
 }
 
 /// Mount points at or below `dir`, deepest first (from /proc/self/mountinfo).
+/// Creates `dir` (and missing parents) 0700, and makes an existing one 0700; a shared
+/// sticky directory (`/tmp`) is refused rather than locked.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    if std::fs::metadata(dir)?.permissions().mode() & 0o1000 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            "a shared (sticky) directory cannot be the snapshotter's root",
+        ));
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 fn mounts_under(dir: &Path) -> Result<Vec<PathBuf>> {
     let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
     let info = match std::fs::read_to_string("/proc/self/mountinfo") {

@@ -782,3 +782,26 @@ async fn round_trip_over_unix_socket_with_containerd_stubs() {
     server.await.unwrap().unwrap();
     assert!(!socket.exists(), "socket removed on shutdown");
 }
+
+/// Lazy layers are mounted and layers unpacked under the root: no other local user may
+/// reach it, and a root made with wider modes is tightened when opened.
+#[test]
+fn the_root_is_private_and_an_old_root_is_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    let dirs = [root.clone(), root.join("snapshots"), root.join("staging")];
+    drop(Snapshotter::open(&root, Arc::new(NoRemoteLayers)).unwrap());
+    for d in &dirs {
+        assert_eq!(mode(d), 0o700, "{}", d.display());
+    }
+    assert_eq!(mode(&root.join("metadata.redb")), 0o600);
+    for d in &dirs {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    drop(Snapshotter::open(&root, Arc::new(NoRemoteLayers)).unwrap());
+    for d in &dirs {
+        assert_eq!(mode(d), 0o700, "{} tightened", d.display());
+    }
+}

@@ -22,6 +22,9 @@
 //! again, e.g. after reading [`Store::pinned_keys`]) loses nothing, while pins of mounts
 //! that did not come back are dropped once the grace period ends.
 //!
+//! Privacy: the store's directories are 0700 and its files 0600 (see [`private_dir`]);
+//! a store made with wider modes is tightened when opened.
+//!
 //! Trust: an entry is hashed on its first read after the store is opened by a process,
 //! and trusted for the rest of that process's life (entries it wrote itself are trusted
 //! from the start). [`Store::verify_all`] re-hashes everything.
@@ -31,12 +34,14 @@ mod config;
 mod error;
 mod key;
 mod meta;
+mod private;
 mod store;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{DEFAULT_MAX_BYTES, STORE_ENV, SYSTEM_STORE_PATH, StoreConfig};
 pub use error::{Error, Result};
 pub use key::ChunkKey;
+pub use private::{PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, new_private_file, private_dir, tighten};
 pub use store::{
     ChunkFile, EntryInfo, GcReport, OpenReport, OwnerInfo, PutOutcome, Store, StoreOptions,
     StoreStats, VerifyReport,

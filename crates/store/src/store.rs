@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
@@ -486,12 +486,13 @@ impl Store {
         let chunks_dir = root.join("chunks");
         let tmp_dir = root.join("tmp");
         for dir in [root, &chunks_dir, &tmp_dir] {
-            fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+            crate::private_dir(dir).map_err(|e| Error::io(dir, e))?;
         }
         let db_path = root.join("meta.redb");
         // The metadata lock is the store lock: nothing below runs while another process
         // uses the store.
         let (mut db, mut rebuilt) = meta::open(root, &db_path)?;
+        crate::tighten(&db_path, crate::PRIVATE_FILE_MODE).map_err(|e| Error::io(&db_path, e))?;
         let loaded = match meta::load(&db) {
             Ok(l) => l,
             Err(e) if meta::is_corruption(&e) => {
@@ -895,7 +896,16 @@ impl Store {
             let path = inner.entry_path(&key);
             let good = match File::open(&path) {
                 Ok(file) => {
-                    let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+                    let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
+                    if meta.permissions().mode() & 0o077 != 0 {
+                        // Written before store files were private.
+                        fs::set_permissions(
+                            &path,
+                            fs::Permissions::from_mode(crate::PRIVATE_FILE_MODE),
+                        )
+                        .map_err(|e| Error::io(&path, e))?;
+                    }
+                    let len = meta.len();
                     len == size
                         && hash_file(&file, size).map_err(|e| Error::io(&path, e))? == Some(key)
                 }
@@ -1186,9 +1196,7 @@ impl Inner {
         let path = self
             .tmp_dir
             .join(format!("{}.{}.{seq}.part", key.hex(), std::process::id()));
-        let mut file = File::options()
-            .write(true)
-            .create_new(true)
+        let mut file = crate::new_private_file()
             .open(&path)
             .map_err(|e| Error::io(&path, e))?;
         let temp = TempFile {
@@ -1521,7 +1529,13 @@ fn reconcile(
                 }
                 continue;
             };
-            let len = file.metadata().map_err(|e| Error::io(&path, e))?.len();
+            let meta = file.metadata().map_err(|e| Error::io(&path, e))?;
+            if meta.permissions().mode() & 0o077 != 0 {
+                // Written before store files were private.
+                fs::set_permissions(&path, fs::Permissions::from_mode(crate::PRIVATE_FILE_MODE))
+                    .map_err(|e| Error::io(&path, e))?;
+            }
+            let len = meta.len();
             match records.remove(&key) {
                 Some(rec) if rec.size == len => {
                     kept.insert(key, rec);
@@ -1591,9 +1605,14 @@ fn ensure_fanout_dirs(chunks_dir: &Path) -> Result<()> {
     let mut created = false;
     for b in 0..=255u8 {
         let dir = chunks_dir.join(hex::encode([b]));
-        match fs::create_dir(&dir) {
+        match fs::DirBuilder::new()
+            .mode(crate::PRIVATE_DIR_MODE)
+            .create(&dir)
+        {
             Ok(()) => created = true,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                crate::tighten(&dir, crate::PRIVATE_DIR_MODE).map_err(|e| Error::io(&dir, e))?;
+            }
             Err(e) => return Err(Error::io(&dir, e)),
         }
     }

@@ -902,3 +902,45 @@ fn a_put_is_served_at_once_and_recorded_by_the_next_flush() {
     store.flush().unwrap();
     assert!(!recorded(&store));
 }
+
+/// Chunks are bytes of image files that may be 0600 in their image: the store is its
+/// owner's alone, and a store made with wider modes is tightened when opened.
+#[test]
+fn the_store_is_private_and_old_stores_are_tightened() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("store");
+    let (store, _) = open(&dir, 1 << 20);
+    let (key, bytes) = chunk(1, 1000);
+    store.put(&key, &bytes).unwrap();
+    store.flush().unwrap();
+    drop(store);
+    let file = chunk_files(&dir).pop().unwrap();
+    let fanout = file.parent().unwrap().to_path_buf();
+    let dirs = [
+        dir.clone(),
+        dir.join("chunks"),
+        dir.join("tmp"),
+        fanout.clone(),
+    ];
+    for d in &dirs {
+        assert_eq!(mode(d), 0o700, "{}", d.display());
+    }
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(&dir.join("meta.redb")), 0o600);
+    // As an earlier version (umask 022) left it.
+    for d in &dirs {
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    for f in [&file, &dir.join("meta.redb")] {
+        fs::set_permissions(f, fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let (store, _) = open(&dir, 1 << 20);
+    for d in &dirs {
+        assert_eq!(mode(d), 0o700, "{} tightened", d.display());
+    }
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(&dir.join("meta.redb")), 0o600);
+    assert_eq!(store.get(&key).unwrap().unwrap(), bytes);
+}

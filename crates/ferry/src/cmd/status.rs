@@ -92,6 +92,18 @@ fn table(report: &StatusReport) -> String {
         out.push_str(&format!(", metrics http://{a}/metrics"));
     }
     out.push('\n');
+    for dead in &d.dead_mounts {
+        match &dead.error {
+            None => out.push_str(&format!(
+                "cleaned at start: dead mount {} (connection ended; detached)\n",
+                dead.mountpoint.display()
+            )),
+            Some(e) => out.push_str(&format!(
+                "found at start: dead mount {} (connection ended; not detached: {e})\n",
+                dead.mountpoint.display()
+            )),
+        }
+    }
     if let Some(s) = &report.store {
         out.push_str(&format!(
             "store: {} ({} of {}, {} entries)\n",
