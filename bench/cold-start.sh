@@ -322,7 +322,15 @@ for ROUND in $(seq "$RUNS"); do
             if has_phase a; then phase_a "$r" "$l" "$host"; fi
             for w in $WORKLOADS; do
                 rm -rf "$E2E_TMP/store-b" "$E2E_TMP/store-c"
-                if has_phase b; then phase_ferry "$r" "$l" "$w" b "$host/bench/plain:v1" "$E2E_TMP/store-b"; fi
+                if has_phase b; then
+                    # A repository of its own, never started before: the daemon records a
+                    # trace at every first start and shares it (as the image's referrer
+                    # and by the repository's ferry.trace tag), so a repository (b) used
+                    # once has a trace for every later start.
+                    PLAIN_N=$((${PLAIN_N:-0} + 1))
+                    copy "${REG_AT[$r]}/bench/plain:v1" "${REG_AT[$r]}/bench/plain-$PLAIN_N:v1"
+                    phase_ferry "$r" "$l" "$w" b "$host/bench/plain-$PLAIN_N:v1" "$E2E_TMP/store-b"
+                fi
                 if has_phase c || has_phase d; then
                     phase_ferry "$r" "$l" "$w" c "$host/bench/$w:v1" "$E2E_TMP/store-c"
                     if has_phase d; then
