@@ -57,8 +57,30 @@ use crate::readahead::{Readahead, SpanMap};
 use crate::stats::MountStats;
 
 /// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
-/// so service resumes promptly when the registry is back.
+/// so service resumes promptly when the registry is back. Each further failure of the
+/// same piece doubles it, up to [`MAX_FAILURE_MEMORY`]: a source that keeps answering
+/// wrong bytes is asked for a piece a few times a minute, not once per read (the kernel
+/// retries every failed read), so persistent corruption cannot multiply the bytes moved.
 pub const FAILURE_MEMORY: Duration = Duration::from_secs(2);
+/// Longest a piece's repeated failures keep it from being fetched again.
+pub const MAX_FAILURE_MEMORY: Duration = Duration::from_secs(64);
+
+/// A piece's recent failures: when the last was, and how many in a row.
+#[derive(Debug, Clone, Copy)]
+struct Failure {
+    at: Instant,
+    count: u32,
+}
+
+impl Failure {
+    /// How long after `at` the piece is not fetched again.
+    fn memory(&self) -> Duration {
+        let doublings = self.count.saturating_sub(1).min(16);
+        FAILURE_MEMORY
+            .saturating_mul(1 << doublings)
+            .min(MAX_FAILURE_MEMORY)
+    }
+}
 
 /// The knobs users tune per image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -411,7 +433,7 @@ pub struct LayerSource {
     /// Spans whose fetch just failed, and when: a read of one of them within
     /// [`FAILURE_MEMORY`] fails at once instead of waiting out another timeout (the
     /// kernel retries a failed readahead with a synchronous read right away).
-    recent_failures: Mutex<HashMap<(PieceKind, usize), Instant>>,
+    recent_failures: Mutex<HashMap<(PieceKind, usize), Failure>>,
     spans: Option<Spans>,
     /// The windows blob of a version-2 index.
     windows: Option<Windows>,
@@ -972,8 +994,17 @@ impl LayerSource {
                         let outcome = self
                             .verify_and_store(spans, *k, piece)
                             .or_else(|e| self.refetch_from_fallback(spans, *k, deadline, e));
-                        if let Ok(b) = &outcome {
-                            out[*k - ks.start] = Some(b.clone());
+                        match &outcome {
+                            Ok(b) => {
+                                out[*k - ks.start] = Some(b.clone());
+                                self.forget_failure(spans.kind, *k);
+                            }
+                            // Wrong bytes (from the backend and any fallback): back off
+                            // like a failed fetch, so rereads do not fetch it again.
+                            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                                self.remember_failure(spans.kind, std::iter::once(*k))
+                            }
+                            Err(_) => {}
                         }
                         let outcome = outcome.inspect_err(|e| {
                             if first_err.is_none() {
@@ -1104,7 +1135,8 @@ impl LayerSource {
         self.verify_and_store(spans, k, &piece)
     }
 
-    /// An error when one of `ks` failed to fetch within the last [`FAILURE_MEMORY`].
+    /// An error when one of `ks` failed (to fetch or to verify) within its failure
+    /// memory (see [`FAILURE_MEMORY`]).
     fn failed_recently(
         &self,
         kind: PieceKind,
@@ -1116,15 +1148,18 @@ impl LayerSource {
         }
         let now = Instant::now();
         for k in ks {
-            if let Some(at) = failures.get(&(kind, k))
-                && now.saturating_duration_since(*at) < FAILURE_MEMORY
+            if let Some(f) = failures.get(&(kind, k))
+                && now.saturating_duration_since(f.at) < f.memory()
             {
                 MountStats::add(&self.stats.fetch_errors, 1);
                 return Some(io::Error::new(
                     io::ErrorKind::TimedOut,
                     format!(
-                        "{} {k} failed to fetch moments ago; not waiting again yet",
-                        kind.name()
+                        "{} {k} failed moments ago ({} time(s) in a row); not fetched again \
+                         for {} s",
+                        kind.name(),
+                        f.count,
+                        f.memory().as_secs()
                     ),
                 ));
             }
@@ -1132,12 +1167,30 @@ impl LayerSource {
         None
     }
 
+    /// Notes that pieces `ks` failed now: each failure in a row doubles how long they
+    /// are left alone. Failures older than twice [`MAX_FAILURE_MEMORY`] are forgotten.
     fn remember_failure(&self, kind: PieceKind, ks: impl Iterator<Item = usize>) {
         let mut failures = lock(&self.recent_failures);
         let now = Instant::now();
-        failures.retain(|_, at| now.saturating_duration_since(*at) < FAILURE_MEMORY);
+        let forget = MAX_FAILURE_MEMORY.saturating_mul(2);
+        failures.retain(|_, f| now.saturating_duration_since(f.at) < forget);
         for k in ks {
-            failures.insert((kind, k), now);
+            let count = failures.get(&(kind, k)).map_or(0, |f| f.count);
+            failures.insert(
+                (kind, k),
+                Failure {
+                    at: now,
+                    count: count.saturating_add(1),
+                },
+            );
+        }
+    }
+
+    /// Forgets the failures of piece `k` (it just verified).
+    fn forget_failure(&self, kind: PieceKind, k: usize) {
+        let mut failures = lock(&self.recent_failures);
+        if !failures.is_empty() {
+            failures.remove(&(kind, k));
         }
     }
 

@@ -320,10 +320,41 @@ fn corrupt_bytes_fail_the_read_and_are_never_stored() {
     let s = rig.stats.snapshot();
     assert_eq!(s.verify_failures, 1);
     assert!(s.fetch_errors >= 1);
-    // The registry heals: the same read now succeeds and is stored.
+    // Rereads (the kernel retries every failed read) do not fetch the span again while
+    // it is remembered as failed: persistent corruption cannot multiply the bytes.
+    let calls = rig.backend.calls.load(Ordering::SeqCst);
+    for _ in 0..20 {
+        assert!(rig.read("a", 0, 1000).is_err());
+    }
+    assert!(rig.backend.calls.load(Ordering::SeqCst) <= calls + 1);
+    assert_eq!(store.stats().entries, 0);
+    // The registry heals: once the failure memory has passed, the read succeeds and is
+    // stored.
     rig.backend.corrupt.store(false, Ordering::SeqCst);
-    assert_eq!(rig.read("a", 0, 1000).unwrap(), &rig.content("a")[..1000]);
+    let mut tries = 0;
+    let got = loop {
+        match rig.read("a", 0, 1000) {
+            Ok(b) => break b,
+            Err(_) if tries < 1000 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(got, &rig.content("a")[..1000]);
     assert!(store.stats().entries > 0);
+}
+
+#[test]
+fn a_piece_that_keeps_failing_is_left_alone_longer_each_time() {
+    let t0 = Instant::now();
+    let f = |count| Failure { at: t0, count };
+    assert_eq!(f(1).memory(), FAILURE_MEMORY);
+    assert_eq!(f(2).memory(), FAILURE_MEMORY * 2);
+    assert_eq!(f(3).memory(), FAILURE_MEMORY * 4);
+    assert_eq!(f(40).memory(), MAX_FAILURE_MEMORY);
+    assert_eq!(f(u32::MAX).memory(), MAX_FAILURE_MEMORY);
 }
 
 #[test]
