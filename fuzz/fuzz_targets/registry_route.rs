@@ -63,7 +63,11 @@ fuzz_target!(|data: &[u8]| {
     };
     let last = match route {
         Route::Manifest { reference, .. } => Some(reference),
-        Route::Blob { digest, .. } | Route::Referrers { digest, .. } => Some(digest),
+        Route::Blob { digest, .. }
+        | Route::Referrers { digest, .. }
+        | Route::Traces {
+            subject: digest, ..
+        } => Some(digest),
         Route::Upload { id, .. } => Some(id),
         _ => None,
     };
@@ -82,6 +86,7 @@ fuzz_target!(|data: &[u8]| {
                 Route::UploadStart { name } => format!("/v2/{name}/blobs/uploads/"),
                 Route::Upload { name, id } => format!("/v2/{name}/blobs/uploads/{id}"),
                 Route::Referrers { name, digest } => format!("/v2/{name}/referrers/{digest}"),
+                Route::Traces { name, subject } => format!("/v2/{name}/ferry-traces/{subject}"),
                 Route::Base | Route::Catalog => unreachable!("no name"),
             };
             assert_eq!(Route::parse(&rebuilt), Some(route), "{path:?} -> {rebuilt:?}");
