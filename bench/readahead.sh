@@ -18,7 +18,8 @@ source "$HERE/lib.sh"
 source "$BENCH_ROOT/tests/e2e/lib.sh"
 READAHEADS=${READAHEADS:-0 1M 2M 4M}
 LATENCIES=${LATENCIES:-0 10}
-CMD=${CMD:-python3 -c 'import pandas, numpy, scipy.linalg; print("ready")'}
+DEFAULT_CMD="python3 -c 'import pandas, numpy, scipy.linalg; print(\"ready\")'"
+CMD=${CMD:-$DEFAULT_CMD}
 loopback_only
 need_root "FUSE mounts, chroot"
 [[ -x ${FERRY:-} ]] || ensure_ferry
@@ -44,16 +45,18 @@ for l in $LATENCIES; do
     for ra in $READAHEADS; do
         rm -rf "$W"
         mkdir -p "$W/mnt" "$W/store" "$W/run"
-        printf '[store]\npath = "%s"\n[control]\nsocket = "%s"\n[fetch]\nreadahead = "%s"\n' \
+        printf '[store]\npath = "%s"\n[control]\nsocket = "%s"\n[fetch]\nreadahead = "%s"\n[snapshotter]\nenabled = false\n' \
             "$W/store" "$W/run/daemon.sock" "$ra" >"$W/daemon.toml"
         "$FERRY" daemon --config "$W/daemon.toml" >"$W/daemon.log" 2>&1 &
         daemon=$!
+        E2E_PIDS+=("$daemon")
         wait_for 30 daemon test -S "$W/run/daemon.sock"
         sync
         echo 3 >/proc/sys/vm/drop_caches
         t0=$(now)
-        "$FERRY" mount --socket "$W/run/daemon.sock" --plain-http "$host/bench/app:v1" "$W/mnt"
-        chroot "$W/mnt" sh -c "$CMD" 2>&1 | head -1 >/dev/null
+        "$FERRY" mount --socket "$W/run/daemon.sock" "$host/bench/app:v1" "$W/mnt"
+        # the command prints its one line when done: its end is the first output
+        chroot "$W/mnt" sh -c "$CMD" >"$W/cmd.out" 2>&1 || { cat "$W/cmd.out" >&2; e2e_die "the command failed"; }
         secs=$(since "$t0")
         "$FERRY" status --json --socket "$W/run/daemon.sock" | jq -r --arg ra "$ra" --arg l "${l}ms" --arg s "$secs" \
             '[$ra, $l, $s] + ([.mounts[].stats] | [(map(.bytes_fetched) | add), (map(.bytes_served) | add), (map(.requests) | add), (map(.read_waits) | add)] | map(tostring)) | @tsv' |
@@ -61,7 +64,7 @@ for l in $LATENCIES; do
         umount -l "$W/mnt" || true
         kill "$daemon"
         wait "$daemon" 2>/dev/null || true
-        e2e_umount_under "$W" 2>/dev/null || true
+        e2e_umount_under "$W" >/dev/null 2>&1 || true
     done
     [[ -z $proxy ]] || { kill "$proxy"; wait "$proxy" 2>/dev/null || true; }
 done
