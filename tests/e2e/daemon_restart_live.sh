@@ -114,6 +114,10 @@ path = "$E2E_TMP/store"
 socket = "$SOCK"
 [snapshotter]
 enabled = false
+# Reads must reach the registry when the test says they do (a stopped registry holds
+# them): no warm-up, no readahead bringing a range along before it is read.
+[fetch]
+readahead = "0"
 [warm]
 prefetch = false
 background_fill = false
@@ -358,6 +362,8 @@ socket = "$CTL6"
 enabled = true
 socket = "$SNAP_SOCK"
 root = "$SNAP_ROOT"
+[fetch]
+readahead = "0"
 [warm]
 prefetch = false
 background_fill = false
