@@ -115,9 +115,11 @@ socket = "$SOCK"
 [snapshotter]
 enabled = false
 # Reads must reach the registry when the test says they do (a stopped registry holds
-# them): no warm-up, no readahead bringing a range along before it is read.
+# them): no warm-up, no readahead or nearby-file fetch bringing a range along before it is read.
 [fetch]
 readahead = "0"
+whole_file = "0"
+nearby = "0"
 [warm]
 prefetch = false
 background_fill = false
@@ -364,6 +366,8 @@ socket = "$SNAP_SOCK"
 root = "$SNAP_ROOT"
 [fetch]
 readahead = "0"
+whole_file = "0"
+nearby = "0"
 [warm]
 prefetch = false
 background_fill = false

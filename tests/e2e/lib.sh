@@ -607,9 +607,10 @@ start_ferry_daemon() {
 }
 # lazy_snapshotter_daemon [EXTRA_TOML]: snap_paths, then `ferry daemon` serving the
 # snapshotter at $SNAP_SOCK/$SNAP_ROOT with store $E2E_TMP/store, control socket
-# CTL_SOCK=$E2E_TMP/run/daemon.sock and warm-up and readahead off (what a start fetches
-# is what it read), config in DAEMON_CONFIG=$E2E_TMP/daemon.toml; EXTRA_TOML (whole
-# sections, e.g. [fetch]; a [fetch] of its own gets readahead = "0" added) goes first.
+# CTL_SOCK=$E2E_TMP/run/daemon.sock and warm-up, readahead and nearby-file fetches off
+# (what a start fetches is what it read), config in DAEMON_CONFIG=$E2E_TMP/daemon.toml;
+# EXTRA_TOML (whole sections, e.g. [fetch]; a [fetch] of its own gets those added) goes
+# first.
 # Started with start_ferry_daemon.
 lazy_snapshotter_daemon() {
     snap_paths
@@ -617,9 +618,9 @@ lazy_snapshotter_daemon() {
     DAEMON_CONFIG=$E2E_TMP/daemon.toml
     local extra=${1:-}
     if [[ $extra == *"[fetch]"* ]]; then
-        extra=${extra/"[fetch]"/$'[fetch]\nreadahead = "0"'}
+        extra=${extra/"[fetch]"/$'[fetch]\nreadahead = "0"\nwhole_file = "0"\nnearby = "0"'}
     else
-        extra=$'[fetch]\nreadahead = "0"\n'"$extra"
+        extra=$'[fetch]\nreadahead = "0"\nwhole_file = "0"\nnearby = "0"\n'"$extra"
     fi
     cat >"$DAEMON_CONFIG" <<EOF
 [store]

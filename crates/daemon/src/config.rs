@@ -74,6 +74,16 @@ pub struct FetchSection {
     /// At most `request_size` (a window is one request).
     #[serde(with = "size_text")]
     pub readahead: u64,
+    /// A file at most this large is fetched whole at its first read that misses
+    /// (`"8M"`; 0: off): a start that opens a module or a library reads nearly all of it
+    /// (the loader by page faults all over it), in one round trip instead of several.
+    #[serde(with = "size_text")]
+    pub whole_file: u64,
+    /// The first miss in a directory also fetches the directory's other small files
+    /// (each at most 1 MiB), nearest first, up to this many compressed bytes (`"4M"`; 0:
+    /// off): a package's modules are read together, in no particular order.
+    #[serde(with = "size_text")]
+    pub nearby: u64,
 }
 
 impl Default for FetchSection {
@@ -83,6 +93,8 @@ impl Default for FetchSection {
             request_size: 8 << 20,
             timeout: Duration::from_secs(30),
             readahead: ferry_fs::device::DEFAULT_READAHEAD_BYTES,
+            whole_file: ferry_fs::device::DEFAULT_WHOLE_FILE_BYTES,
+            nearby: ferry_fs::device::DEFAULT_NEARBY_BYTES,
         }
     }
 }
@@ -345,6 +357,8 @@ impl DaemonConfig {
             timeout: self.fetch.timeout,
             // A window is fetched in one request.
             readahead_bytes: self.fetch.readahead.min(self.fetch.request_size),
+            whole_file_bytes: self.fetch.whole_file,
+            nearby_bytes: self.fetch.nearby,
         }
     }
 

@@ -50,6 +50,7 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let filled = Counters::default();
     let read_waits = Counters::default();
     let readahead = Counters::default();
+    let nearby = Counters::default();
     let prefetch_done = Gauges::default();
     let fill_done = Gauges::default();
     for m in backend.list() {
@@ -69,6 +70,7 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         filled.get_or_create(&labels).inc_by(s.bytes_filled);
         read_waits.get_or_create(&labels).inc_by(s.read_waits);
         readahead.get_or_create(&labels).inc_by(s.bytes_readahead);
+        nearby.get_or_create(&labels).inc_by(s.bytes_nearby);
         prefetch_done
             .get_or_create(&labels)
             .set(i64::from(s.prefetch_done));
@@ -115,6 +117,11 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         "mount_readahead_bytes",
         "Compressed bytes fetched by readahead along a layer's stream",
         readahead,
+    );
+    registry.register(
+        "mount_nearby_bytes",
+        "Compressed bytes fetched at a miss as the rest of its file and the small files beside it",
+        nearby,
     );
     registry.register(
         "mount_prefetch_done",

@@ -96,6 +96,12 @@ pub struct FetchConfig {
     /// (0: no readahead). Windows start at [`READAHEAD_START_DIVISOR`]'s share of it and
     /// double while reads keep landing in them.
     pub readahead_bytes: u64,
+    /// A file at most this large (uncompressed) is fetched whole at its first read that
+    /// misses (0: off); see [`crate::nearby`].
+    pub whole_file_bytes: u64,
+    /// The first miss in a directory fetches the directory's other small files, up to
+    /// this many compressed bytes (0: off); see [`crate::nearby`].
+    pub nearby_bytes: u64,
 }
 
 impl Default for FetchConfig {
@@ -105,6 +111,8 @@ impl Default for FetchConfig {
             max_request_bytes: 8 << 20,
             timeout: Duration::from_secs(30),
             readahead_bytes: DEFAULT_READAHEAD_BYTES,
+            whole_file_bytes: DEFAULT_WHOLE_FILE_BYTES,
+            nearby_bytes: DEFAULT_NEARBY_BYTES,
         }
     }
 }
@@ -113,6 +121,11 @@ impl Default for FetchConfig {
 /// from a 1.1 GB image (59 MB read): 2 MiB took the reads that waited for the registry
 /// from 297 to 130 for 1.07x the bytes read; 4 MiB to 103, but for 1.53x.
 pub const DEFAULT_READAHEAD_BYTES: u64 = 2 << 20;
+/// Default [`FetchConfig::whole_file_bytes`]: most shared libraries and every module of
+/// an interpreter's start; a start reads nearly all of such a file.
+pub const DEFAULT_WHOLE_FILE_BYTES: u64 = 8 << 20;
+/// Default [`FetchConfig::nearby_bytes`].
+pub const DEFAULT_NEARBY_BYTES: u64 = 4 << 20;
 /// A first readahead window (after a miss far from the last one) is this share (1/N) of
 /// [`FetchConfig::readahead_bytes`].
 pub const READAHEAD_START_DIVISOR: u64 = 8;
@@ -620,6 +633,23 @@ impl LayerSource {
             (None, Some(w)) => w.local.get().is_some(),
             (None, None) => false,
         }
+    }
+
+    /// Whether some span of `range` of an indexed layer is neither in the store nor being
+    /// fetched (false for layers without spans or without a store: nothing to fetch
+    /// ahead into).
+    pub fn range_missing(&self, range: Range<u64>) -> bool {
+        let (Some(spans), Some(store)) = (&self.spans, self.store.as_deref()) else {
+            return false;
+        };
+        let map = StreamMap {
+            source: self,
+            spans,
+            store,
+        };
+        let first = spans.ranges.partition_point(|r| r.end <= range.start);
+        let last = spans.ranges.partition_point(|r| r.start < range.end);
+        (first..last).any(|k| map.is_missing(k))
     }
 
     /// Makes `range` of the blob local ahead of the reads that will want it: for an

@@ -43,6 +43,9 @@ const TTL: Duration = Duration::from_secs(24 * 3600);
 
 /// Largest single read served (the kernel asks for at most max_pages of 4 KiB).
 const MAX_READ: u32 = 4 << 20;
+/// Reads slower than this are logged at debug level with their path (what a start
+/// waited for, to tune prefetching by).
+const SLOW_READ: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// The FUSE filesystem of one mounted image.
 #[derive(Debug, Clone)]
@@ -170,9 +173,22 @@ impl FerryFs {
             return Ok(Vec::new());
         };
         let len = (node.size - offset).min(u64::from(size.min(MAX_READ))) as usize;
+        self.image.read_nearby(ino, node, offset, len as u64);
         let mut buf = vec![0u8; len];
         let layer = self.image.image.layers().get(loc.layer).ok_or(Errno::EIO)?;
-        match layer.read_at(loc.entry, offset, &mut buf) {
+        let started = std::time::Instant::now();
+        let read = layer.read_at(loc.entry, offset, &mut buf);
+        let took = started.elapsed();
+        if took >= SLOW_READ && tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(
+                path = self.image.tree.path_of(ino).unwrap_or_default(),
+                offset,
+                len,
+                ms = took.as_secs_f64() * 1e3,
+                "slow read"
+            );
+        }
+        match read {
             Ok(n) => {
                 buf.truncate(n);
                 MountStats::add(&self.image.stats.bytes_served, n as u64);
@@ -1020,7 +1036,13 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let store = open_store(dir.path());
-        let image = MountedImage::new(source, Some(store), FetchConfig::default(), &view).unwrap();
+        // Nearby fetches off: the tests count what each read fetched and failed.
+        let config = FetchConfig {
+            whole_file_bytes: 0,
+            nearby_bytes: 0,
+            ..FetchConfig::default()
+        };
+        let image = MountedImage::new(source, Some(store), config, &view).unwrap();
         Fixture {
             fs: FerryFs::new(Arc::new(image)),
             lower,

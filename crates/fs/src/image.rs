@@ -36,7 +36,7 @@ use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};
 use crate::stats::MountStats;
 use crate::trace::Recorder;
-use crate::tree::InodeTree;
+use crate::tree::{Ino, InodeTree, Node};
 
 /// Most bytes of a manifest or index document accepted.
 const MAX_DOCUMENT_BYTES: u64 = ferry_oci::MAX_MANIFEST_BYTES;
@@ -406,6 +406,8 @@ pub struct MountedImage {
     pub(crate) recorder: Arc<Recorder>,
     /// This mount's id in a shared recorder ([`Recorder::note`]'s `view`).
     pub(crate) recorder_view: u64,
+    /// What this mount's misses have asked of [`crate::nearby`] already.
+    pub(crate) nearby: crate::nearby::Nearby,
 }
 
 /// Source of [`MountedImage::recorder_view`] ids (unique in the process).
@@ -457,6 +459,7 @@ impl MountedImage {
             sources,
             recorder: Arc::default(),
             recorder_view: NEXT_RECORDER_VIEW.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            nearby: crate::nearby::Nearby::new(&config),
         })
     }
 
@@ -501,6 +504,25 @@ impl MountedImage {
     /// The recorder this mount notes its reads into.
     pub fn recorder(&self) -> &Arc<Recorder> {
         &self.recorder
+    }
+
+    /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
+    /// file `ino` (nothing unless the read misses), fetched in the background.
+    pub(crate) fn read_nearby(&self, ino: Ino, node: &Node, offset: u64, len: u64) {
+        let Some(loc) = node.data else { return };
+        let layers = crate::nearby::MountLayers {
+            image: &self.image,
+            sources: &self.sources,
+        };
+        let read = crate::nearby::Read {
+            ino,
+            node,
+            loc,
+            offset,
+            len,
+        };
+        let ranges = self.nearby.plan(&self.tree, &layers, &read);
+        crate::nearby::submit(&self.sources, &self.stats, ranges);
     }
 
     /// The device-level source of layer `layer`, when it has one.

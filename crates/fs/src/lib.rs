@@ -12,7 +12,8 @@
 //!   fetched once however many threads want them, merged when adjacent, verified
 //!   against the index's digests, bounded in time, with readahead along the layer's
 //!   stream ([`readahead`]: a miss fetches the window after it in the same request, a
-//!   reader catching up with a window starts the next one in the background);
+//!   reader catching up with a window starts the next one in the background) and, at a
+//!   miss, the rest of the file and the small files beside it ([`nearby`]);
 //! * cache: verified spans go into the node chunk store (`ferry-store`) and are read
 //!   from it first;
 //! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range).
@@ -27,6 +28,7 @@ pub mod filecache;
 pub mod fuse;
 pub mod image;
 mod localfiles;
+pub mod nearby;
 mod readahead;
 pub mod stats;
 pub mod trace;

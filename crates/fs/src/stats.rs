@@ -33,6 +33,9 @@ pub struct MountStats {
     pub read_waits: AtomicU64,
     /// Compressed bytes fetched by readahead along a layer's stream (ahead of misses).
     pub bytes_readahead: AtomicU64,
+    /// Compressed bytes fetched as the rest of a file or the small files beside it, at a
+    /// miss ([`crate::nearby`]).
+    pub bytes_nearby: AtomicU64,
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
     pub hot_bytes: AtomicU64,
@@ -73,6 +76,9 @@ pub struct StatsSnapshot {
     /// See [`MountStats::bytes_readahead`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub bytes_readahead: u64,
+    /// See [`MountStats::bytes_nearby`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub bytes_nearby: u64,
     /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub hot_bytes: u64,
@@ -100,6 +106,7 @@ impl MountStats {
             bytes_filled: l(&self.bytes_filled),
             read_waits: l(&self.read_waits),
             bytes_readahead: l(&self.bytes_readahead),
+            bytes_nearby: l(&self.bytes_nearby),
             hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),
