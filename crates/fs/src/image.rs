@@ -521,7 +521,7 @@ impl MountedImage {
             offset,
             len,
         };
-        let ranges = self.nearby.plan(&self.tree, &layers, &read);
+        let ranges = self.nearby.plan(&layers, &read);
         crate::nearby::submit(&self.sources, &self.stats, ranges);
     }
 

@@ -6,10 +6,11 @@
 //!   is at most [`FetchConfig::whole_file_bytes`]: a program that opens a module or a
 //!   library reads nearly all of it, the loader by page faults at scattered offsets (nine
 //!   misses in one 4.7 MB `libcrypto` at a pandas start);
-//! * the first miss in a directory brings the directory's **other small files** (each at
-//!   most [`MAX_NEARBY_FILE`]), nearest in the stream first, up to
-//!   [`FetchConfig::nearby_bytes`] compressed: a package's modules are imported together,
-//!   but not in the order the tar holds them, so the miss can be anywhere among them.
+//! * the first miss in a directory brings the **small files around it** (each at most
+//!   [`MAX_NEARBY_FILE`]) in the subtree of the directory's parent, nearest in the stream
+//!   first, up to [`FetchConfig::nearby_bytes`] compressed: a package's modules, and its
+//!   subpackages', are imported together but not in the order the tar holds them, so
+//!   the miss can be anywhere among them (readahead only covers what follows it).
 //!
 //! Both go out at once, in parallel with the read that asked and with each other, on a
 //! small process-wide pool of fetch threads, through the same single flight,
@@ -27,14 +28,17 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
+use ferry_index::entry::{Entry, EntryKind};
 use ferry_index::merged::{Location, MergedImage};
 
 use crate::device::{FetchConfig, LayerSource};
 use crate::stats::MountStats;
-use crate::tree::{Ino, InodeTree, Node, NodeKind};
+use crate::tree::{Ino, Node};
 
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
+/// Entries looked at, at most, around a miss for its neighbours.
+const MAX_NEARBY_SCAN: usize = 20_000;
 /// Threads of the process-wide pool that fetches nearby files.
 const POOL_THREADS: usize = 4;
 /// Fetches queued for the pool at most; beyond it a hint is dropped (the reads fetch
@@ -51,7 +55,7 @@ pub(crate) struct Nearby {
 
 #[derive(Debug, Default)]
 struct Seen {
-    /// Files whose data was asked for whole (themselves, or as a neighbour).
+    /// Files whose data was asked for whole.
     files: HashSet<Ino>,
     /// Directories whose small files were asked for.
     dirs: HashSet<Ino>,
@@ -71,8 +75,8 @@ pub(crate) struct Read<'a> {
 pub(crate) trait Layers {
     /// The compressed ranges holding `[off, off + len)` of entry `loc`.
     fn ranges(&self, loc: Location, off: u64, len: u64) -> Vec<Range<u64>>;
-    /// Where entry `loc`'s data starts in its layer's uncompressed stream.
-    fn stream_offset(&self, loc: Location) -> u64;
+    /// Entry `idx` of layer `layer`'s file table (in stream order).
+    fn entry(&self, layer: usize, idx: usize) -> Option<&Entry>;
     /// Whether some of `range` of layer `layer` is missing.
     fn missing(&self, layer: usize, range: &Range<u64>) -> bool;
 }
@@ -92,12 +96,7 @@ impl Nearby {
 
     /// The fetches a read asks for besides its own: per layer, sorted disjoint
     /// compressed ranges, without the read's own. Empty unless the read misses.
-    pub(crate) fn plan(
-        &self,
-        tree: &InodeTree,
-        layers: &dyn Layers,
-        read: &Read<'_>,
-    ) -> Vec<(usize, Range<u64>)> {
+    pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<(usize, Range<u64>)> {
         if self.is_off() {
             return Vec::new();
         }
@@ -115,10 +114,11 @@ impl Nearby {
                     .map(|r| (read.loc.layer, r)),
             );
         }
-        if self.nearby_bytes > 0 && seen.dirs.insert(read.node.parent) {
-            want.extend(self.neighbours(tree, layers, read, &mut seen.files));
-        }
+        let dir_first = self.nearby_bytes > 0 && seen.dirs.insert(read.node.parent);
         drop(seen);
+        if dir_first {
+            want.extend(self.neighbours(layers, read));
+        }
         let own: Vec<(usize, Range<u64>)> = own.into_iter().map(|r| (read.loc.layer, r)).collect();
         subtract(merge(want), &merge(own))
             .into_iter()
@@ -126,65 +126,99 @@ impl Nearby {
             .collect()
     }
 
-    /// The small files beside the read's, nearest in its layer's stream first, whose
-    /// missing ranges fit in [`Self::nearby_bytes`]; marked as asked for.
-    fn neighbours(
-        &self,
-        tree: &InodeTree,
-        layers: &dyn Layers,
-        read: &Read<'_>,
-        asked: &mut HashSet<Ino>,
-    ) -> Vec<(usize, Range<u64>)> {
-        let Some(dir) = tree.get(read.node.parent) else {
+    /// The small files around the read's in its layer's stream, nearest first, inside
+    /// the subtree of its directory's parent (a package and its subpackages, a library
+    /// directory and its neighbours), whose missing ranges fit in [`Self::nearby_bytes`].
+    /// A tar is written depth first, so that subtree is one stretch of the stream: the
+    /// walk goes outward from the read's entry and stops on each side where the stretch
+    /// ends, or after [`MAX_NEARBY_SCAN`] entries.
+    fn neighbours(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<(usize, Range<u64>)> {
+        let layer = read.loc.layer;
+        let Some(entry) = layers.entry(layer, read.loc.entry) else {
             return Vec::new();
         };
-        let here = layers.stream_offset(read.loc);
-        let mut candidates: Vec<(u64, Ino, Location, u64)> =
-            dir.children
-                .iter()
-                .filter(|(_, ino)| *ino != read.ino && !asked.contains(ino))
-                .filter_map(|(_, ino)| {
-                    let node = tree.get(*ino)?;
-                    let loc = node.data?;
-                    (node.kind == NodeKind::File && node.size > 0 && node.size <= MAX_NEARBY_FILE)
-                        .then(|| {
-                            let at = layers.stream_offset(loc);
-                            let distance = if loc.layer == read.loc.layer {
-                                at.abs_diff(here)
-                            } else {
-                                u64::MAX // other layers after this one's
-                            };
-                            (distance, *ino, loc, node.size)
-                        })
-                })
-                .collect();
-        candidates.sort_unstable_by_key(|c| (c.0, c.1));
-        let mut counted: HashSet<(usize, u64, u64)> = HashSet::new();
+        let scope = parent(parent(&entry.path));
+        let inside = |e: &Entry| {
+            scope.is_empty()
+                || (e.path.len() > scope.len()
+                    && e.path.starts_with(scope)
+                    && e.path.as_bytes()[scope.len()] == b'/')
+        };
+        let wanted =
+            |e: &Entry| e.kind == EntryKind::File && e.size > 0 && e.size <= MAX_NEARBY_FILE;
+        let here = entry.offset;
+        let (mut down, mut up) = (read.loc.entry, read.loc.entry + 1);
+        let (mut down_open, mut up_open) = (true, true);
+        let mut scanned = 0usize;
+        let mut counted: HashSet<(u64, u64)> = HashSet::new();
         let mut bytes = 0u64;
         let mut out = Vec::new();
-        for (_, ino, loc, size) in candidates {
+        while (down_open || up_open) && scanned < MAX_NEARBY_SCAN {
+            scanned += 1;
+            // The nearer side in the stream goes next.
+            let below = down_open.then(|| down.checked_sub(1)).flatten();
+            let below = below.and_then(|i| layers.entry(layer, i).map(|e| (i, e)));
+            let above = up_open
+                .then(|| layers.entry(layer, up).map(|e| (up, e)))
+                .flatten();
+            let (i, e) = match (below, above) {
+                (Some(b), Some(a)) => {
+                    if here - b.1.offset.min(here) <= a.1.offset.saturating_sub(here) {
+                        b
+                    } else {
+                        a
+                    }
+                }
+                (Some(b), None) => {
+                    up_open = false;
+                    b
+                }
+                (None, Some(a)) => {
+                    down_open = false;
+                    a
+                }
+                (None, None) => break,
+            };
+            let downward = i < read.loc.entry;
+            if !inside(e) {
+                if downward {
+                    down_open = false;
+                } else {
+                    up_open = false;
+                }
+                continue;
+            }
+            if downward {
+                down = i;
+            } else {
+                up = i + 1;
+            }
+            if !wanted(e) {
+                continue;
+            }
+            let loc = Location { layer, entry: i };
             let ranges: Vec<Range<u64>> = layers
-                .ranges(loc, 0, size)
+                .ranges(loc, 0, e.size)
                 .into_iter()
-                .filter(|r| layers.missing(loc.layer, r))
+                .filter(|r| !counted.contains(&(r.start, r.end)) && layers.missing(layer, r))
                 .collect();
-            let add: u64 = ranges
-                .iter()
-                .filter(|r| !counted.contains(&(loc.layer, r.start, r.end)))
-                .map(|r| r.end - r.start)
-                .sum();
+            let add: u64 = ranges.iter().map(|r| r.end - r.start).sum();
             if bytes + add > self.nearby_bytes {
-                break;
+                continue; // a smaller one further out may still fit
             }
             bytes += add;
-            asked.insert(ino);
             for r in ranges {
-                counted.insert((loc.layer, r.start, r.end));
-                out.push((loc.layer, r));
+                counted.insert((r.start, r.end));
+                out.push((layer, r));
             }
         }
         out
     }
+}
+
+/// `path` without its last component (`""` at the top).
+fn parent(path: &str) -> &str {
+    path.rfind('/').map_or("", |i| &path[..i])
 }
 
 /// The mount's layers as the planner sees them.
@@ -202,12 +236,8 @@ impl Layers for MountLayers<'_> {
             .unwrap_or_default()
     }
 
-    fn stream_offset(&self, loc: Location) -> u64 {
-        self.image
-            .layers()
-            .get(loc.layer)
-            .and_then(|l| l.entries().get(loc.entry))
-            .map_or(0, |e| e.offset)
+    fn entry(&self, layer: usize, idx: usize) -> Option<&Entry> {
+        self.image.layers().get(layer)?.entries().get(idx)
     }
 
     fn missing(&self, layer: usize, range: &Range<u64>) -> bool {

@@ -1,6 +1,7 @@
 //! Tests of fetching what belongs with a miss, over an in-memory backend that logs every
 //! range asked of it and a real chunk store: a directory's small files come with its
-//! first miss (nearest first, within the budget, never big files or other directories),
+//! first miss (nearest first, within the budget and the parent's subtree, never big
+//! files),
 //! a file's rest comes with its first miss (only when it is small enough), reads that do
 //! not miss ask nothing, each directory asks once, and off is off.
 #![allow(clippy::unwrap_used)]
@@ -41,20 +42,21 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
-/// Files `pkg/m0`…`pkg/m7` (24 KiB each), `pkg/big` (1.5 MiB, over the neighbour
-/// limit), `pkg/z0`…`pkg/z3` (24 KiB each, far from `m*` in the stream, after `big`),
-/// `pad` (200 KiB), `other/x` (24 KiB) and `lib.so` (600 KiB); spans of 64 KiB, no
-/// readahead.
+/// Files `app/pkg/m0`…`m7` (24 KiB each), `app/pkg/big` (1.5 MiB, over the neighbour
+/// limit), `app/pkg/z0`…`z3` (24 KiB each, far from `m*` in the stream, after `big`),
+/// `app/sub/s0` (24 KiB, in the subtree of `pkg`'s parent), `pad` (200 KiB), `other/x`
+/// (24 KiB, outside it) and `lib.so` (600 KiB); spans of 64 KiB, no readahead.
 fn rig(whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
     let mut files: Vec<(String, Vec<u8>)> = Vec::new();
     for i in 0..8 {
-        files.push((format!("pkg/m{i}"), noise(24 << 10, 10 + i)));
+        files.push((format!("app/pkg/m{i}"), noise(24 << 10, 10 + i)));
     }
-    files.push(("pkg/big".into(), noise(1536 << 10, 3)));
+    files.push(("app/pkg/big".into(), noise(1536 << 10, 3)));
     for i in 0..4 {
-        files.push((format!("pkg/z{i}"), noise(24 << 10, 30 + i)));
+        files.push((format!("app/pkg/z{i}"), noise(24 << 10, 30 + i)));
     }
-    // Keeps other/x out of z3's last span (fetches are whole spans).
+    files.push(("app/sub/s0".into(), noise(24 << 10, 7)));
+    // Keeps other/x out of s0's last span (fetches are whole spans).
     files.push(("pad".into(), noise(200 << 10, 6)));
     files.push(("other/x".into(), noise(24 << 10, 4)));
     files.push(("lib.so".into(), noise(600 << 10, 5)));
@@ -135,21 +137,21 @@ impl Rig {
 #[test]
 fn a_miss_brings_the_small_files_of_its_directory() {
     let rig = rig(0, 4 << 20);
-    rig.read("pkg/m3", 0, 100);
+    rig.read("app/pkg/m3", 0, 100);
     for i in 0..8 {
         assert!(
-            !rig.missing(&format!("pkg/m{i}")),
-            "pkg/m{i} was not fetched"
+            !rig.missing(&format!("app/pkg/m{i}")),
+            "app/pkg/m{i} was not fetched"
         );
     }
     for i in 0..4 {
         assert!(
-            !rig.missing(&format!("pkg/z{i}")),
-            "pkg/z{i} was not fetched"
+            !rig.missing(&format!("app/pkg/z{i}")),
+            "app/pkg/z{i} was not fetched"
         );
     }
     assert!(
-        rig.missing("pkg/big"),
+        rig.missing("app/pkg/big"),
         "a file over the neighbour limit came along"
     );
     assert!(
@@ -161,7 +163,10 @@ fn a_miss_brings_the_small_files_of_its_directory() {
     // Reading the neighbours now costs no request.
     let before = rig.calls();
     for i in 0..8 {
-        assert_eq!(rig.read(&format!("pkg/m{i}"), 0, 24 << 10).len(), 24 << 10);
+        assert_eq!(
+            rig.read(&format!("app/pkg/m{i}"), 0, 24 << 10).len(),
+            24 << 10
+        );
     }
     assert_eq!(rig.calls(), before, "a neighbour was fetched again");
 }
@@ -170,15 +175,15 @@ fn a_miss_brings_the_small_files_of_its_directory() {
 fn the_budget_takes_the_nearest_neighbours_first() {
     // About three 24 KiB files' spans: the ones next to m3 in the stream, not z*.
     let rig = rig(0, 100 << 10);
-    rig.read("pkg/m3", 0, 100);
+    rig.read("app/pkg/m3", 0, 100);
     assert!(
-        !rig.missing("pkg/m2") || !rig.missing("pkg/m4"),
+        !rig.missing("app/pkg/m2") || !rig.missing("app/pkg/m4"),
         "neither stream neighbour of m3 was fetched"
     );
     for i in 0..4 {
         assert!(
-            rig.missing(&format!("pkg/z{i}")),
-            "pkg/z{i} (far) came within a small budget"
+            rig.missing(&format!("app/pkg/z{i}")),
+            "app/pkg/z{i} (far) came within a small budget"
         );
     }
     let stats = rig.image.stats.snapshot();
@@ -192,17 +197,17 @@ fn the_budget_takes_the_nearest_neighbours_first() {
 #[test]
 fn a_directory_asks_once() {
     let rig = rig(0, 100 << 10);
-    rig.read("pkg/m3", 0, 100);
+    rig.read("app/pkg/m3", 0, 100);
     let after_first = rig.nearby_bytes();
     // z0 is still missing (outside the budget); its miss is in the same directory.
-    assert!(rig.missing("pkg/z0"));
-    rig.read("pkg/z0", 0, 100);
+    assert!(rig.missing("app/pkg/z0"));
+    rig.read("app/pkg/z0", 0, 100);
     assert_eq!(
         rig.nearby_bytes(),
         after_first,
         "the directory asked a second time"
     );
-    assert!(rig.missing("pkg/z3"));
+    assert!(rig.missing("app/pkg/z3"));
 }
 
 #[test]
@@ -212,7 +217,7 @@ fn a_miss_brings_the_rest_of_a_small_enough_file() {
     rig.read("lib.so", 0, 4096);
     assert!(!rig.missing("lib.so"), "the rest of lib.so was not fetched");
     assert!(
-        rig.missing("pkg/m0"),
+        rig.missing("app/pkg/m0"),
         "nearby files came while they are off"
     );
     let before = rig.calls();
@@ -234,25 +239,25 @@ fn a_miss_brings_the_rest_of_a_small_enough_file() {
 fn a_read_that_does_not_miss_asks_nothing() {
     let rig = rig(1 << 20, 4 << 20);
     // Make m3 local as a trace's prefetch would.
-    let ino = rig.image.tree.resolve("pkg/m3").unwrap();
+    let ino = rig.image.tree.resolve("app/pkg/m3").unwrap();
     let loc = rig.image.tree.get(ino).unwrap().data.unwrap();
     let source = rig.image.layer_source(0).unwrap().clone();
     for r in rig.image.image.layers()[0].ranges_for(loc.entry, 0, 24 << 10) {
         source.warm_range(r).unwrap();
     }
-    rig.read("pkg/m3", 0, 100);
+    rig.read("app/pkg/m3", 0, 100);
     assert_eq!(rig.nearby_bytes(), 0);
-    assert!(rig.missing("pkg/m0") || rig.missing("pkg/m7"));
-    assert!(rig.missing("pkg/z3"));
+    assert!(rig.missing("app/pkg/m0") || rig.missing("app/pkg/m7"));
+    assert!(rig.missing("app/pkg/z3"));
 }
 
 #[test]
 fn off_is_off() {
     let rig = rig(0, 0);
-    rig.read("pkg/m3", 0, 100);
+    rig.read("app/pkg/m3", 0, 100);
     rig.read("lib.so", 0, 100);
     assert_eq!(rig.nearby_bytes(), 0);
-    assert!(rig.missing("pkg/m0") && rig.missing("pkg/z0") && rig.missing("lib.so"));
+    assert!(rig.missing("app/pkg/m0") && rig.missing("app/pkg/z0") && rig.missing("lib.so"));
 }
 
 #[test]
