@@ -8,7 +8,7 @@
 #       depend on the workload) and each workload's run follows it: (a) = pull + run.
 #   (b) ferry, empty store, no trace: `ferry pull` + `ctr run --snapshotter ferry`
 #   (c) ferry, empty store, with the workload's startup trace published beside the image
-#       (`ferry trace record --publish`, once per workload)
+#       (recorded by the daemon itself at an earlier, unmeasured start of the workload)
 #   (d) ferry, warm store (what (c) left once its prefetch and file cache were done),
 #       fresh containerd and daemon
 #   (e) the command in a chroot of the image's extracted root filesystem (with /proc and
@@ -141,30 +141,55 @@ done
 mark "published"
 e2e_log "published to $(for r in $REGISTRIES; do printf '%s ' "$r=${REG_AT[$r]}"; done)"
 
-# Traces: recorded once per workload against the first registry, copied to the others.
+# check_line WORKLOAD: warn when the first line is an error rather than the workload's
+# "ready" (java.sh pipes java's stderr, so a failure still prints a line)
+check_line() {
+    if grep -qiE 'error|cannot|not found' "$E2E_TMP/first-line" || ! grep -q '^ready' "$E2E_TMP/first-line"; then
+        e2e_log "warning: $1 printed '$(cat "$E2E_TMP/first-line")', not its ready line"
+    fi
+}
+
+# Traces: what the daemon records by itself at an image's first start (the shipped
+# [trace] auto_record) and publishes for every other node: one unmeasured start of each
+# workload's repository through containerd against the first registry ("an earlier
+# start elsewhere"), then its trace (the image's referrer) copied to the other
+# registries. (c) and (d) are fresh nodes that find it.
+trace_manifest() { # HOST REPO -> the repository's ferry.trace manifest
+    curl -fsS --noproxy '*' -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+        "http://$1/v2/$2/manifests/ferry.trace"
+}
+trace_bytes() { # HOST REPO -> bytes the published trace reads
+    local blob
+    blob=$(trace_manifest "$1" "$2" | jq -r '.layers[0].digest') || return 1
+    curl -fsS --noproxy '*' "http://$1/v2/$2/blobs/$blob" | jq '[.reads[].len] | add // 0'
+}
 if has_phase c || has_phase d; then
     first_reg=${REGISTRIES%% *}
+    PHASE_REG_PID=${REG_PID_OF[$first_reg]}
     for w in $WORKLOADS; do
-        rm -rf "$E2E_TMP/store-trace"
+        ref=${REG_AT[$first_reg]}/bench/$w:v1
+        mark "trace $w: recording start"
+        start_daemon "$E2E_TMP/store-trace"
+        fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
+        ferry_pull_ctr "$ref"
+        CTR_ID=$((CTR_ID + 1))
+        T0=$(now)
+        first_output ctr_ run --rm --snapshotter ferry "$ref" "bench-$CTR_ID" "$(workload_cmd "$w")"
+        check_line "$w"
         TRACE_STATUS[$w]=published
-        if ! "$FERRY" trace record --store "$E2E_TMP/store-trace" --publish --plain-http \
-            "${REG_AT[$first_reg]}/bench/$w:v1" -- "$(workload_cmd "$w")" >"$OUT/trace-$w.txt" 2>&1; then
-            # (c) then runs without a trace; the report says so
-            TRACE_STATUS[$w]=failed
-            e2e_log "warning: ferry trace record for $w failed: $(tail -1 "$OUT/trace-$w.txt")"
-        elif grep -qiE '^ready.*(error|cannot|not found)' "$OUT/trace-$w.txt"; then
-            # exited 0 but printed an error as its line (java.sh pipes java's stderr)
-            TRACE_STATUS[$w]=partial
-            e2e_log "warning: the command failed under ferry trace record for $w; its trace is partial"
+        if ! wait_for 90 "the trace of $w" trace_manifest "${REG_AT[$first_reg]}" "bench/$w" >/dev/null; then
+            TRACE_STATUS[$w]=failed # (c) then runs without a trace; the report says so
+            e2e_log "warning: no trace of $w was published after its first start"
         fi
-        # "ferry: recorded N files, R reads, B bytes"
-        TRACE_BYTES[$w]=$(sed -n 's/^ferry: recorded .*, \([0-9]*\) bytes$/\1/p' "$OUT/trace-$w.txt" | tail -1)
-        e2e_log "trace $w: $(grep 'recorded' "$OUT/trace-$w.txt" || echo none)"
+        stop_daemon
+        rm -rf "$E2E_TMP/store-trace"
+        [[ ${TRACE_STATUS[$w]} == published ]] || continue
+        TRACE_BYTES[$w]=$(trace_bytes "${REG_AT[$first_reg]}" "bench/$w")
+        e2e_log "trace $w: recorded automatically at its first start, ${TRACE_BYTES[$w]} bytes read"
         for r in $REGISTRIES; do
-            [[ $r == "$first_reg" || ${TRACE_STATUS[$w]} == failed ]] || copy "${TRACE_TYPES[@]}" "${REG_AT[$first_reg]}/bench/$w:v1" "${REG_AT[$r]}/bench/$w:v1"
+            [[ $r == "$first_reg" ]] || copy "${TRACE_TYPES[@]}" "$ref" "${REG_AT[$r]}/bench/$w:v1"
         done
     done
-    rm -rf "$E2E_TMP/store-trace"
     mark "traces recorded"
 fi
 for w in $WORKLOADS; do
@@ -216,13 +241,6 @@ phase_a() { # REGISTRY LATENCY HOST
     done
 }
 
-# check_line WORKLOAD: warn when the first line is an error rather than the workload's
-# "ready" (java.sh pipes java's stderr, so a failure still prints a line)
-check_line() {
-    if grep -qiE 'error|cannot|not found' "$E2E_TMP/first-line" || ! grep -q '^ready' "$E2E_TMP/first-line"; then
-        e2e_log "warning: $1 printed '$(cat "$E2E_TMP/first-line")', not its ready line"
-    fi
-}
 
 # (b) (c) (d): a fresh daemon on STORE, fresh containerd, ferry pull + run
 phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE

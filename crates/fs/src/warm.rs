@@ -588,7 +588,44 @@ fn prefetch_jobs(image: &MountedImage, trace: Option<&Trace>) -> Vec<(usize, Ran
             push(layer, r, &mut jobs);
         }
     }
-    jobs
+    coalesce(jobs)
+}
+
+/// Jobs taken in trace order at most this many compressed bytes at a time are merged
+/// where close ([`coalesce`]).
+const COALESCE_BYTES: u64 = 4 << 20;
+/// Ranges of one layer in a group of jobs this close (compressed bytes) or closer are
+/// fetched as one.
+const COALESCE_GAP: u64 = 128 << 10;
+
+/// Fewer, larger requests for the same bytes, in nearly the same order: consecutive jobs
+/// (trace order) in groups of [`COALESCE_BYTES`], and within a group a range joins an
+/// earlier one of its layer at most [`COALESCE_GAP`] away (taking that one's place). A start's reads jump between files, but
+/// a group's lie in a few stretches of each layer, and a registry pays per request
+/// (Debian's about 5 ms of CPU each): measured on a gcc start's trace, 199 requests for
+/// 30 MB. The device splits what is merged into requests of at most its request size.
+fn coalesce(jobs: Vec<(usize, Range<u64>)>) -> Vec<(usize, Range<u64>)> {
+    let mut out: Vec<(usize, Range<u64>)> = Vec::with_capacity(jobs.len());
+    let mut group_start = 0;
+    let mut group_bytes = 0u64;
+    for (l, r) in jobs {
+        group_bytes += r.end - r.start;
+        // Into a range of this group it is close to (the first one's place), else last.
+        let near = out[group_start..]
+            .iter_mut()
+            .find(|(pl, p): &&mut (usize, Range<u64>)| {
+                *pl == l && r.start <= p.end + COALESCE_GAP && p.start <= r.end + COALESCE_GAP
+            });
+        match near {
+            Some((_, p)) => *p = p.start.min(r.start)..p.end.max(r.end),
+            None => out.push((l, r)),
+        }
+        if group_bytes >= COALESCE_BYTES {
+            group_start = out.len();
+            group_bytes = 0;
+        }
+    }
+    out
 }
 
 /// The prefetch jobs as steps. With `min_file` (a file cache's smallest file), each

@@ -1097,3 +1097,29 @@ fn a_trace_of_another_version_is_clamped_to_the_files_of_this_one() {
     assert!(!want.is_empty());
     assert_eq!(jobs, want);
 }
+
+#[test]
+fn prefetch_merges_close_ranges_of_a_group_and_keeps_trace_order() {
+    let k = 1 << 10;
+    let jobs = vec![
+        (0, 500 * k..600 * k),
+        (1, 0..10 * k),
+        (0, 0..100 * k),
+        (0, 650 * k..700 * k), // within the gap of the first: joins it
+        (1, 500 * k..510 * k), // far from (1, 0..10K): stays apart
+    ];
+    assert_eq!(
+        coalesce(jobs),
+        vec![
+            (0, 500 * k..700 * k),
+            (1, 0..10 * k),
+            (0, 0..100 * k),
+            (1, 500 * k..510 * k)
+        ]
+    );
+    // Groups end after COALESCE_BYTES: a close range in the next group stays apart, so a
+    // late read is never pulled before earlier ones.
+    let big = COALESCE_BYTES;
+    let jobs = vec![(0, 0..big), (0, big + k..big + 2 * k)];
+    assert_eq!(coalesce(jobs.clone()), jobs);
+}
