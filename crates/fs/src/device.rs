@@ -1514,6 +1514,13 @@ impl RangeSource for LayerSource {
             None => self.read_shared(range),
         }
     }
+
+    /// An indexed layer's ranges are built from spans verified against the index they
+    /// were built from ([`Self::verify_and_store`], or the store's own check of its
+    /// content-addressed entries), the one the layer's reader inflates with.
+    fn verifies_spans(&self) -> bool {
+        self.spans.is_some()
+    }
 }
 
 impl LayerSource {

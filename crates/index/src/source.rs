@@ -33,6 +33,14 @@ pub trait RangeSource: Send + Sync {
         ranges.iter().map(|r| self.read_range(r.clone())).collect()
     }
 
+    /// Whether every range this source returns of an indexed layer is made of spans it
+    /// has already checked against the same index's span digests (a device-level source
+    /// that verifies what it fetches and keeps), so a reader need not hash them again.
+    /// Only such a source may say so.
+    fn verifies_spans(&self) -> bool {
+        false
+    }
+
     /// Another blob from the same place as this one (the same registry repository, the
     /// same layout's blob directory), by `sha256:` digest and size: how a layer's reader
     /// reaches the windows blob of its index. `None` when this source cannot name one.
