@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# bench/readahead.sh — what readahead along a layer's stream does to a cold start with no
-# trace: the same command through a daemon's lazy mount of the bench image, one run per
-# readahead setting and registry latency, fresh daemon and store and cold page cache
-# each. Prints seconds to first output, bytes fetched, bytes the command read (through
+# bench/readahead.sh — what readahead along a layer's stream and nearby-file fetches at a
+# miss do to a cold start with no trace: the same command through a daemon's lazy mount
+# of the bench image, one run per readahead setting, nearby setting and registry
+# latency, fresh daemon and store and cold page cache each. Prints seconds to first output, bytes fetched, bytes the command read (through
 # FUSE), Range requests and reads that waited for the registry (the critical path).
 #
 #   bench/readahead.sh                       READAHEADS="0 1M 2M 4M" LATENCIES="0 10"
+#   READAHEADS=2M NEARBY="off on" bench/readahead.sh
 #
 # Env: IMG, TAG (the bench image), CMD (default: the pandas + numpy + scipy import),
-# READAHEADS ([fetch] readahead values), LATENCIES (one-way ms, `ferry bench proxy`).
+# READAHEADS ([fetch] readahead values), NEARBY (on: the shipped [fetch] whole_file and
+# nearby; off: both 0; default on), LATENCIES (one-way ms, `ferry bench proxy`).
 # Debian's docker-registry serves the image (with its ferry index) on loopback.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -17,6 +19,7 @@ source "$HERE/lib.sh"
 # shellcheck source=tests/e2e/lib.sh
 source "$BENCH_ROOT/tests/e2e/lib.sh"
 READAHEADS=${READAHEADS:-0 1M 2M 4M}
+NEARBY=${NEARBY:-on}
 LATENCIES=${LATENCIES:-0 10}
 DEFAULT_CMD="python3 -c 'import pandas, numpy, scipy.linalg; print(\"ready\")'"
 CMD=${CMD:-$DEFAULT_CMD}
@@ -31,7 +34,7 @@ clone_layout "$IMG" "$layout"
 start_docker_registry reg >/dev/null
 "$FERRY" copy --plain-http "oci:$layout:$TAG" "$REG_ADDR/bench/app:v1" >/dev/null
 W=$E2E_TMP/ra
-printf '%-8s %-7s %8s %12s %12s %9s %7s\n' readahead latency first fetched read requests waits
+printf '%-8s %-6s %-7s %8s %12s %12s %9s %7s %12s\n' readahead nearby latency first fetched read requests waits nearby_bytes
 for l in $LATENCIES; do
     host=$REG_ADDR proxy=
     if ((l > 0)); then
@@ -42,11 +45,13 @@ for l in $LATENCIES; do
         host=127.0.0.1:$port
         wait_for 10 proxy curl -fsS --noproxy '*' "http://$host/v2/" >/dev/null
     fi
-    for ra in $READAHEADS; do
+    for ra in $READAHEADS; do for nb in $NEARBY; do
         rm -rf "$W"
         mkdir -p "$W/mnt" "$W/store" "$W/run"
-        printf '[store]\npath = "%s"\n[control]\nsocket = "%s"\n[fetch]\nreadahead = "%s"\n[snapshotter]\nenabled = false\n' \
-            "$W/store" "$W/run/daemon.sock" "$ra" >"$W/daemon.toml"
+        off=
+        [[ $nb == on ]] || off=$'whole_file = "0"\nnearby = "0"\n'
+        printf '[store]\npath = "%s"\n[control]\nsocket = "%s"\n[fetch]\nreadahead = "%s"\n%s[snapshotter]\nenabled = false\n' \
+            "$W/store" "$W/run/daemon.sock" "$ra" "$off" >"$W/daemon.toml"
         "$FERRY" daemon --config "$W/daemon.toml" >"$W/daemon.log" 2>&1 &
         daemon=$!
         E2E_PIDS+=("$daemon")
@@ -58,13 +63,13 @@ for l in $LATENCIES; do
         # the command prints its one line when done: its end is the first output
         chroot "$W/mnt" sh -c "$CMD" >"$W/cmd.out" 2>&1 || { cat "$W/cmd.out" >&2; e2e_die "the command failed"; }
         secs=$(since "$t0")
-        "$FERRY" status --json --socket "$W/run/daemon.sock" | jq -r --arg ra "$ra" --arg l "${l}ms" --arg s "$secs" \
-            '[$ra, $l, $s] + ([.mounts[].stats] | [(map(.bytes_fetched) | add), (map(.bytes_served) | add), (map(.requests) | add), (map(.read_waits) | add)] | map(tostring)) | @tsv' |
-            awk -F'\t' '{ printf "%-8s %-7s %8s %12s %12s %9s %7s\n", $1, $2, $3, $4, $5, $6, $7 }'
+        "$FERRY" status --json --socket "$W/run/daemon.sock" | jq -r --arg ra "$ra" --arg nb "$nb" --arg l "${l}ms" --arg s "$secs" \
+            '[$ra, $nb, $l, $s] + ([.mounts[].stats] | [(map(.bytes_fetched) | add), (map(.bytes_served) | add), (map(.requests) | add), (map(.read_waits) | add), (map(.bytes_nearby // 0) | add)] | map(tostring)) | @tsv' |
+            awk -F'\t' '{ printf "%-8s %-6s %-7s %8s %12s %12s %9s %7s %12s\n", $1, $2, $3, $4, $5, $6, $7, $8, $9 }'
         umount -l "$W/mnt" || true
         kill "$daemon"
         wait "$daemon" 2>/dev/null || true
         e2e_umount_under "$W" >/dev/null 2>&1 || true
-    done
+    done; done
     [[ -z $proxy ]] || { kill "$proxy"; wait "$proxy" 2>/dev/null || true; }
 done

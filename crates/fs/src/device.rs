@@ -1302,7 +1302,7 @@ impl LayerSource {
             let mut fetched = Fetched::default();
             let bytes = self.spans_bytes(spans, demand, &mut fetched)?;
             if fetched.waited {
-                MountStats::add(&self.stats.read_waits, 1);
+                self.stats.read_waited();
             }
             return Ok(bytes);
         };
@@ -1328,7 +1328,7 @@ impl LayerSource {
             self.spans_bytes(spans, demand, &mut fetched)?
         };
         if fetched.waited {
-            MountStats::add(&self.stats.read_waits, 1);
+            self.stats.read_waited();
         }
         if let Some(ks) = plan.background {
             self.read_ahead_in_background(ks);
@@ -1578,7 +1578,7 @@ impl WindowSource for LayerSource {
         let mut bytes = self.spans_bytes(&windows.pieces, w, &mut fetched)?;
         // A read fetching its span too is counted there (it waits for both at once).
         if fetched.waited && self.span_is_local(k) {
-            MountStats::add(&self.stats.read_waits, 1);
+            self.stats.read_waited();
         }
         let window = bytes
             .pop()

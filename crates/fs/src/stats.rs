@@ -113,7 +113,24 @@ impl MountStats {
         }
     }
 
+    /// Counts a read that waited for the network, here and node-wide
+    /// ([`node_read_waits`]).
+    pub(crate) fn read_waited(&self) {
+        self.read_waits.fetch_add(1, Ordering::Relaxed);
+        NODE_READ_WAITS.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
     }
+}
+
+/// Reads that waited for the network, summed over every mount of the process.
+static NODE_READ_WAITS: AtomicU64 = AtomicU64::new(0);
+
+/// Reads of any mount of this process that waited for the network so far: a start on
+/// the node is one image's several layer mounts, and background fill of any of them
+/// waits until none of them waits ([`crate::warm`]).
+pub fn node_read_waits() -> u64 {
+    NODE_READ_WAITS.load(Ordering::Relaxed)
 }

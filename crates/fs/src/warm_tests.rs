@@ -1123,3 +1123,35 @@ fn prefetch_merges_close_ranges_of_a_group_and_keeps_trace_order() {
     let jobs = vec![(0, 0..big), (0, big + k..big + 2 * k)];
     assert_eq!(coalesce(jobs.clone()), jobs);
 }
+
+/// Fill of one layer mount must wait for the reads of the image's other layer mounts
+/// (a container's start is all of them): a wait anywhere counts node-wide.
+#[test]
+fn a_read_that_waits_on_one_mount_counts_for_every_mounts_fill() {
+    let (blob, index, _) = gzip_layer();
+    let (dir, other_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let quiet_one = mount(
+        vec![spec(
+            &blob,
+            Some(index.clone()),
+            LogBackend::new(blob.clone()),
+        )],
+        Some(open_store(dir.path())),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let busy_one = mount(
+        vec![spec(&blob, Some(index), LogBackend::new(blob.clone()))],
+        Some(open_store(other_dir.path())),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let before = crate::stats::node_read_waits();
+    read_file(&busy_one, "/a");
+    assert!(busy_one.stats.snapshot().read_waits > 0);
+    assert_eq!(quiet_one.stats.snapshot().read_waits, 0);
+    assert!(
+        crate::stats::node_read_waits() > before,
+        "the other mount's wait was not counted node-wide"
+    );
+}
