@@ -510,6 +510,17 @@ impl MountedImage {
     /// file `ino` (nothing unless the read misses), fetched in the background.
     pub(crate) fn read_nearby(&self, ino: Ino, node: &Node, offset: u64, len: u64) {
         let Some(loc) = node.data else { return };
+        let fetched = self
+            .stats
+            .bytes_fetched
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let served = self
+            .stats
+            .bytes_served
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if !self.nearby.within_budget(fetched, served) {
+            return;
+        }
         let layers = crate::nearby::MountLayers {
             image: &self.image,
             sources: &self.sources,

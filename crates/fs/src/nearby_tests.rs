@@ -273,3 +273,30 @@ fn merge_and_subtract_keep_layers_apart() {
     let left = subtract(merged, &[(0, 6..7), (1, 0..12), (0, 20..25)]);
     assert_eq!(left, vec![(0, 5..6), (0, 7..9), (1, 12..30)]);
 }
+
+#[test]
+fn a_mount_that_fetched_much_more_than_it_read_stops_guessing() {
+    let rig = rig(1 << 20, 100 << 10);
+    assert!(rig.image.nearby.within_budget(0, 0));
+    // Two directories' first misses, 200 bytes read: their guesses outgrow the reads.
+    rig.read("app/pkg/m3", 0, 100);
+    rig.read("other/x", 0, 100);
+    let s = rig.image.stats.snapshot();
+    assert!(s.bytes_nearby > 0);
+    assert!(
+        !rig.image
+            .nearby
+            .within_budget(s.bytes_fetched, s.bytes_served),
+        "{s:?}"
+    );
+    // A file that would come whole: only the read's own bytes now.
+    rig.read("lib.so", 0, 100);
+    assert_eq!(rig.image.stats.snapshot().bytes_nearby, s.bytes_nearby);
+    assert!(rig.missing("lib.so"));
+    // Reads that used what was fetched raise the bound again.
+    assert!(
+        rig.image
+            .nearby
+            .within_budget(s.bytes_fetched, s.bytes_fetched)
+    );
+}
