@@ -18,7 +18,7 @@
 //! the read's own spans, which the read fetches itself rather than wait behind a larger
 //! request. Each file and directory asks once per mount; only reads that miss ask, so a
 //! start served from its trace's prefetch adds nothing; and a mount stops asking while
-//! it has fetched more than 1.5x what its reads used ([`Nearby::within_budget`]).
+//! it has fetched more than 1.4x what its reads used ([`Nearby::within_budget`]).
 //!
 //! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
 //! data or keep any.
@@ -39,13 +39,14 @@ use crate::tree::{Ino, Node};
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
 /// A mount guesses only while its fetched bytes are at most NUM/DEN of the bytes its
-/// reads were served, plus one directory's budget ([`Nearby::within_budget`]). Measured
-/// 10 ms from Debian's registry: at 5/4 a pandas start's guesses stopped early (waits as
-/// without them); at 3/2 a numpy import moved 1.75x its reads instead of 2.03x, and the
-/// pandas start kept most of its gain.
-pub const SPECULATION_NUM: u64 = 3;
+/// reads were served ([`Nearby::within_budget`]). Measured 10 ms from Debian's registry:
+/// a numpy import, whose reads are scattered (1.45x fetched per byte read by readahead
+/// alone), then guesses nothing (with unbounded guesses it moved 2.03x, no faster); a
+/// pandas + scipy start guesses while it uses what comes (1.16x, 116 reads waited
+/// instead of 123).
+pub const SPECULATION_NUM: u64 = 7;
 /// See [`SPECULATION_NUM`].
-pub const SPECULATION_DEN: u64 = 2;
+pub const SPECULATION_DEN: u64 = 5;
 /// Entries looked at, at most, around a miss for its neighbours.
 const MAX_NEARBY_SCAN: usize = 20_000;
 /// Threads of the process-wide pool that fetches nearby files.
@@ -105,16 +106,14 @@ impl Nearby {
 
     /// Whether a mount that has fetched `fetched` compressed bytes and served `served`
     /// bytes to reads may still guess: while what it fetched stays within
-    /// [`SPECULATION_NUM`]/[`SPECULATION_DEN`] of what its reads used, plus one
-    /// directory's budget. Guesses that the start reads raise the bound; a start that reads
-    /// little of what was guessed stops guessing, so the bytes a start moves stay near
-    /// what it reads (a numpy import, 27 MB read, fetched 2x that with unbounded guesses).
+    /// [`SPECULATION_NUM`]/[`SPECULATION_DEN`] of what its reads used (its first miss
+    /// always may). Guesses that the start reads raise the bound; a start that reads
+    /// little of what comes stops guessing, so the bytes it moves stay near what it reads.
     pub(crate) fn within_budget(&self, fetched: u64, served: u64) -> bool {
         let bound = served
             .saturating_mul(SPECULATION_NUM)
             .checked_div(SPECULATION_DEN)
-            .unwrap_or(u64::MAX)
-            .saturating_add(self.nearby_bytes);
+            .unwrap_or(u64::MAX);
         fetched <= bound
     }
 
