@@ -322,6 +322,17 @@ struct Pool {
     idle: Condvar,
 }
 
+impl Pool {
+    /// One job fewer queued or running.
+    fn done(&self) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        *pending = pending.saturating_sub(1);
+        if *pending == 0 {
+            self.idle.notify_all();
+        }
+    }
+}
+
 static POOL: OnceLock<Option<Pool>> = OnceLock::new();
 
 fn pool() -> Option<&'static Pool> {
@@ -371,11 +382,7 @@ fn work(jobs: &Mutex<Receiver<Job>>) {
             }
         }
         if let Some(pool) = POOL.get().and_then(Option::as_ref) {
-            let mut pending = pool.pending.lock().unwrap_or_else(|e| e.into_inner());
-            *pending = pending.saturating_sub(1);
-            if *pending == 0 {
-                pool.idle.notify_all();
-            }
+            pool.done();
         }
     }
 }
@@ -403,11 +410,7 @@ pub(crate) fn submit(
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = pool.queue.try_send(job)
         {
             tracing::debug!("nearby-file queue full; hint dropped");
-            let mut pending = pool.pending.lock().unwrap_or_else(|e| e.into_inner());
-            *pending = pending.saturating_sub(1);
-            if *pending == 0 {
-                pool.idle.notify_all();
-            }
+            pool.done();
         }
     }
 }
