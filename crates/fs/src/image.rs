@@ -509,7 +509,9 @@ impl MountedImage {
     /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
     /// file `ino` (nothing unless the read misses), fetched in the background.
     pub(crate) fn read_nearby(&self, ino: Ino, node: &Node, offset: u64, len: u64) {
-        let Some(loc) = node.data else { return };
+        let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
+            return;
+        };
         let fetched = self
             .stats
             .bytes_fetched
@@ -528,12 +530,11 @@ impl MountedImage {
         let read = crate::nearby::Read {
             ino,
             node,
-            loc,
             offset,
             len,
         };
         let ranges = self.nearby.plan(&layers, &read);
-        crate::nearby::submit(&self.sources, &self.stats, ranges);
+        crate::nearby::submit(source, &self.stats, ranges);
     }
 
     /// The device-level source of layer `layer`, when it has one.

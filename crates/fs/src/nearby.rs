@@ -35,6 +35,7 @@ use ferry_index::merged::{Location, MergedImage};
 use crate::device::{FetchConfig, LayerSource};
 use crate::stats::MountStats;
 use crate::tree::{Ino, Node};
+use crate::warm::{merge_ranges, subtract_ranges};
 
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
@@ -75,7 +76,6 @@ struct Seen {
 pub(crate) struct Read<'a> {
     pub ino: Ino,
     pub node: &'a Node,
-    pub loc: Location,
     pub offset: u64,
     pub len: u64,
 }
@@ -100,10 +100,6 @@ impl Nearby {
         }
     }
 
-    fn is_off(&self) -> bool {
-        self.whole_file_bytes == 0 && self.nearby_bytes == 0
-    }
-
     /// Whether a mount that has fetched `fetched` compressed bytes and served `served`
     /// bytes to reads may still guess: while what it fetched stays within
     /// [`SPECULATION_NUM`]/[`SPECULATION_DEN`] of what its reads used (its first miss
@@ -117,35 +113,44 @@ impl Nearby {
         fetched <= bound
     }
 
-    /// The fetches a read asks for besides its own: per layer, sorted disjoint
-    /// compressed ranges, without the read's own. Empty unless the read misses.
-    pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<(usize, Range<u64>)> {
-        if self.is_off() {
+    /// The fetches a read asks for besides its own, all in the read's layer: sorted
+    /// disjoint compressed ranges, without the read's own. Empty unless the read misses
+    /// and its file or its directory has not asked yet (checked first: most reads stop
+    /// there, before any range is looked up).
+    pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<Range<u64>> {
+        let Some(loc) = read.node.data else {
+            return Vec::new();
+        };
+        let (whole, dir) = {
+            let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            (
+                self.whole_file_bytes > 0
+                    && read.node.size <= self.whole_file_bytes
+                    && !seen.files.contains(&read.ino),
+                self.nearby_bytes > 0 && !seen.dirs.contains(&read.node.parent),
+            )
+        };
+        if !whole && !dir {
             return Vec::new();
         }
-        let own = layers.ranges(read.loc, read.offset, read.len);
-        if !own.iter().any(|r| layers.missing(read.loc.layer, r)) {
+        let own = layers.ranges(loc, read.offset, read.len);
+        if !own.iter().any(|r| layers.missing(loc.layer, r)) {
             return Vec::new();
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        let mut want: Vec<(usize, Range<u64>)> = Vec::new();
-        if read.node.size <= self.whole_file_bytes && seen.files.insert(read.ino) {
-            want.extend(
-                layers
-                    .ranges(read.loc, 0, read.node.size)
-                    .into_iter()
-                    .map(|r| (read.loc.layer, r)),
-            );
-        }
-        let dir_first = self.nearby_bytes > 0 && seen.dirs.insert(read.node.parent);
+        let whole = whole && seen.files.insert(read.ino);
+        let dir = dir && seen.dirs.insert(read.node.parent);
         drop(seen);
-        if dir_first {
-            want.extend(self.neighbours(layers, read));
+        let mut want = Vec::new();
+        if whole {
+            want.extend(layers.ranges(loc, 0, read.node.size));
         }
-        let own: Vec<(usize, Range<u64>)> = own.into_iter().map(|r| (read.loc.layer, r)).collect();
-        subtract(merge(want), &merge(own))
+        if dir {
+            want.extend(self.neighbours(layers, loc));
+        }
+        subtract_ranges(&merge_ranges(want), &merge_ranges(own))
             .into_iter()
-            .filter(|(l, r)| layers.missing(*l, r))
+            .filter(|r| layers.missing(loc.layer, r))
             .collect()
     }
 
@@ -155,9 +160,9 @@ impl Nearby {
     /// A tar is written depth first, so that subtree is one stretch of the stream: the
     /// walk goes outward from the read's entry and stops on each side where the stretch
     /// ends, or after [`MAX_NEARBY_SCAN`] entries.
-    fn neighbours(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<(usize, Range<u64>)> {
-        let layer = read.loc.layer;
-        let Some(entry) = layers.entry(layer, read.loc.entry) else {
+    fn neighbours(&self, layers: &dyn Layers, loc: Location) -> Vec<Range<u64>> {
+        let layer = loc.layer;
+        let Some(entry) = layers.entry(layer, loc.entry) else {
             return Vec::new();
         };
         let scope = parent(parent(&entry.path));
@@ -170,7 +175,7 @@ impl Nearby {
         let wanted =
             |e: &Entry| e.kind == EntryKind::File && e.size > 0 && e.size <= MAX_NEARBY_FILE;
         let here = entry.offset;
-        let (mut down, mut up) = (read.loc.entry, read.loc.entry + 1);
+        let (mut down, mut up) = (loc.entry, loc.entry + 1);
         let (mut down_open, mut up_open) = (true, true);
         let mut scanned = 0usize;
         let mut counted: HashSet<(u64, u64)> = HashSet::new();
@@ -186,7 +191,7 @@ impl Nearby {
                 .flatten();
             let (i, e) = match (below, above) {
                 (Some(b), Some(a)) => {
-                    if here - b.1.offset.min(here) <= a.1.offset.saturating_sub(here) {
+                    if here.saturating_sub(b.1.offset) <= a.1.offset.saturating_sub(here) {
                         b
                     } else {
                         a
@@ -202,7 +207,7 @@ impl Nearby {
                 }
                 (None, None) => break,
             };
-            let downward = i < read.loc.entry;
+            let downward = i < loc.entry;
             if !inside(e) {
                 if downward {
                     down_open = false;
@@ -219,9 +224,8 @@ impl Nearby {
             if !wanted(e) {
                 continue;
             }
-            let loc = Location { layer, entry: i };
             let ranges: Vec<Range<u64>> = layers
-                .ranges(loc, 0, e.size)
+                .ranges(Location { layer, entry: i }, 0, e.size)
                 .into_iter()
                 .filter(|r| !counted.contains(&(r.start, r.end)) && layers.missing(layer, r))
                 .collect();
@@ -232,7 +236,7 @@ impl Nearby {
             bytes += add;
             for r in ranges {
                 counted.insert((r.start, r.end));
-                out.push((layer, r));
+                out.push(r);
             }
         }
         out
@@ -269,43 +273,6 @@ impl Layers for MountLayers<'_> {
             .and_then(Option::as_ref)
             .is_some_and(|s| s.range_missing(range.clone()))
     }
-}
-
-/// Sorts and merges overlapping or touching ranges, per layer.
-fn merge(mut ranges: Vec<(usize, Range<u64>)>) -> Vec<(usize, Range<u64>)> {
-    ranges.sort_unstable_by_key(|(l, r)| (*l, r.start, r.end));
-    let mut out: Vec<(usize, Range<u64>)> = Vec::with_capacity(ranges.len());
-    for (l, r) in ranges {
-        match out.last_mut() {
-            Some((pl, p)) if *pl == l && r.start <= p.end => p.end = p.end.max(r.end),
-            _ => out.push((l, r)),
-        }
-    }
-    out
-}
-
-/// The parts of `want` outside `have` (both as [`merge`] gives them).
-fn subtract(
-    want: Vec<(usize, Range<u64>)>,
-    have: &[(usize, Range<u64>)],
-) -> Vec<(usize, Range<u64>)> {
-    let mut out = Vec::new();
-    for (l, w) in want {
-        let mut start = w.start;
-        for (_, h) in have
-            .iter()
-            .filter(|(hl, h)| *hl == l && h.start < w.end && w.start < h.end)
-        {
-            if h.start > start {
-                out.push((l, start..h.start));
-            }
-            start = start.max(h.end);
-        }
-        if start < w.end {
-            out.push((l, start..w.end));
-        }
-    }
-    out
 }
 
 /// A fetch for the pool.
@@ -387,20 +354,13 @@ fn work(jobs: &Mutex<Receiver<Job>>) {
     }
 }
 
-/// Queues `ranges` of `sources`' layers for the pool (dropped when it is full).
-pub(crate) fn submit(
-    sources: &[Option<Arc<LayerSource>>],
-    stats: &Arc<MountStats>,
-    ranges: Vec<(usize, Range<u64>)>,
-) {
+/// Queues `ranges` of `source`'s layer for the pool (dropped when it is full).
+pub(crate) fn submit(source: &Arc<LayerSource>, stats: &Arc<MountStats>, ranges: Vec<Range<u64>>) {
     if ranges.is_empty() {
         return;
     }
     let Some(pool) = pool() else { return };
-    for (layer, range) in ranges {
-        let Some(source) = sources.get(layer).and_then(Option::as_ref) else {
-            continue;
-        };
+    for range in ranges {
         *pool.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         let job = Job {
             source: Arc::downgrade(source),

@@ -261,20 +261,6 @@ fn off_is_off() {
 }
 
 #[test]
-fn merge_and_subtract_keep_layers_apart() {
-    let merged = merge(vec![
-        (1, 10..20),
-        (0, 5..8),
-        (0, 8..9),
-        (1, 15..30),
-        (0, 20..25),
-    ]);
-    assert_eq!(merged, vec![(0, 5..9), (0, 20..25), (1, 10..30)]);
-    let left = subtract(merged, &[(0, 6..7), (1, 0..12), (0, 20..25)]);
-    assert_eq!(left, vec![(0, 5..6), (0, 7..9), (1, 12..30)]);
-}
-
-#[test]
 fn a_mount_that_fetched_much_more_than_it_read_stops_guessing() {
     let rig = rig(1 << 20, 100 << 10);
     assert!(rig.image.nearby.within_budget(0, 0));

@@ -600,10 +600,11 @@ const COALESCE_GAP: u64 = 128 << 10;
 
 /// Fewer, larger requests for the same bytes, in nearly the same order: consecutive jobs
 /// (trace order) in groups of [`COALESCE_BYTES`], and within a group a range joins an
-/// earlier one of its layer at most [`COALESCE_GAP`] away (taking that one's place). A start's reads jump between files, but
-/// a group's lie in a few stretches of each layer, and a registry pays per request
-/// (Debian's about 5 ms of CPU each): measured on a gcc start's trace, 199 requests for
-/// 30 MB. The device splits what is merged into requests of at most its request size.
+/// earlier one of its layer at most [`COALESCE_GAP`] away (taking that one's place). A
+/// start's reads jump between files, but a group's lie in a few stretches of each
+/// layer, and a registry pays per request (Debian's about 5 ms of CPU each): measured on
+/// a gcc start's trace, 199 requests for 30 MB. The device splits what is merged into
+/// requests of at most its request size.
 fn coalesce(jobs: Vec<(usize, Range<u64>)>) -> Vec<(usize, Range<u64>)> {
     let mut out: Vec<(usize, Range<u64>)> = Vec::with_capacity(jobs.len());
     let mut group_start = 0;
@@ -706,7 +707,7 @@ fn prefetch_steps(
 const MISSING_DIVISOR: u64 = 4;
 
 /// The parts of `want` outside `have` (sorted and disjoint, as [`merge_ranges`] gives).
-fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> {
+pub(crate) fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> {
     let mut out = Vec::new();
     for w in want {
         let mut at = w.start;
@@ -728,7 +729,7 @@ fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> 
 }
 
 /// Sorted, disjoint ranges covering the same bytes as `ranges`.
-fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
+pub(crate) fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
     ranges.sort_by_key(|r| r.start);
     let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
     for r in ranges {
@@ -801,7 +802,8 @@ fn run_jobs<T: Sync>(
 }
 
 /// When background fill may run: the mount has served a read, and no read (of any mount
-/// of the node) has waited for the network for `quiet` (none at all: at once). Pure but for [`Quiet::wait`].
+/// of the node) has waited for the network for `quiet` (none at all: at once). Pure but
+/// for [`Quiet::wait`].
 #[derive(Debug)]
 struct Quiet {
     quiet: Duration,
