@@ -335,6 +335,15 @@ struct Spans {
     digests: Vec<[u8; 32]>,
 }
 
+impl Spans {
+    /// The pieces overlapping `range` of the blob (empty when none do).
+    fn covering(&self, range: &Range<u64>) -> Range<usize> {
+        let first = self.ranges.partition_point(|r| r.end <= range.start);
+        let last = self.ranges.partition_point(|r| r.start < range.end);
+        first..last.max(first)
+    }
+}
+
 /// The windows blob of a version-2 index, as pieces.
 struct Windows {
     /// One piece per window, in checkpoint order.
@@ -647,9 +656,7 @@ impl LayerSource {
             spans,
             store,
         };
-        let first = spans.ranges.partition_point(|r| r.end <= range.start);
-        let last = spans.ranges.partition_point(|r| r.start < range.end);
-        (first..last).any(|k| map.is_missing(k))
+        spans.covering(&range).any(|k| map.is_missing(k))
     }
 
     /// Makes `range` of the blob local ahead of the reads that will want it: for an
@@ -662,8 +669,10 @@ impl LayerSource {
             return Ok(0);
         }
         if let Some(spans) = &self.spans {
-            let first = spans.ranges.partition_point(|r| r.end <= range.start);
-            let last = spans.ranges.partition_point(|r| r.start < range.end);
+            let Range {
+                start: first,
+                end: last,
+            } = spans.covering(&range);
             if first >= last {
                 return Ok(0);
             }
@@ -1250,8 +1259,10 @@ impl LayerSource {
     fn read_spans(&self, spans: &Spans, range: Range<u64>) -> io::Result<Vec<u8>> {
         let len = usize::try_from(range.end - range.start)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "range too large"))?;
-        let first = spans.ranges.partition_point(|r| r.end <= range.start);
-        let last = spans.ranges.partition_point(|r| r.start < range.end);
+        let Range {
+            start: first,
+            end: last,
+        } = spans.covering(&range);
         if first >= last {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
@@ -1537,9 +1548,7 @@ impl LayerSource {
         if range.start >= range.end || range.end > self.backend.len() {
             return Vec::new();
         }
-        let first = spans.ranges.partition_point(|r| r.end <= range.start);
-        let last = spans.ranges.partition_point(|r| r.start < range.end);
-        let ks = first..last.max(first);
+        let ks = spans.covering(&range);
         let pieces = |table: &Spans, ks: Range<usize>| {
             ks.map(|k| {
                 (
