@@ -195,6 +195,22 @@ impl Rig {
             .unwrap()
     }
 
+    /// [`Rig::read`] retried every 10 ms (at most 1000 times) until it succeeds: for a
+    /// read whose failure is remembered for a while.
+    fn read_until_ok(&self, path: &str, off: u64, len: usize) -> Vec<u8> {
+        let mut tries = 0;
+        loop {
+            match self.read(path, off, len) {
+                Ok(b) => return b,
+                Err(_) if tries < 1000 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
     fn read(&self, path: &str, off: u64, len: usize) -> ferry_index::Result<Vec<u8>> {
         let mut buf = vec![0u8; len];
         let n = self.reader.read_at(self.entry(path), off, &mut buf)?;
@@ -331,17 +347,7 @@ fn corrupt_bytes_fail_the_read_and_are_never_stored() {
     // The registry heals: once the failure memory has passed, the read succeeds and is
     // stored.
     rig.backend.corrupt.store(false, Ordering::SeqCst);
-    let mut tries = 0;
-    let got = loop {
-        match rig.read("a", 0, 1000) {
-            Ok(b) => break b,
-            Err(_) if tries < 1000 => {
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let got = rig.read_until_ok("a", 0, 1000);
     assert_eq!(got, &rig.content("a")[..1000]);
     assert!(store.stats().entries > 0);
 }
@@ -449,19 +455,9 @@ fn a_backend_that_never_answers_times_out_and_cached_data_is_still_served() {
     // Service resumes when the backend does.
     rig.backend.hang.store(false, Ordering::SeqCst);
     rig.backend.release_hung();
-    let mut tries = 0;
-    let got = loop {
-        // The released fetch frees its slot asynchronously, and the failed span is
-        // remembered for FAILURE_MEMORY; retry until both have passed.
-        match rig.read("dir/c", 100_000, 10) {
-            Ok(b) => break b,
-            Err(_) if tries < 1000 => {
-                tries += 1;
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Err(e) => panic!("{e}"),
-        }
-    };
+    // The released fetch frees its slot asynchronously, and the failed span is
+    // remembered for FAILURE_MEMORY; retry until both have passed.
+    let got = rig.read_until_ok("dir/c", 100_000, 10);
     assert_eq!(got, &rig.content("dir/c")[100_000..100_010]);
 }
 
