@@ -623,6 +623,13 @@ impl LayerSource {
         })
     }
 
+    /// True while a background readahead of this source runs (tests wait on it to model
+    /// a reader slower than the link).
+    #[cfg(test)]
+    pub(crate) fn reading_ahead(&self) -> bool {
+        self.readahead_running.load(Ordering::Acquire)
+    }
+
     /// The limiter this source's fetches take slots from.
     pub fn limiter(&self) -> &Arc<Limiter> {
         &self.limiter

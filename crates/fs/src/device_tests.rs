@@ -940,7 +940,13 @@ fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound(
 fn readahead_rig(
     readahead: u64,
     store: Arc<Store>,
-) -> (LayerReader, Arc<TestBackend>, Arc<MountStats>, Files) {
+) -> (
+    LayerReader,
+    Arc<TestBackend>,
+    Arc<MountStats>,
+    Files,
+    Arc<LayerSource>,
+) {
     let files: Files = (0..48)
         .map(|i| (format!("pkg/m{i:02}.py"), noise(64 << 10, 100 + i)))
         .collect();
@@ -961,12 +967,15 @@ fn readahead_rig(
         stats.clone(),
     )
     .into_shared();
-    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), source);
-    (reader, backend, stats, files)
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), source.clone());
+    (reader, backend, stats, files, source)
 }
 
-/// Reads every file whole, in stream order, checking its bytes.
-fn read_all_in_order(reader: &LayerReader, files: &Files) {
+/// Reads every file whole, in stream order, checking its bytes. After each file it waits
+/// for `source`'s background readahead to land: a reader slower than the link, so what
+/// the counts say does not depend on how the test threads were scheduled (a read that
+/// overtakes a readahead in flight joins it and counts as a wait).
+fn read_all_in_order(reader: &LayerReader, files: &Files, source: &LayerSource) {
     for (path, data) in files {
         let idx = reader
             .entries()
@@ -976,21 +985,26 @@ fn read_all_in_order(reader: &LayerReader, files: &Files) {
         let mut buf = vec![0u8; data.len()];
         assert_eq!(reader.read_at(idx, 0, &mut buf).unwrap(), data.len());
         assert_eq!(&buf, data, "{path}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while source.reading_ahead() {
+            assert!(Instant::now() < deadline, "readahead never finished");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
 
 #[test]
 fn readahead_takes_round_trips_off_a_reader_moving_along_the_stream() {
     let dir = tempfile::tempdir().unwrap();
-    let (reader, backend, stats, files) = readahead_rig(0, open_store(dir.path()));
-    read_all_in_order(&reader, &files);
+    let (reader, backend, stats, files, source) = readahead_rig(0, open_store(dir.path()));
+    read_all_in_order(&reader, &files, &source);
     let without = stats.snapshot();
     assert_eq!(without.bytes_readahead, 0);
     assert!(without.read_waits >= 40, "{without:?}");
 
     let dir = tempfile::tempdir().unwrap();
-    let (reader, ra_backend, stats, files) = readahead_rig(1 << 20, open_store(dir.path()));
-    read_all_in_order(&reader, &files);
+    let (reader, ra_backend, stats, files, source) = readahead_rig(1 << 20, open_store(dir.path()));
+    read_all_in_order(&reader, &files, &source);
     let with = stats.snapshot();
     assert!(
         with.read_waits * 3 <= without.read_waits,
@@ -1008,7 +1022,7 @@ fn readahead_takes_round_trips_off_a_reader_moving_along_the_stream() {
 fn a_lone_read_far_from_the_last_fetches_only_a_small_window_after_it() {
     let dir = tempfile::tempdir().unwrap();
     let readahead = 1 << 20;
-    let (reader, backend, stats, files) = readahead_rig(readahead, open_store(dir.path()));
+    let (reader, backend, stats, files, _source) = readahead_rig(readahead, open_store(dir.path()));
     let (path, data) = &files[30];
     let idx = reader
         .entries()
