@@ -11,10 +11,11 @@
 //! the digests again before inflating, so wrong bytes never reach a process.
 //!
 //! Reads of an indexed layer with a store read ahead along the layer's stream
-//! ([`crate::readahead`]): a miss extends its request by a window of the spans after it
-//! (their windows fetched beside them), and a read reaching a window's first span starts
-//! the next window in the background, so a start moving through the stream waits for
-//! few round trips. Readahead goes through the same single flight, verification and
+//! ([`crate::readahead`]): a miss extends its request by a window of the spans after it,
+//! and a read reaching a window's first span starts the next window in the background,
+//! so a start moving through the stream waits for few round trips. Readahead fetches
+//! spans only: the miss fetches its own checkpoint's inflate window, and reads moving on
+//! rebuild the windows of the checkpoints they inflate through ([`WindowSource::offer`]). Readahead goes through the same single flight, verification and
 //! store as every fetch, and counts in `bytes_readahead`.
 //!
 //! Layers without span digests (eStargz, whose chunk digests are over uncompressed
@@ -27,7 +28,9 @@
 //! fetched by Range from the windows blob with the same single flight, deadline,
 //! verification, fallback and accounting as spans (window bytes count in
 //! `bytes_fetched`); warm-up and fill fetch the windows of the spans they fetch, at the
-//! same time and merged into as few requests as the spans.
+//! same time and merged into as few requests as the spans. A window a read rebuilt on
+//! its way through a checkpoint is stored like a fetched one, but only once, deflated as
+//! the indexer deflates, it hashes to the index's digest (`windows_derived`).
 //!
 //! Warm-up ([`crate::warm`]) goes through the same paths: [`LayerSource::warm_range`]
 //! makes a range local ahead of the reads (spans into the store; for eStargz, bytes held
@@ -694,7 +697,7 @@ impl LayerSource {
                 {
                     l += 1;
                 }
-                self.spans_and_windows(spans, k..l, &mut fetched, true)?;
+                self.spans_and_windows(spans, k..l, &mut fetched)?;
                 k = l;
             }
             return Ok(fetched.bytes);
@@ -836,7 +839,7 @@ impl LayerSource {
                     return Err(interrupted());
                 }
                 let mut fetched = Fetched::default();
-                self.spans_and_windows(spans, lo..hi + 1, &mut fetched, true)?;
+                self.spans_and_windows(spans, lo..hi + 1, &mut fetched)?;
                 Ok(fetched.bytes)
             }
             (FillWork::Whole, None) => self.fill_whole(gate),
@@ -1110,16 +1113,14 @@ impl LayerSource {
 
     /// The bytes of spans `ks` (as [`LayerSource::spans_bytes`]), making local at the
     /// same time the windows of their checkpoints that are not in the store yet (merged
-    /// into as few requests as they allow). Windows are only fetched ahead when there is
-    /// a store to keep them in. A window that cannot be fetched fails the call when
-    /// `windows_required`; otherwise (readahead: a read fetches its own window itself)
-    /// it is left for the read that needs it.
+    /// into as few requests as they allow): what warm-up and fill need, whose spans may
+    /// be read in any order later. Windows are only fetched when there is a store to
+    /// keep them in; one that cannot be fetched fails the call.
     fn spans_and_windows(
         &self,
         spans: &Spans,
         ks: Range<usize>,
         fetched: &mut Fetched,
-        windows_required: bool,
     ) -> io::Result<Vec<Arc<Vec<u8>>>> {
         let missing_windows = match (&self.windows, &self.store) {
             (Some(w), Some(store)) if w.backend.is_some() => {
@@ -1147,17 +1148,9 @@ impl LayerSource {
             let windows_outcome = fetching
                 .join()
                 .map_err(|_| io::Error::other("fetching windows panicked"))?;
-            match windows_outcome {
-                Ok(f) => fetched.bytes += f.bytes,
-                Err(e) if windows_required => {
-                    spans_outcome?;
-                    return Err(e);
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "windows read ahead could not be fetched; left for the reads that need them")
-                }
-            }
-            spans_outcome
+            let spans = spans_outcome?;
+            fetched.bytes += windows_outcome?.bytes;
+            Ok(spans)
         })
     }
 
@@ -1337,8 +1330,10 @@ impl LayerSource {
             let ahead: u64 = (demand.end..plan.sync_end)
                 .map(|k| span_len(&spans.ranges[k]))
                 .sum();
-            let mut bytes =
-                self.spans_and_windows(spans, demand.start..plan.sync_end, &mut fetched, false)?;
+            // Spans only: the read fetches its own window, and reads moving on through
+            // the window rebuild the later checkpoints' windows as they inflate
+            // (`WindowSource::offer`), so readahead costs one request, not two.
+            let mut bytes = self.spans_bytes(spans, demand.start..plan.sync_end, &mut fetched)?;
             MountStats::add(&self.stats.bytes_readahead, ahead);
             bytes.truncate(demand.len());
             bytes
@@ -1368,7 +1363,7 @@ impl LayerSource {
             .spawn(move || {
                 if let Some(spans) = &me.spans {
                     let mut fetched = Fetched::default();
-                    match me.spans_and_windows(spans, ks.clone(), &mut fetched, false) {
+                    match me.spans_bytes(spans, ks.clone(), &mut fetched) {
                         Ok(_) => MountStats::add(&me.stats.bytes_readahead, fetched.bytes),
                         Err(e) => tracing::debug!(
                             start = ks.start,
@@ -1606,6 +1601,35 @@ impl WindowSource for LayerSource {
         self.store
             .as_ref()
             .is_some_and(|s| s.contains(&ChunkKey::from_raw(at.sha256)))
+    }
+
+    /// Keeps a window a read inflated its way to, stored exactly as a fetched one once
+    /// deflated it hashes to `at` (an index made with another deflate library never
+    /// does: its windows are then fetched as before).
+    fn offer(&self, k: usize, at: &WindowRef, raw: &[u8]) {
+        let (Some(windows), Some(store)) = (&self.windows, &self.store) else {
+            return;
+        };
+        let w = windows.of_checkpoints(k..k + 1);
+        if w.len() != 1 || windows.pieces.digests[w.start] != at.sha256 {
+            return;
+        }
+        let key = ChunkKey::from_raw(at.sha256);
+        if store.contains(&key) {
+            return;
+        }
+        let Ok(deflated) = ferry_index::zran::deflate_window(raw) else {
+            return;
+        };
+        let digest: [u8; 32] = Sha256::digest(&deflated).into();
+        if digest != at.sha256 || deflated.len() != at.len as usize {
+            MountStats::add(&self.stats.windows_unmatched, 1);
+            return;
+        }
+        match store.put(&key, &deflated) {
+            Ok(_) => MountStats::add(&self.stats.windows_derived, 1),
+            Err(e) => tracing::debug!(error = %e, checkpoint = k, "cannot keep a derived window"),
+        }
     }
 
     fn span_is_local(&self, k: usize) -> bool {

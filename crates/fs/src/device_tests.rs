@@ -2,7 +2,7 @@
 //! through [`LayerSource`] over in-memory backends that count, stall, corrupt or hang.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
+use std::io::{Read as _, Write};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -556,6 +556,17 @@ fn fill_work_skips_stored_spans_and_fill_makes_the_layer_local() {
 /// windows) of files `a` (300 KiB of text-like bytes) and `b` (200 KiB), its index with
 /// 64 KiB spans split into a version-2 index, and the windows blob.
 fn windowed_layer() -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
+    windowed_layer_deflated_by(None)
+}
+
+/// Deflates a raw window.
+type Deflate = dyn Fn(&[u8]) -> Vec<u8>;
+
+/// [`windowed_layer`], its windows deflated by `redeflate` instead of the indexer's own
+/// deflate (as an index made with another library would be).
+fn windowed_layer_deflated_by(
+    redeflate: Option<&Deflate>,
+) -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
     let text = |len: usize, seed: u64| -> Vec<u8> {
         noise(len, seed)
             .iter()
@@ -580,6 +591,19 @@ fn windowed_layer() -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
     gz.write_all(&tar).unwrap();
     let blob = gz.finish().unwrap();
     let mut index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
+    if let Some(redeflate) = redeflate {
+        for cp in index
+            .checkpoints
+            .iter_mut()
+            .filter(|c| !c.window_deflate.is_empty())
+        {
+            let mut raw = Vec::new();
+            flate2::read::DeflateDecoder::new(&cp.window_deflate[..])
+                .read_to_end(&mut raw)
+                .unwrap();
+            cp.window_deflate = redeflate(&raw);
+        }
+    }
     let windows = index.split_windows();
     let index = LayerIndex::decode(&index.encode().unwrap()).unwrap();
     assert!(
@@ -622,7 +646,15 @@ impl WindowRig {
         fallback: Option<Arc<TestBackend>>,
         config: FetchConfig,
     ) -> WindowRig {
-        let (blob, index, windows, files) = windowed_layer();
+        Self::over(windowed_layer(), store, fallback, config)
+    }
+
+    fn over(
+        (blob, index, windows, files): (Vec<u8>, LayerIndex, Vec<u8>, Files),
+        store: Option<Arc<Store>>,
+        fallback: Option<Arc<TestBackend>>,
+        config: FetchConfig,
+    ) -> WindowRig {
         let spans = TestBackend::new(blob);
         let windows = TestBackend::new(windows);
         let stats = Arc::new(MountStats::default());
@@ -1060,23 +1092,129 @@ fn the_link_meter_counts_bytes_per_second_of_busy_time() {
 }
 
 #[test]
-fn readahead_brings_the_windows_of_the_spans_it_fetches() {
+fn readahead_fetches_spans_only_and_reads_moving_on_rebuild_the_windows() {
     let dir = tempfile::tempdir().unwrap();
-    let rig = WindowRig::with_config(Some(open_store(dir.path())), None, FetchConfig::default());
+    let store = open_store(dir.path());
+    let rig = WindowRig::with_config(Some(store.clone()), None, FetchConfig::default());
     assert_eq!(rig.read("a", 0, 1000).unwrap(), &rig.content("a")[..1000]);
-    let (spans, windows) = (
+    assert_eq!(
         rig.spans.calls.load(Ordering::SeqCst),
-        rig.windows.calls.load(Ordering::SeqCst),
+        1,
+        "the read and its readahead"
     );
-    assert_eq!(spans, 1, "the read and its readahead: one request");
+    assert_eq!(
+        rig.windows.calls.load(Ordering::SeqCst),
+        0,
+        "the first checkpoint needs none"
+    );
     assert!(rig.stats.snapshot().bytes_readahead > 0);
-    // A read further on, starting in a span the readahead brought (past the first
-    // checkpoint, so it needs that span's own window): nothing more is fetched.
+    // A reader moving on through the spans readahead brought, across checkpoints: no
+    // request at all, the windows rebuilt on the way and kept in the store.
+    for (path, data) in &rig.files {
+        for off in (0..data.len()).step_by(16 << 10) {
+            let len = (16 << 10).min(data.len() - off);
+            assert_eq!(
+                rig.read(path, off as u64, len).unwrap(),
+                &data[off..off + len]
+            );
+        }
+    }
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 0);
+    let stats = rig.stats.snapshot();
+    assert!(stats.windows_derived >= 4, "{stats:?}");
+    assert_eq!(stats.windows_unmatched, 0);
+    let windowed: Vec<_> = rig
+        .index
+        .checkpoints
+        .iter()
+        .filter_map(|c| c.window.as_ref())
+        .collect();
+    assert!(
+        windowed
+            .iter()
+            .all(|at| store.contains(&ChunkKey::from_raw(at.sha256))),
+        "every window the reads passed is in the store"
+    );
+    // A fresh mount over that store starts a read at any checkpoint without a request.
+    let again = WindowRig::with_config(Some(store), None, FetchConfig::default());
     let off = 150 << 10;
     assert_eq!(
-        rig.read("a", off, 1000).unwrap(),
-        &rig.content("a")[off as usize..off as usize + 1000]
+        again.read("a", off, 1000).unwrap(),
+        &again.content("a")[off as usize..off as usize + 1000]
     );
-    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), spans);
-    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), windows);
+    assert_eq!(again.spans.calls.load(Ordering::SeqCst), 0);
+    assert_eq!(again.windows.calls.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_read_through_checkpoints_fetches_only_its_first_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let rig = WindowRig::new(Some(open_store(dir.path())), None);
+    // From inside the first windowed checkpoint's span to the end of `a`.
+    let off = first_windowed_offset_in_a(&rig) + 10;
+    let a = rig.content("a").len();
+    assert_eq!(
+        rig.read("a", off as u64, a - off).unwrap(),
+        &rig.content("a")[off..]
+    );
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    // Reads starting at the checkpoints it passed find their windows local.
+    assert_eq!(rig.read("b", 0, 200 << 10).unwrap(), rig.content("b"));
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    assert!(rig.stats.snapshot().windows_derived > 0);
+}
+
+#[test]
+fn windows_deflated_by_another_library_are_fetched_not_rebuilt() {
+    let other = |raw: &[u8]| {
+        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(1));
+        e.write_all(raw).unwrap();
+        e.finish().unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = FetchConfig {
+        readahead_bytes: 0,
+        ..FetchConfig::default()
+    };
+    let rig = WindowRig::over(
+        windowed_layer_deflated_by(Some(&other)),
+        Some(open_store(dir.path())),
+        None,
+        config,
+    );
+    let off = first_windowed_offset_in_a(&rig) + 10;
+    let a = rig.content("a").len();
+    assert_eq!(
+        rig.read("a", off as u64, a - off).unwrap(),
+        &rig.content("a")[off..]
+    );
+    // The windows passed on the way do not hash like the index's: nothing is kept, and
+    // a read starting further on fetches its own.
+    let stats = rig.stats.snapshot();
+    assert_eq!(stats.windows_derived, 0);
+    assert!(stats.windows_unmatched > 0, "{stats:?}");
+    let before = rig.windows.calls.load(Ordering::SeqCst);
+    assert_eq!(
+        rig.read("b", 100_000, 1000).unwrap(),
+        &rig.content("b")[100_000..101_000]
+    );
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), before + 1);
+}
+
+/// Where in file `a` (which starts after its 512-byte tar header) the first checkpoint
+/// with a window lies.
+fn first_windowed_offset_in_a(rig: &WindowRig) -> usize {
+    let cp = rig
+        .index
+        .checkpoints
+        .iter()
+        .find(|c| c.window.is_some())
+        .unwrap();
+    assert!(
+        cp.out_offset > 512 && cp.out_offset < 512 + (200 << 10),
+        "{}",
+        cp.out_offset
+    );
+    cp.out_offset as usize - 512
 }

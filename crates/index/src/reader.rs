@@ -386,10 +386,14 @@ fn cached_pass(
     if first == k && k == last {
         cache.insert(key, k, Arc::new(all));
     } else {
-        for j in k..=last {
+        // Spans walked back over were inflated too: keep them, a reader moving around
+        // the stream may come back to them.
+        for j in first..=last {
             let a = (index.checkpoints[j].out_offset - from) as usize;
             let b = (span_out_end(index, j) - from) as usize;
-            cache.insert(key, j, Arc::new(all[a..b].to_vec()));
+            if cache.admits((b - a) as u64) {
+                cache.insert(key, j, Arc::new(all[a..b].to_vec()));
+            }
         }
     }
     Ok(Some(take))
@@ -416,7 +420,33 @@ fn inflate_spans(
     match index.compression {
         Compression::Gzip => {
             let window = window.as_deref().unwrap_or(&cp.window_deflate);
-            crate::zran::extract_with_window(cp, window, &data, pos - cp.out_offset, dst)
+            // The windows of the later checkpoints this pass inflates through, when the
+            // windows blob has them and they are not local: taken on the way, so a read
+            // starting there later needs no request for its window.
+            let wanted: Vec<(usize, u64)> = match windows {
+                Some(w) => (first + 1..index.checkpoints.len())
+                    .map(|j| (j, &index.checkpoints[j]))
+                    .take_while(|(_, c)| c.out_offset <= pos + dst.len() as u64)
+                    .filter(|(j, c)| c.window.as_ref().is_some_and(|at| !w.is_local(*j, at)))
+                    .map(|(j, c)| (j, c.out_offset - cp.out_offset))
+                    .collect(),
+                None => Vec::new(),
+            };
+            let at: Vec<u64> = wanted.iter().map(|&(_, o)| o).collect();
+            crate::zran::extract_capturing(
+                cp,
+                window,
+                &data,
+                pos - cp.out_offset,
+                dst,
+                &at,
+                &mut |i, raw| {
+                    let j = wanted[i].0;
+                    if let (Some(w), Some(at)) = (windows, &index.checkpoints[j].window) {
+                        w.offer(j, at, raw);
+                    }
+                },
+            )
         }
         Compression::None => {
             let skip = (pos - cp.out_offset) as usize;

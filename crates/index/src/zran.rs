@@ -53,7 +53,7 @@ use crate::ferryidx::Checkpoint;
 /// decodes (0.22% of the layers at 256 KiB), only what a cold read fetches: a span plus
 /// its window, 125 KB on average at 256 KiB against 404 KB at 1 MiB, at under a third of
 /// the latency. The price is a windows blob of about 11% of the layers, fetched a window
-/// per span read (all of it only by background fill).
+/// per miss (reads moving on rebuild the later ones; all of it only by background fill).
 pub const DEFAULT_SPAN: u64 = 256 << 10;
 
 /// Size of the deflate history window.
@@ -819,20 +819,10 @@ impl<R: Read> GzipIndexer<R> {
     }
 
     fn compress_window(&mut self, len: usize) -> Result<Vec<u8>> {
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        // libdeflate level 6 (its default): deterministic, fast, small windows.
         let compressor = self.compressor.get_or_insert_with(|| {
             libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
         });
-        let bound = compressor.deflate_compress_bound(len);
-        let mut buf = vec![0u8; bound];
-        let n = compressor
-            .deflate_compress(&self.window[..len], &mut buf)
-            .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
-        buf.truncate(n);
-        Ok(buf)
+        deflate_window_with(compressor, &self.window[..len])
     }
 
     fn step_trailer(&mut self) -> Result<()> {
@@ -938,6 +928,36 @@ pub fn extract(cp: &Checkpoint, compressed: &[u8], skip: u64, out: &mut [u8]) ->
     extract_with_window(cp, &cp.window_deflate, compressed, skip, out)
 }
 
+/// A checkpoint's window as an index stores it: libdeflate level 6 (its default),
+/// deterministic for a given libdeflate, so a window rebuilt from the stream hashes like
+/// the indexed one when the index was made by the same library (callers check).
+pub fn deflate_window(raw: &[u8]) -> Result<Vec<u8>> {
+    thread_local! {
+        static COMPRESSOR: std::cell::RefCell<Option<libdeflater::Compressor>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    COMPRESSOR.with(|c| {
+        let mut c = c.borrow_mut();
+        let compressor = c.get_or_insert_with(|| {
+            libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
+        });
+        deflate_window_with(compressor, raw)
+    })
+}
+
+fn deflate_window_with(compressor: &mut libdeflater::Compressor, raw: &[u8]) -> Result<Vec<u8>> {
+    if raw.is_empty() {
+        return Ok(Vec::new());
+    }
+    let bound = compressor.deflate_compress_bound(raw.len());
+    let mut buf = vec![0u8; bound];
+    let n = compressor
+        .deflate_compress(raw, &mut buf)
+        .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
+    buf.truncate(n);
+    Ok(buf)
+}
+
 /// [`extract`] with the checkpoint's deflated window given by the caller (fetched from
 /// the windows blob and verified against the checkpoint's [`crate::ferryidx::WindowRef`]).
 pub fn extract_with_window(
@@ -947,9 +967,38 @@ pub fn extract_with_window(
     skip: u64,
     out: &mut [u8],
 ) -> Result<()> {
+    extract_capturing(
+        cp,
+        window_deflate,
+        compressed,
+        skip,
+        out,
+        &[],
+        &mut |_, _| {},
+    )
+}
+
+/// [`extract_with_window`] that also hands out the inflate history at output offsets
+/// `capture` (relative to the checkpoint, ascending; those past the bytes this call
+/// produces, `skip + out.len()`, are ignored): `take(i, window)` receives the raw window
+/// at `capture[i]`, exactly what the indexer saw there. A reader passing through later
+/// checkpoints thus gets their windows for nothing but a copy, where fetching them would
+/// cost a request each.
+pub fn extract_capturing(
+    cp: &Checkpoint,
+    window_deflate: &[u8],
+    compressed: &[u8],
+    skip: u64,
+    out: &mut [u8],
+    capture: &[u64],
+    take: &mut dyn FnMut(usize, &[u8]),
+) -> Result<()> {
     if out.is_empty() {
         return Ok(());
     }
+    let end = skip + out.len() as u64;
+    let mut next_capture = capture.iter().position(|&c| c > 0).unwrap_or(capture.len());
+    let mut history: Option<Box<[u8; WINDOW_SIZE]>> = None;
     let mut inf = Inflater::new()?;
     let mut pos = 0usize;
     let mut in_member = false;
@@ -1001,14 +1050,27 @@ pub fn extract_with_window(
             inf.reset()?;
             in_member = true;
         }
+        // Stop at the next capture point, so the history can be taken there.
+        let produced_so_far = skip - to_skip + written as u64;
+        while capture
+            .get(next_capture)
+            .is_some_and(|&c| c < produced_so_far)
+        {
+            next_capture += 1;
+        }
+        let room = match capture.get(next_capture) {
+            Some(&c) if c <= end => c - produced_so_far,
+            _ => u64::MAX,
+        };
         let dest: &mut [u8] = if to_skip > 0 {
             if scratch.is_empty() {
                 scratch.resize(OUT_BUF_SIZE, 0);
             }
-            let n = to_skip.min(scratch.len() as u64) as usize;
+            let n = to_skip.min(scratch.len() as u64).min(room) as usize;
             &mut scratch[..n]
         } else {
-            &mut out[written..]
+            let n = ((out.len() - written) as u64).min(room) as usize;
+            &mut out[written..written + n]
         };
         let step = inf.inflate(&compressed[pos..], dest, zsys::Z_NO_FLUSH);
         pos += step.consumed;
@@ -1016,6 +1078,15 @@ pub fn extract_with_window(
             to_skip -= step.produced as u64;
         } else {
             written += step.produced;
+        }
+        while let Some(&c) = capture.get(next_capture) {
+            if c != skip - to_skip + written as u64 {
+                break;
+            }
+            let buf = history.get_or_insert_with(|| Box::new([0u8; WINDOW_SIZE]));
+            let len = inf.window(buf)?;
+            take(next_capture, &buf[..len]);
+            next_capture += 1;
         }
         match step.code {
             zsys::Z_OK => {}
@@ -1276,6 +1347,67 @@ mod tests {
                 assert!(idx.checkpoints.iter().filter(|c| c.member_start).count() >= 2);
             }
         }
+    }
+
+    /// Inflating from a checkpoint through later ones hands out, at each, the window the
+    /// indexer stored there (deflated the same way it hashes the same), across members
+    /// and whether the extraction starts by skipping or not.
+    #[test]
+    fn extraction_captures_the_windows_of_the_checkpoints_it_passes() {
+        let mut blob = gz(&mixed(900_000, 7), 6);
+        blob.extend_from_slice(&gz(&random(50_000, 8), 1));
+        blob.extend_from_slice(&gz(&mixed(700_000, 9), 9));
+        let idx = index(&blob, 64 * 1024);
+        let cps = &idx.checkpoints;
+        assert!(cps.len() > 12, "{}", cps.len());
+        for (first, skip) in [(0usize, 0u64), (1, 0), (3, 5_000)] {
+            let cp = &cps[first];
+            let at: Vec<u64> = cps[first + 1..]
+                .iter()
+                .filter(|c| !c.member_start)
+                .map(|c| c.out_offset - cp.out_offset)
+                .collect();
+            let len = (idx.uncompressed_size - cp.out_offset - skip) as usize;
+            let mut out = vec![0u8; len];
+            let mut got: Vec<(usize, Vec<u8>)> = Vec::new();
+            let start = cp.start_byte() as usize;
+            extract_capturing(
+                cp,
+                &cp.window_deflate,
+                &blob[start..],
+                skip,
+                &mut out,
+                &at,
+                &mut |i, w| got.push((i, w.to_vec())),
+            )
+            .unwrap();
+            assert_eq!(got.len(), at.len(), "every capture point reached");
+            for (i, raw) in got {
+                let want = cps
+                    .iter()
+                    .find(|c| !c.member_start && c.out_offset == cp.out_offset + at[i])
+                    .unwrap();
+                assert_eq!(
+                    deflate_window(&raw).unwrap(),
+                    want.window_deflate,
+                    "checkpoint at {}",
+                    at[i]
+                );
+            }
+            // The bytes are those of a plain extraction.
+            let mut plain = vec![0u8; len];
+            extract(cp, &blob[start..], skip, &mut plain).unwrap();
+            assert!(out == plain);
+        }
+        // A capture past the produced bytes is not reported.
+        let cp = &cps[0];
+        let mut out = vec![0u8; 1000];
+        let mut n = 0;
+        extract_capturing(cp, &[], &blob, 0, &mut out, &[500, 2000], &mut |_, _| {
+            n += 1
+        })
+        .unwrap();
+        assert_eq!(n, 1);
     }
 
     #[test]
