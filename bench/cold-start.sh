@@ -43,6 +43,7 @@ source "$HERE/lib.sh"
 # shellcheck source=bench/lib-containerd.sh
 source "$HERE/lib-containerd.sh"
 
+node_fs
 RUNS=${1:-1}
 if [[ -n ${START_CMD:-} ]]; then
     # one custom workload (scripts/demo): short matrix unless asked for more

@@ -28,10 +28,11 @@ manifest_of() { # layout tag -> manifest path
 layer_blobs() { # layout tag -> layer blob paths
     jq -r '.layers[].digest' "$(manifest_of "$1" "$2")" | sed "s|sha256:|$1/blobs/sha256/|"
 }
-# Copy a layout cheaply (blobs hard-linked), so a benchmark can add artifacts to it.
+# Copy a layout cheaply (blobs hard-linked; copied when $2 is on another filesystem, see
+# node_fs), so a benchmark can add artifacts to it.
 clone_layout() {
     rm -rf "$2"; mkdir -p "$2"
-    cp -al "$1/blobs" "$2/blobs"
+    cp -al "$1/blobs" "$2/blobs" 2>/dev/null || { rm -rf "$2/blobs"; cp -a "$1/blobs" "$2/blobs"; }
     cp "$1/index.json" "$1/oci-layout" "$2/"
 }
 
@@ -56,4 +57,29 @@ wait_http() { # URL: until it answers at all (401 counts), at most 30 s
 }
 mem_of() { # PID -> "rss_kib hwm_kib"
     awk '/^VmRSS:/ { r = $2 } /^VmHWM:/ { h = $2 } END { print r + 0, h + 0 }' "/proc/$1/status"
+}
+
+# Node state (containerd's root, ferry's store, the registries' storage) on a journaled
+# filesystem, as a node's /var/lib is. ext4 without a journal (this VM's root) makes every
+# file created search the inode table past recently deleted inodes (ext4's
+# recently_deleted(), only without a journal): a fifth of the daemon's CPU at a cold start
+# with the store rebuilt phase after phase. When the temp dir's filesystem is such an
+# ext4, a sparse journaled ext4 image under bench/out/ is mounted and used instead;
+# BENCH_NODE_FS=0 keeps the temp dir as it is. Call before anything creates E2E_TMP.
+node_fs() {
+    local base=${E2E_TMPDIR:-/tmp} src fstype
+    local img=$BENCH_ROOT/bench/out/node-fs.img mnt=$BENCH_ROOT/bench/out/node-fs
+    [[ ${BENCH_NODE_FS:-1} == 1 ]] || return 0
+    read -r src fstype < <(findmnt -n -o SOURCE,FSTYPE -T "$base")
+    [[ $fstype == ext4 && ! -d /proc/fs/jbd2/$(basename "$src")-8 ]] || return 0
+    if ! mountpoint -q "$mnt"; then
+        mkdir -p "$mnt"
+        if [[ ! -f $img ]]; then
+            truncate -s 64G "$img"
+            mkfs.ext4 -q -F "$img"
+        fi
+        mount -o loop,discard "$img" "$mnt"
+    fi
+    export E2E_TMPDIR=$mnt
+    echo "node state on a journaled ext4 ($img): $base is ext4 without a journal" >&2
 }

@@ -24,6 +24,7 @@ LATENCIES=${LATENCIES:-0 10}
 DEFAULT_CMD="python3 -c 'import pandas, numpy, scipy.linalg; print(\"ready\")'"
 CMD=${CMD:-$DEFAULT_CMD}
 loopback_only
+node_fs
 need_root "FUSE mounts, chroot"
 [[ -x ${FERRY:-} ]] || ensure_ferry
 ensure_image
