@@ -51,7 +51,6 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let read_waits = Counters::default();
     let readahead = Counters::default();
     let nearby = Counters::default();
-    let windows_derived = Counters::default();
     let prefetch_done = Gauges::default();
     let fill_done = Gauges::default();
     for m in backend.list() {
@@ -72,9 +71,6 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         read_waits.get_or_create(&labels).inc_by(s.read_waits);
         readahead.get_or_create(&labels).inc_by(s.bytes_readahead);
         nearby.get_or_create(&labels).inc_by(s.bytes_nearby);
-        windows_derived
-            .get_or_create(&labels)
-            .inc_by(s.windows_derived);
         prefetch_done
             .get_or_create(&labels)
             .set(i64::from(s.prefetch_done));
@@ -126,11 +122,6 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         "mount_nearby_bytes",
         "Compressed bytes fetched at a miss as the rest of its file and the small files beside it",
         nearby,
-    );
-    registry.register(
-        "mount_windows_derived",
-        "Inflate windows rebuilt by reads passing their checkpoint instead of fetched",
-        windows_derived,
     );
     registry.register(
         "mount_prefetch_done",

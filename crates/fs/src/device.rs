@@ -15,7 +15,8 @@
 //! and a read reaching a window's first span starts the next window in the background,
 //! so a start moving through the stream waits for few round trips. Readahead fetches
 //! spans only: the miss fetches its own checkpoint's inflate window, and reads moving on
-//! rebuild the windows of the checkpoints they inflate through ([`WindowSource::offer`]). Readahead goes through the same single flight, verification and
+//! keep the windows of the checkpoints they inflate through (in the process's inflated
+//! cache, `ferry_index::inflated`), so the next read along needs no request for its own. Readahead goes through the same single flight, verification and
 //! store as every fetch, and counts in `bytes_readahead`.
 //!
 //! Layers without span digests (eStargz, whose chunk digests are over uncompressed
@@ -28,9 +29,7 @@
 //! fetched by Range from the windows blob with the same single flight, deadline,
 //! verification, fallback and accounting as spans (window bytes count in
 //! `bytes_fetched`); warm-up and fill fetch the windows of the spans they fetch, at the
-//! same time and merged into as few requests as the spans. A window a read rebuilt on
-//! its way through a checkpoint is stored like a fetched one, but only once, deflated as
-//! the indexer deflates, it hashes to the index's digest (`windows_derived`).
+//! same time and merged into as few requests as the spans.
 //!
 //! Warm-up ([`crate::warm`]) goes through the same paths: [`LayerSource::warm_range`]
 //! makes a range local ahead of the reads (spans into the store; for eStargz, bytes held
@@ -1331,8 +1330,8 @@ impl LayerSource {
                 .map(|k| span_len(&spans.ranges[k]))
                 .sum();
             // Spans only: the read fetches its own window, and reads moving on through
-            // the window rebuild the later checkpoints' windows as they inflate
-            // (`WindowSource::offer`), so readahead costs one request, not two.
+            // the spans keep the later checkpoints' windows as they inflate through them
+            // (`ferry_index::inflated`), so readahead costs one request, not two.
             let mut bytes = self.spans_bytes(spans, demand.start..plan.sync_end, &mut fetched)?;
             MountStats::add(&self.stats.bytes_readahead, ahead);
             bytes.truncate(demand.len());
@@ -1601,35 +1600,6 @@ impl WindowSource for LayerSource {
         self.store
             .as_ref()
             .is_some_and(|s| s.contains(&ChunkKey::from_raw(at.sha256)))
-    }
-
-    /// Keeps a window a read inflated its way to, stored exactly as a fetched one once
-    /// deflated it hashes to `at` (an index made with another deflate library never
-    /// does: its windows are then fetched as before).
-    fn offer(&self, k: usize, at: &WindowRef, raw: &[u8]) {
-        let (Some(windows), Some(store)) = (&self.windows, &self.store) else {
-            return;
-        };
-        let w = windows.of_checkpoints(k..k + 1);
-        if w.len() != 1 || windows.pieces.digests[w.start] != at.sha256 {
-            return;
-        }
-        let key = ChunkKey::from_raw(at.sha256);
-        if store.contains(&key) {
-            return;
-        }
-        let Ok(deflated) = ferry_index::zran::deflate_window(raw) else {
-            return;
-        };
-        let digest: [u8; 32] = Sha256::digest(&deflated).into();
-        if digest != at.sha256 || deflated.len() != at.len as usize {
-            MountStats::add(&self.stats.windows_unmatched, 1);
-            return;
-        }
-        match store.put(&key, &deflated) {
-            Ok(_) => MountStats::add(&self.stats.windows_derived, 1),
-            Err(e) => tracing::debug!(error = %e, checkpoint = k, "cannot keep a derived window"),
-        }
     }
 
     fn span_is_local(&self, k: usize) -> bool {

@@ -2,13 +2,14 @@
 //! through [`LayerSource`] over in-memory backends that count, stall, corrupt or hang.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{Read as _, Write};
+use std::io::Write;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::LayerIndex;
+use ferry_index::inflated::InflatedSpans;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{MemSource, RangeSource};
 use ferry_store::{Store, StoreOptions};
@@ -556,17 +557,6 @@ fn fill_work_skips_stored_spans_and_fill_makes_the_layer_local() {
 /// windows) of files `a` (300 KiB of text-like bytes) and `b` (200 KiB), its index with
 /// 64 KiB spans split into a version-2 index, and the windows blob.
 fn windowed_layer() -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
-    windowed_layer_deflated_by(None)
-}
-
-/// Deflates a raw window.
-type Deflate = dyn Fn(&[u8]) -> Vec<u8>;
-
-/// [`windowed_layer`], its windows deflated by `redeflate` instead of the indexer's own
-/// deflate (as an index made with another library would be).
-fn windowed_layer_deflated_by(
-    redeflate: Option<&Deflate>,
-) -> (Vec<u8>, LayerIndex, Vec<u8>, Files) {
     let text = |len: usize, seed: u64| -> Vec<u8> {
         noise(len, seed)
             .iter()
@@ -591,19 +581,6 @@ fn windowed_layer_deflated_by(
     gz.write_all(&tar).unwrap();
     let blob = gz.finish().unwrap();
     let mut index = ferry_index::indexer::index_gzip(&blob[..], 64 << 10, None).unwrap();
-    if let Some(redeflate) = redeflate {
-        for cp in index
-            .checkpoints
-            .iter_mut()
-            .filter(|c| !c.window_deflate.is_empty())
-        {
-            let mut raw = Vec::new();
-            flate2::read::DeflateDecoder::new(&cp.window_deflate[..])
-                .read_to_end(&mut raw)
-                .unwrap();
-            cp.window_deflate = redeflate(&raw);
-        }
-    }
     let windows = index.split_windows();
     let index = LayerIndex::decode(&index.encode().unwrap()).unwrap();
     assert!(
@@ -646,15 +623,17 @@ impl WindowRig {
         fallback: Option<Arc<TestBackend>>,
         config: FetchConfig,
     ) -> WindowRig {
-        Self::over(windowed_layer(), store, fallback, config)
+        Self::with_cache(store, fallback, config, None)
     }
 
-    fn over(
-        (blob, index, windows, files): (Vec<u8>, LayerIndex, Vec<u8>, Files),
+    /// With `inflated`, the reader keeps spans and windows in it, as a mount's does.
+    fn with_cache(
         store: Option<Arc<Store>>,
         fallback: Option<Arc<TestBackend>>,
         config: FetchConfig,
+        inflated: Option<Arc<InflatedSpans>>,
     ) -> WindowRig {
+        let (blob, index, windows, files) = windowed_layer();
         let spans = TestBackend::new(blob);
         let windows = TestBackend::new(windows);
         let stats = Arc::new(MountStats::default());
@@ -670,8 +649,11 @@ impl WindowRig {
             .with_windows(windows.clone(), fallback.map(|f| f as Arc<dyn RangeSource>)),
         );
         let index = Arc::new(index);
-        let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source.clone())
+        let mut reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source.clone())
             .with_windows(source.clone());
+        if let Some(cache) = inflated {
+            reader = reader.with_inflated_cache(cache);
+        }
         WindowRig {
             spans,
             windows,
@@ -1092,10 +1074,15 @@ fn the_link_meter_counts_bytes_per_second_of_busy_time() {
 }
 
 #[test]
-fn readahead_fetches_spans_only_and_reads_moving_on_rebuild_the_windows() {
+fn readahead_fetches_spans_only_and_reads_moving_on_keep_the_windows() {
     let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let rig = WindowRig::with_config(Some(store.clone()), None, FetchConfig::default());
+    let cache = InflatedSpans::new(16 << 20);
+    let rig = WindowRig::with_cache(
+        Some(open_store(dir.path())),
+        None,
+        FetchConfig::default(),
+        Some(cache.clone()),
+    );
     assert_eq!(rig.read("a", 0, 1000).unwrap(), &rig.content("a")[..1000]);
     assert_eq!(
         rig.spans.calls.load(Ordering::SeqCst),
@@ -1109,7 +1096,8 @@ fn readahead_fetches_spans_only_and_reads_moving_on_rebuild_the_windows() {
     );
     assert!(rig.stats.snapshot().bytes_readahead > 0);
     // A reader moving on through the spans readahead brought, across checkpoints: no
-    // request at all, the windows rebuilt on the way and kept in the store.
+    // request at all, each read that starts a span doing so from the window the read
+    // before it kept.
     for (path, data) in &rig.files {
         for off in (0..data.len()).step_by(16 << 10) {
             let len = (16 << 10).min(data.len() - off);
@@ -1121,100 +1109,44 @@ fn readahead_fetches_spans_only_and_reads_moving_on_rebuild_the_windows() {
     }
     assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 1);
     assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 0);
-    let stats = rig.stats.snapshot();
-    assert!(stats.windows_derived >= 4, "{stats:?}");
-    assert_eq!(stats.windows_unmatched, 0);
-    let windowed: Vec<_> = rig
-        .index
-        .checkpoints
-        .iter()
-        .filter_map(|c| c.window.as_ref())
-        .collect();
-    assert!(
-        windowed
-            .iter()
-            .all(|at| store.contains(&ChunkKey::from_raw(at.sha256))),
-        "every window the reads passed is in the store"
-    );
-    // A fresh mount over that store starts a read at any checkpoint without a request.
-    let again = WindowRig::with_config(Some(store), None, FetchConfig::default());
-    let off = 150 << 10;
-    assert_eq!(
-        again.read("a", off, 1000).unwrap(),
-        &again.content("a")[off as usize..off as usize + 1000]
-    );
-    assert_eq!(again.spans.calls.load(Ordering::SeqCst), 0);
-    assert_eq!(again.windows.calls.load(Ordering::SeqCst), 0);
+    let kept = cache.stats();
+    assert!(kept.windows_kept >= 4, "{kept:?}");
+    assert!(kept.window_hits > 0, "{kept:?}");
 }
 
 #[test]
-fn a_read_through_checkpoints_fetches_only_its_first_window() {
-    let dir = tempfile::tempdir().unwrap();
-    let rig = WindowRig::new(Some(open_store(dir.path())), None);
-    // From inside the first windowed checkpoint's span to the end of `a`.
-    let off = first_windowed_offset_in_a(&rig) + 10;
-    let a = rig.content("a").len();
-    assert_eq!(
-        rig.read("a", off as u64, a - off).unwrap(),
-        &rig.content("a")[off..]
-    );
-    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
-    // Reads starting at the checkpoints it passed find their windows local.
-    assert_eq!(rig.read("b", 0, 200 << 10).unwrap(), rig.content("b"));
-    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
-    assert!(rig.stats.snapshot().windows_derived > 0);
-}
-
-#[test]
-fn windows_deflated_by_another_library_are_fetched_not_rebuilt() {
-    let other = |raw: &[u8]| {
-        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(1));
-        e.write_all(raw).unwrap();
-        e.finish().unwrap()
-    };
-    let dir = tempfile::tempdir().unwrap();
+fn a_reader_moving_on_across_checkpoints_fetches_no_window() {
     let config = FetchConfig {
         readahead_bytes: 0,
         ..FetchConfig::default()
     };
-    let rig = WindowRig::over(
-        windowed_layer_deflated_by(Some(&other)),
-        Some(open_store(dir.path())),
-        None,
-        config,
-    );
-    let off = first_windowed_offset_in_a(&rig) + 10;
+    // Too small to keep a span (a quarter of the bound at most), room for windows.
+    let cache = InflatedSpans::new(200 << 10);
+    // No store: without the windows it kept, every read below would fetch its own.
+    let rig = WindowRig::with_cache(None, None, config, Some(cache.clone()));
+    let bare = WindowRig::with_config(None, None, config);
     let a = rig.content("a").len();
-    assert_eq!(
-        rig.read("a", off as u64, a - off).unwrap(),
-        &rig.content("a")[off..]
-    );
-    // The windows passed on the way do not hash like the index's: nothing is kept, and
-    // a read starting further on fetches its own.
-    let stats = rig.stats.snapshot();
-    assert_eq!(stats.windows_derived, 0);
-    assert!(stats.windows_unmatched > 0, "{stats:?}");
-    let before = rig.windows.calls.load(Ordering::SeqCst);
-    assert_eq!(
-        rig.read("b", 100_000, 1000).unwrap(),
-        &rig.content("b")[100_000..101_000]
-    );
-    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), before + 1);
-}
-
-/// Where in file `a` (which starts after its 512-byte tar header) the first checkpoint
-/// with a window lies.
-fn first_windowed_offset_in_a(rig: &WindowRig) -> usize {
-    let cp = rig
+    let windowed = rig
         .index
         .checkpoints
         .iter()
-        .find(|c| c.window.is_some())
-        .unwrap();
-    assert!(
-        cp.out_offset > 512 && cp.out_offset < 512 + (200 << 10),
-        "{}",
-        cp.out_offset
-    );
-    cp.out_offset as usize - 512
+        .filter(|c| c.window.is_some() && c.out_offset < 512 + a as u64)
+        .count();
+    assert!(windowed >= 2, "{windowed}");
+    // `a` in reads of 16 KiB, one after the other, as a process reads a file.
+    for r in [&rig, &bare] {
+        for off in (0..a).step_by(16 << 10) {
+            let len = (16 << 10).min(a - off);
+            assert_eq!(
+                r.read("a", off as u64, len).unwrap(),
+                &r.content("a")[off..off + len]
+            );
+        }
+    }
+    // Each read that crosses a checkpoint keeps its window for the reads after it: from
+    // the layer's start (which needs none), no window is ever fetched.
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 0);
+    assert!(cache.stats().window_hits > 0);
+    // Without the cache, a read starting in a span fetches that span's window.
+    assert!(bare.windows.calls.load(Ordering::SeqCst) >= windowed as u64);
 }

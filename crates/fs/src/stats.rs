@@ -36,12 +36,6 @@ pub struct MountStats {
     /// Compressed bytes fetched as the rest of a file or the small files beside it, at a
     /// miss ([`crate::nearby`]).
     pub bytes_nearby: AtomicU64,
-    /// Inflate windows a read rebuilt on its way through their checkpoint and kept,
-    /// instead of fetching them from the windows blob.
-    pub windows_derived: AtomicU64,
-    /// Rebuilt windows that did not hash like the index's (made with another deflate
-    /// library): fetched when needed.
-    pub windows_unmatched: AtomicU64,
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
     pub hot_bytes: AtomicU64,
@@ -85,12 +79,6 @@ pub struct StatsSnapshot {
     /// See [`MountStats::bytes_nearby`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub bytes_nearby: u64,
-    /// See [`MountStats::windows_derived`] (absent from an older daemon's answer: 0).
-    #[serde(default)]
-    pub windows_derived: u64,
-    /// See [`MountStats::windows_unmatched`] (absent from an older daemon's answer: 0).
-    #[serde(default)]
-    pub windows_unmatched: u64,
     /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub hot_bytes: u64,
@@ -119,8 +107,6 @@ impl MountStats {
             read_waits: l(&self.read_waits),
             bytes_readahead: l(&self.bytes_readahead),
             bytes_nearby: l(&self.bytes_nearby),
-            windows_derived: l(&self.windows_derived),
-            windows_unmatched: l(&self.windows_unmatched),
             hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),

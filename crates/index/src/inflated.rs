@@ -1,5 +1,5 @@
-//! A bounded memory cache of recently inflated spans of indexed gzip layers, shared by
-//! every reader of a process.
+//! A bounded memory cache of recently inflated spans of indexed gzip layers, and of the
+//! inflate windows reads passed on the way, shared by every reader of a process.
 //!
 //! Why: a read inside a span must inflate from the span's checkpoint up to the bytes it
 //! wants. A workload that starts reads many small neighbouring files (a Python import
@@ -8,6 +8,12 @@
 //! container start through FUSE spent most of the daemon's CPU in inflate, about five
 //! times the bytes served. With it, the first read of a span inflates the whole span
 //! once and the neighbours copy.
+//!
+//! The windows: a read starting at a checkpoint of a version-2 index needs that
+//! checkpoint's 32 KiB window, a request to the windows blob. A read that inflated
+//! through the checkpoint had exactly that history in its inflater, so it keeps it here
+//! (raw: no deflate, no digest, it derives from verified bytes) and the next read along
+//! the stream starts from it without a request.
 //!
 //! What it must not do: hold memory for long. It is a start-up accelerator, bounded by
 //! `max_bytes` (least recently used spans go first), and [`InflatedSpans::release_idle`]
@@ -28,12 +34,35 @@ struct Entry {
     last_use: u64,
 }
 
+/// What an entry holds of its layer: a span's inflated bytes, or the raw inflate window
+/// at a checkpoint (the 32 KiB of history a read starting there needs, taken by a read
+/// that inflated its way through it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Piece {
+    Span(usize),
+    Window(usize),
+}
+
+impl Inner {
+    fn bytes_of(&mut self, windows: bool) -> &mut usize {
+        if windows {
+            &mut self.window_bytes
+        } else {
+            &mut self.bytes
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    map: HashMap<(LayerKey, usize), Entry>,
+    map: HashMap<(LayerKey, Piece), Entry>,
     /// The last key handed out.
     keys: u64,
+    /// Bytes of spans held (bound: `max_bytes`).
     bytes: usize,
+    /// Bytes of windows held (bound: a quarter of `max_bytes`, on top of the spans: a
+    /// window is needed right after the read that kept it, and must not cost a span).
+    window_bytes: usize,
     /// Advances on every use; orders entries for eviction.
     tick: u64,
     /// Entries last used before this tick are idle at the next `release_idle`.
@@ -53,6 +82,12 @@ pub struct InflatedStats {
     pub inflated_bytes: u64,
     /// Bytes held right now.
     pub bytes: u64,
+    /// Raw windows kept (see [`InflatedSpans::insert_window`]).
+    #[serde(default)]
+    pub windows_kept: u64,
+    /// Reads that started at a checkpoint with a kept window instead of fetching it.
+    #[serde(default)]
+    pub window_hits: u64,
 }
 
 /// The cache (see the module doc).
@@ -63,6 +98,8 @@ pub struct InflatedSpans {
     hits: AtomicU64,
     inserts: AtomicU64,
     inflated_bytes: AtomicU64,
+    windows_kept: AtomicU64,
+    window_hits: AtomicU64,
 }
 
 impl InflatedSpans {
@@ -74,6 +111,8 @@ impl InflatedSpans {
             hits: AtomicU64::new(0),
             inserts: AtomicU64::new(0),
             inflated_bytes: AtomicU64::new(0),
+            windows_kept: AtomicU64::new(0),
+            window_hits: AtomicU64::new(0),
         })
     }
 
@@ -99,52 +138,96 @@ impl InflatedSpans {
 
     /// Span `span` of `layer`, if cached.
     pub fn get(&self, layer: &LayerKey, span: usize) -> Option<Arc<Vec<u8>>> {
-        let mut inner = self.lock();
-        inner.tick += 1;
-        let tick = inner.tick;
-        let entry = inner.map.get_mut(&(*layer, span))?;
-        entry.last_use = tick;
-        self.hits.fetch_add(1, Ordering::Relaxed);
-        Some(entry.data.clone())
+        let got = self.get_piece(layer, Piece::Span(span));
+        if got.is_some() {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+        }
+        got
     }
 
     /// Keeps span `span` of `layer` (its whole inflated bytes), evicting the least
-    /// recently used spans to stay within the bound. Spans [`Self::admits`] refuses
+    /// recently used entries to stay within the bound. Spans [`Self::admits`] refuses
     /// are ignored.
     pub fn insert(&self, layer: &LayerKey, span: usize, data: Arc<Vec<u8>>) {
+        if self.insert_piece(layer, Piece::Span(span), data) {
+            self.inserts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The raw inflate window at checkpoint `k` of `layer`, if kept.
+    pub fn get_window(&self, layer: &LayerKey, k: usize) -> Option<Arc<Vec<u8>>> {
+        let got = self.get_piece(layer, Piece::Window(k));
+        if got.is_some() {
+            self.window_hits.fetch_add(1, Ordering::Relaxed);
+        }
+        got
+    }
+
+    /// True when the window at checkpoint `k` of `layer` is kept (not counted as a use).
+    pub fn has_window(&self, layer: &LayerKey, k: usize) -> bool {
+        self.lock().map.contains_key(&(*layer, Piece::Window(k)))
+    }
+
+    /// Keeps the raw inflate window at checkpoint `k` of `layer`, as a read inflating
+    /// through that checkpoint found it: bytes derived from verified spans and a verified
+    /// window, so they need no digest of their own. Windows have a quarter of the bound,
+    /// on top of the spans' (see `Inner::window_bytes`).
+    pub fn insert_window(&self, layer: &LayerKey, k: usize, raw: &[u8]) {
+        if self.insert_piece(layer, Piece::Window(k), Arc::new(raw.to_vec())) {
+            self.windows_kept.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn get_piece(&self, layer: &LayerKey, piece: Piece) -> Option<Arc<Vec<u8>>> {
+        let mut inner = self.lock();
+        inner.tick += 1;
+        let tick = inner.tick;
+        let entry = inner.map.get_mut(&(*layer, piece))?;
+        entry.last_use = tick;
+        Some(entry.data.clone())
+    }
+
+    fn insert_piece(&self, layer: &LayerKey, piece: Piece, data: Arc<Vec<u8>>) -> bool {
         let len = data.len();
         if !self.admits(len as u64) {
-            return;
+            return false;
         }
+        let is_window = matches!(piece, Piece::Window(_));
         let mut inner = self.lock();
         inner.tick += 1;
         let tick = inner.tick;
         if let Some(old) = inner.map.insert(
-            (*layer, span),
+            (*layer, piece),
             Entry {
                 data,
                 last_use: tick,
             },
         ) {
-            inner.bytes -= old.data.len();
+            *inner.bytes_of(is_window) -= old.data.len();
         }
-        inner.bytes += len;
-        self.inserts.fetch_add(1, Ordering::Relaxed);
-        while inner.bytes > self.max_bytes {
-            // A linear scan: the cache holds tens of spans, and eviction is rare next
+        *inner.bytes_of(is_window) += len;
+        let bound = if is_window {
+            self.max_bytes / 4
+        } else {
+            self.max_bytes
+        };
+        while *inner.bytes_of(is_window) > bound {
+            // A linear scan: the cache holds tens of entries, and eviction is rare next
             // to the inflate it saves.
             let Some(oldest) = inner
                 .map
                 .iter()
+                .filter(|((_, p), _)| matches!(p, Piece::Window(_)) == is_window)
                 .min_by_key(|(_, e)| e.last_use)
                 .map(|(k, _)| *k)
             else {
                 break;
             };
             if let Some(e) = inner.map.remove(&oldest) {
-                inner.bytes -= e.data.len();
+                *inner.bytes_of(is_window) -= e.data.len();
             }
         }
+        true
     }
 
     /// Drops the spans not used since the previous call (the first call drops the ones
@@ -153,15 +236,20 @@ impl InflatedSpans {
     pub fn release_idle(&self) -> usize {
         let mut inner = self.lock();
         let before = inner.idle_before;
-        let mut freed = 0;
-        inner.map.retain(|_, e| {
+        let (mut spans, mut windows) = (0, 0);
+        inner.map.retain(|(_, piece), e| {
             let keep = e.last_use >= before;
             if !keep {
-                freed += e.data.len();
+                match piece {
+                    Piece::Span(_) => spans += e.data.len(),
+                    Piece::Window(_) => windows += e.data.len(),
+                }
             }
             keep
         });
-        inner.bytes -= freed;
+        inner.bytes -= spans;
+        inner.window_bytes -= windows;
+        let freed = spans + windows;
         inner.idle_before = inner.tick + 1;
         freed
     }
@@ -177,7 +265,12 @@ impl InflatedSpans {
             hits: self.hits.load(Ordering::Relaxed),
             inserts: self.inserts.load(Ordering::Relaxed),
             inflated_bytes: self.inflated_bytes.load(Ordering::Relaxed),
-            bytes: self.lock().bytes as u64,
+            bytes: {
+                let inner = self.lock();
+                (inner.bytes + inner.window_bytes) as u64
+            },
+            windows_kept: self.windows_kept.load(Ordering::Relaxed),
+            window_hits: self.window_hits.load(Ordering::Relaxed),
         }
     }
 }
@@ -217,6 +310,36 @@ mod tests {
         assert_eq!(cache.stats().bytes, 400);
         assert_eq!(cache.stats().inserts, 5);
         assert_eq!(cache.stats().hits, 3);
+    }
+
+    #[test]
+    fn windows_are_kept_apart_from_spans_under_the_same_bound() {
+        let cache = InflatedSpans::new(400);
+        cache.insert(&1, 3, span(100, 1));
+        cache.insert_window(&1, 3, &[7u8; 50]);
+        assert!(cache.has_window(&1, 3));
+        assert!(!cache.has_window(&1, 4) && !cache.has_window(&2, 3));
+        assert_eq!(cache.get(&1, 3).as_deref(), Some(&vec![1u8; 100]));
+        assert_eq!(cache.get_window(&1, 3).as_deref(), Some(&vec![7u8; 50]));
+        let stats = cache.stats();
+        assert_eq!(
+            (stats.bytes, stats.windows_kept, stats.window_hits),
+            (150, 1, 1)
+        );
+        // Spans do not evict windows (they have a quarter of the bound of their own)...
+        for i in 0..4 {
+            cache.insert(&2, i, span(100, 2));
+        }
+        assert!(cache.get(&1, 3).is_none(), "the oldest span went");
+        assert!(cache.has_window(&1, 3));
+        assert_eq!(cache.stats().bytes, 450);
+        // ...and windows evict only windows, the least recently used first.
+        cache.insert_window(&1, 4, &[8u8; 60]);
+        assert!(!cache.has_window(&1, 3) && cache.has_window(&1, 4));
+        assert_eq!(cache.stats().bytes, 460);
+        assert_eq!(cache.release_idle() + cache.release_idle(), 460);
+        assert!(!cache.has_window(&1, 4));
+        assert_eq!(cache.stats().bytes, 0);
     }
 
     #[test]

@@ -268,8 +268,9 @@ fn read_indexed_with(
     u: u64,
     out: &mut [u8],
 ) -> Result<()> {
-    let cache = cache
-        .filter(|_| index.compression == Compression::Gzip && out.len() as u64 <= CACHED_READ_MAX);
+    // Windows are kept for reads of any size; spans only for small reads.
+    let kept = cache.filter(|_| index.compression == Compression::Gzip);
+    let cache = kept.filter(|_| out.len() as u64 <= CACHED_READ_MAX);
     let want_end = u + out.len() as u64;
     let mut done = 0usize;
     while done < out.len() {
@@ -287,7 +288,7 @@ fn read_indexed_with(
         };
         done += match cached {
             Some(n) => n,
-            None => plain_pass(index, source, windows, k, pos, want_end, dst)?,
+            None => plain_pass(index, source, windows, kept, k, pos, want_end, dst)?,
         };
     }
     Ok(())
@@ -305,16 +306,18 @@ fn span_out_end(index: &LayerIndex, k: usize) -> u64 {
 /// One pass without the cache: spans from span `k` (or an earlier local start) on, up
 /// to [`MAX_PASS`] or the read's end; fills the start of `dst` (the read from `pos` on)
 /// and returns how many bytes it filled.
+#[allow(clippy::too_many_arguments)]
 fn plain_pass(
     index: &LayerIndex,
     source: &dyn RangeSource,
     windows: Option<&dyn WindowSource>,
+    kept: Option<(&InflatedSpans, &LayerKey)>,
     k: usize,
     pos: u64,
     want_end: u64,
     dst: &mut [u8],
 ) -> Result<usize> {
-    let first = local_start(index, windows, k, pos);
+    let first = local_start(index, windows, kept, k, pos);
     // Take spans until the pass covers what is left or reaches MAX_PASS.
     let mut last = first;
     while let Some(next) = index.checkpoints.get(last + 1) {
@@ -329,7 +332,7 @@ fn plain_pass(
     let dst = dst
         .get_mut(..take)
         .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?;
-    inflate_spans(index, source, windows, first, last, pos, dst)?;
+    inflate_spans(index, source, windows, kept, first, last, pos, dst)?;
     Ok(take)
 }
 
@@ -371,12 +374,21 @@ fn cached_pass(
     if (k..=last).any(|j| !cache.admits(span_out_end(index, j) - index.checkpoints[j].out_offset)) {
         return Ok(None);
     }
-    let first = local_start(index, windows, k, pos);
+    let first = local_start(index, windows, Some((cache, key)), k, pos);
     let from = index.checkpoints[first].out_offset;
     let end = span_out_end(index, last);
     // At most MAX_WALK_BACK + CACHED_READ_MAX + one admitted span.
     let mut all = vec![0u8; (end - from) as usize];
-    inflate_spans(index, source, windows, first, last, from, &mut all)?;
+    inflate_spans(
+        index,
+        source,
+        windows,
+        Some((cache, key)),
+        first,
+        last,
+        from,
+        &mut all,
+    )?;
     cache.note_inflated(all.len() as u64);
     let take = (want_end.min(end) - pos) as usize;
     let at = (pos - from) as usize;
@@ -399,12 +411,17 @@ fn cached_pass(
     Ok(Some(take))
 }
 
-/// Fetches spans `first..=last` (and the first one's window), verifies them and
-/// inflates from the first checkpoint: `dst` receives the bytes from `pos` on.
+/// Fetches spans `first..=last` (and the first one's window, unless `kept` has it),
+/// verifies them and inflates from the first checkpoint: `dst` receives the bytes from
+/// `pos` on. The window of the last checkpoint the pass reaches goes into `kept` on the
+/// way, when it is neither local nor kept already: a read moving on starts there next
+/// and needs no request for its window.
+#[allow(clippy::too_many_arguments)]
 fn inflate_spans(
     index: &LayerIndex,
     source: &dyn RangeSource,
     windows: Option<&dyn WindowSource>,
+    kept: Option<(&InflatedSpans, &LayerKey)>,
     first: usize,
     last: usize,
     pos: u64,
@@ -413,24 +430,41 @@ fn inflate_spans(
     let range = spans_range(index, first, last)
         .ok_or_else(|| Error::Index("span outside the index".into()))?;
     let cp = &index.checkpoints[first];
-    let (data, window) = fetch_span_and_window(source, windows, range.clone(), first, cp)?;
+    let kept_window = match (&cp.window, kept) {
+        (Some(_), Some((c, key))) => c.get_window(key, first),
+        _ => None,
+    };
+    let (data, fetched_window) = match &kept_window {
+        Some(_) => (source.read_range(range.clone())?, None),
+        None => fetch_span_and_window(source, windows, range.clone(), first, cp)?,
+    };
     if !source.verifies_spans() {
         verify_spans(index, first, last, range.start, &data)?;
     }
     match index.compression {
         Compression::Gzip => {
-            let window = window.as_deref().unwrap_or(&cp.window_deflate);
-            // The windows of the later checkpoints this pass inflates through, when the
-            // windows blob has them and they are not local: taken on the way, so a read
-            // starting there later needs no request for its window.
-            let wanted: Vec<(usize, u64)> = match windows {
-                Some(w) => (first + 1..index.checkpoints.len())
-                    .map(|j| (j, &index.checkpoints[j]))
-                    .take_while(|(_, c)| c.out_offset <= pos + dst.len() as u64)
-                    .filter(|(j, c)| c.window.as_ref().is_some_and(|at| !w.is_local(*j, at)))
-                    .map(|(j, c)| (j, c.out_offset - cp.out_offset))
+            let window = match (&kept_window, &fetched_window) {
+                (Some(raw), _) => crate::zran::Window::Raw(raw),
+                (None, Some(deflated)) => crate::zran::Window::Deflated(deflated),
+                (None, None) => crate::zran::Window::Deflated(&cp.window_deflate),
+            };
+            // The last checkpoint the pass reaches: where a reader moving on starts next
+            // (the ones before it are inside spans the pass leaves in the span cache).
+            let end = pos + dst.len() as u64;
+            let wanted: Vec<(usize, u64)> = match (windows, kept) {
+                (Some(w), Some((c, key))) => (first + 1..index.checkpoints.len())
+                    .take_while(|&j| index.checkpoints[j].out_offset <= end)
+                    .last()
+                    .filter(|&j| {
+                        index.checkpoints[j]
+                            .window
+                            .as_ref()
+                            .is_some_and(|at| !w.is_local(j, at) && !c.has_window(key, j))
+                    })
+                    .map(|j| (j, index.checkpoints[j].out_offset - cp.out_offset))
+                    .into_iter()
                     .collect(),
-                None => Vec::new(),
+                _ => Vec::new(),
             };
             let at: Vec<u64> = wanted.iter().map(|&(_, o)| o).collect();
             crate::zran::extract_capturing(
@@ -441,9 +475,8 @@ fn inflate_spans(
                 dst,
                 &at,
                 &mut |i, raw| {
-                    let j = wanted[i].0;
-                    if let (Some(w), Some(at)) = (windows, &index.checkpoints[j].window) {
-                        w.offer(j, at, raw);
+                    if let Some((c, key)) = kept {
+                        c.insert_window(key, wanted[i].0, raw);
                     }
                 },
             )
@@ -468,6 +501,7 @@ fn inflate_spans(
 fn local_start(
     index: &LayerIndex,
     windows: Option<&dyn WindowSource>,
+    kept: Option<(&InflatedSpans, &LayerKey)>,
     k: usize,
     pos: u64,
 ) -> usize {
@@ -475,7 +509,10 @@ fn local_start(
     let Some(at) = &index.checkpoints[k].window else {
         return k;
     };
-    if w.is_local(k, at) || !w.span_is_local(k) {
+    let has = |j: usize, at: &crate::ferryidx::WindowRef| {
+        w.is_local(j, at) || kept.is_some_and(|(c, key)| c.has_window(key, j))
+    };
+    if has(k, at) || !w.span_is_local(k) {
         return k;
     }
     let mut j = k;
@@ -487,7 +524,7 @@ fn local_start(
         }
         match &cp.window {
             None => return j,
-            Some(at) if w.is_local(j, at) => return j,
+            Some(at) if has(j, at) => return j,
             Some(_) => {}
         }
     }

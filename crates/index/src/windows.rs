@@ -39,12 +39,6 @@ pub trait WindowSource: Send + Sync {
     fn span_is_local(&self, _k: usize) -> bool {
         false
     }
-
-    /// The raw (inflated) window of checkpoint `k`, which lies at `at`, as a reader
-    /// inflating through that checkpoint found it. A source that keeps windows may keep
-    /// it, but only once it checks out against `at` (deflated as an index stores it, see
-    /// [`crate::zran::deflate_window`]); the default keeps nothing.
-    fn offer(&self, _k: usize, _at: &WindowRef, _raw: &[u8]) {}
 }
 
 /// Checks `bytes` against the window reference; `InvalidData` naming checkpoint `k`.

@@ -928,23 +928,17 @@ pub fn extract(cp: &Checkpoint, compressed: &[u8], skip: u64, out: &mut [u8]) ->
     extract_with_window(cp, &cp.window_deflate, compressed, skip, out)
 }
 
-/// A checkpoint's window as an index stores it: libdeflate level 6 (its default),
-/// deterministic for a given libdeflate, so a window rebuilt from the stream hashes like
-/// the indexed one when the index was made by the same library (callers check).
-pub fn deflate_window(raw: &[u8]) -> Result<Vec<u8>> {
-    thread_local! {
-        static COMPRESSOR: std::cell::RefCell<Option<libdeflater::Compressor>> =
-            const { std::cell::RefCell::new(None) };
-    }
-    COMPRESSOR.with(|c| {
-        let mut c = c.borrow_mut();
-        let compressor = c.get_or_insert_with(|| {
-            libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
-        });
-        deflate_window_with(compressor, raw)
-    })
+/// A checkpoint's window as the caller holds it.
+#[derive(Debug, Clone, Copy)]
+pub enum Window<'a> {
+    /// Raw deflate, as an index stores it (empty: no history).
+    Deflated(&'a [u8]),
+    /// The history itself, at most [`WINDOW_SIZE`] bytes (as [`extract_capturing`]
+    /// hands it out).
+    Raw(&'a [u8]),
 }
 
+/// libdeflate level 6 (its default): deterministic, fast, small windows.
 fn deflate_window_with(compressor: &mut libdeflater::Compressor, raw: &[u8]) -> Result<Vec<u8>> {
     if raw.is_empty() {
         return Ok(Vec::new());
@@ -969,7 +963,7 @@ pub fn extract_with_window(
 ) -> Result<()> {
     extract_capturing(
         cp,
-        window_deflate,
+        Window::Deflated(window_deflate),
         compressed,
         skip,
         out,
@@ -986,7 +980,7 @@ pub fn extract_with_window(
 /// cost a request each.
 pub fn extract_capturing(
     cp: &Checkpoint,
-    window_deflate: &[u8],
+    window: Window<'_>,
     compressed: &[u8],
     skip: u64,
     out: &mut [u8],
@@ -1016,15 +1010,20 @@ pub fn extract_capturing(
             inf.prime(cp.bits, b >> (8 - cp.bits))?;
             pos = 1;
         }
-        let mut window = vec![0u8; WINDOW_SIZE];
-        let wlen = if window_deflate.is_empty() {
-            0
-        } else {
-            libdeflater::Decompressor::new()
-                .deflate_decompress(window_deflate, &mut window)
-                .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?
-        };
-        inf.set_dictionary(&window[..wlen])?;
+        match window {
+            Window::Deflated([]) => {}
+            Window::Deflated(d) => {
+                let mut raw = vec![0u8; WINDOW_SIZE];
+                let n = libdeflater::Decompressor::new()
+                    .deflate_decompress(d, &mut raw)
+                    .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?;
+                inf.set_dictionary(&raw[..n])?;
+            }
+            Window::Raw(r) if r.len() > WINDOW_SIZE => {
+                return Err(gzip_err(format!("a window of {} bytes", r.len())));
+            }
+            Window::Raw(r) => inf.set_dictionary(r)?,
+        }
         in_member = true;
     }
 
@@ -1373,7 +1372,7 @@ mod tests {
             let start = cp.start_byte() as usize;
             extract_capturing(
                 cp,
-                &cp.window_deflate,
+                Window::Deflated(&cp.window_deflate),
                 &blob[start..],
                 skip,
                 &mut out,
@@ -1387,12 +1386,27 @@ mod tests {
                     .iter()
                     .find(|c| !c.member_start && c.out_offset == cp.out_offset + at[i])
                     .unwrap();
-                assert_eq!(
-                    deflate_window(&raw).unwrap(),
-                    want.window_deflate,
-                    "checkpoint at {}",
-                    at[i]
-                );
+                let mut indexed = vec![0u8; WINDOW_SIZE];
+                let n = libdeflater::Decompressor::new()
+                    .deflate_decompress(&want.window_deflate, &mut indexed)
+                    .unwrap();
+                assert!(raw == indexed[..n], "checkpoint at {}", at[i]);
+                // A read starting there from the raw window gets the stream's bytes.
+                let at_out = (want.out_offset - cp.out_offset - skip) as usize;
+                let take = 1000.min(out.len() - at_out);
+                let mut from_raw = vec![0u8; take];
+                let wstart = want.start_byte() as usize;
+                extract_capturing(
+                    want,
+                    Window::Raw(&raw),
+                    &blob[wstart..],
+                    0,
+                    &mut from_raw,
+                    &[],
+                    &mut |_, _| {},
+                )
+                .unwrap();
+                assert!(from_raw[..] == out[at_out..at_out + take]);
             }
             // The bytes are those of a plain extraction.
             let mut plain = vec![0u8; len];
@@ -1403,9 +1417,15 @@ mod tests {
         let cp = &cps[0];
         let mut out = vec![0u8; 1000];
         let mut n = 0;
-        extract_capturing(cp, &[], &blob, 0, &mut out, &[500, 2000], &mut |_, _| {
-            n += 1
-        })
+        extract_capturing(
+            cp,
+            Window::Deflated(&[]),
+            &blob,
+            0,
+            &mut out,
+            &[500, 2000],
+            &mut |_, _| n += 1,
+        )
         .unwrap();
         assert_eq!(n, 1);
     }
