@@ -18,8 +18,9 @@
 //!   single-flighted per (repository, index blob); the Prepare waits only for its own
 //!   layer, and the next layers' Prepares find their index fetched or join its fetch.
 //!
-//! Results are bounded in memory ([`MemoryCache`], by bytes) and dropped after
-//! [`RESOLVED_TTL`]; failures are not kept, so a later Prepare asks again. Every
+//! Results are bounded in memory ([`MemoryCache`], by bytes); a layer's index is
+//! dropped once its mount has taken it ([`LayerIndexes::taken`]), anything else after
+//! [`RESOLVED_TTL`]. Failures are not kept, so a later Prepare asks again. Every
 //! registry call is bounded by the daemon's fetch timeout. The registry is reached
 //! through [`IndexRegistry`], so this is tested with an in-memory one.
 
@@ -43,8 +44,9 @@ pub const RESOLVED_TTL: Duration = Duration::from_secs(60);
 pub const INDEX_FETCHES: usize = 6;
 /// Bytes of resolved images kept (manifest layer lists and index blob lists).
 const IMAGE_CACHE_BYTES: u64 = 4 << 20;
-/// Bytes of fetched layer indexes kept (counted by their blob size).
-const INDEX_CACHE_BYTES: u64 = 256 << 20;
+/// Bytes of fetched layer indexes kept until their mounts take them (counted by blob
+/// size): the indexes of a few large images being prepared at once.
+const INDEX_CACHE_BYTES: u64 = 64 << 20;
 /// Bookkeeping charged per layer of a resolved image.
 const LAYER_WEIGHT: u64 = 512;
 
@@ -152,6 +154,8 @@ pub struct ResolvedLayer {
     pub descriptor: Descriptor,
     /// Its ferry index, when one refers to the image.
     pub index: Option<Arc<LayerIndex>>,
+    /// The index blob it came from.
+    index_blob: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -253,8 +257,21 @@ impl LayerIndexes {
         ahead: &[String],
     ) -> Result<ResolvedLayer, ResolveError> {
         let image = image(&self.inner, repo, reference).await?;
-        for other in ahead.iter().filter(|d| d.as_str() != layer) {
-            if let Some(blob) = image.index_blobs.get(other) {
+        let started: Vec<&Descriptor> = ahead
+            .iter()
+            .filter(|d| d.as_str() != layer)
+            .filter_map(|d| image.index_blobs.get(d))
+            .collect();
+        if !started.is_empty() {
+            tracing::debug!(
+                repository = %repo.repository,
+                layer,
+                ahead = started.len(),
+                "fetching the indexes of the layers to be prepared next"
+            );
+        }
+        for blob in started {
+            {
                 let fetch = fetch_index(self.inner.clone(), repo.clone(), blob.clone());
                 // Only to have it ready: the Prepare that needs it sees any failure.
                 tokio::spawn(fetch);
@@ -269,7 +286,8 @@ impl LayerIndexes {
                 image: format!("{}/{}:{reference}", repo.registry, repo.repository),
                 layer: layer.to_owned(),
             })?;
-        let index = match image.index_blobs.get(layer) {
+        let blob = image.index_blobs.get(layer);
+        let index = match blob {
             Some(blob) => Some(fetch_index(self.inner.clone(), repo.clone(), blob.clone()).await?),
             None => None,
         };
@@ -277,7 +295,19 @@ impl LayerIndexes {
             manifest_digest: image.manifest_digest.clone(),
             descriptor,
             index,
+            index_blob: blob.map(|b| b.digest().to_string()),
         })
+    }
+
+    /// The mount of `layer` (of `repo`) holds its index now: the cache lets go of it
+    /// (a later Prepare of the same layer fetches it again).
+    pub fn taken(&self, repo: &Repo, layer: &ResolvedLayer) {
+        if let Some(blob) = &layer.index_blob {
+            self.inner.indexes.remove(&BlobKey {
+                repo: repo.clone(),
+                blob: blob.clone(),
+            });
+        }
     }
 }
 

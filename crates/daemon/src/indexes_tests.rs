@@ -205,6 +205,31 @@ async fn the_first_prepare_fetches_every_layer_and_the_others_ask_nothing_more()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_taken_by_its_mount_is_dropped() {
+    let (registry, _open) = FakeRegistry::new(2, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(2);
+    let manifest = registry.manifest_digest.clone();
+    let first = indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    eventually("both indexes fetched", || indexes.inner.indexes.len() == 2).await;
+    indexes.taken(&repo(), &first);
+    assert_eq!(indexes.inner.indexes.len(), 1, "the other layer's stays");
+    // Asked again (a second pull), the layer is fetched again; the image is not.
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &[])
+        .await
+        .unwrap();
+    assert_eq!(registry.index_fetches(), 3);
+    assert_eq!(
+        registry.asked().iter().filter(|a| *a == "manifest").count(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prepare_joins_the_fetch_its_predecessor_started() {
     let (registry, open) = FakeRegistry::new(3, true);
     open.send_replace(false);

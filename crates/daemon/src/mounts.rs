@@ -965,6 +965,7 @@ impl MountManager {
             return Ok(ImageSource::open(image, &self.client, &self.runtime)?);
         };
         if let Some((repo, resolved)) = self.registry_layer(image, layer, &[])? {
+            self.indexes.taken(&repo, &resolved);
             let spec = LayerSpec::from_registry(
                 &self.client,
                 &repo,
