@@ -41,6 +41,9 @@ pub enum Error {
     /// The registry client failed.
     #[error(transparent)]
     Registry(#[from] ferry_registry::client::ClientError),
+    /// A lazy layer could not be resolved (see [`crate::indexes`]).
+    #[error(transparent)]
+    Resolve(#[from] crate::indexes::ResolveError),
     /// The snapshotter failed.
     #[error("snapshotter: {0}")]
     Snapshotter(String),
@@ -69,7 +72,9 @@ impl Error {
     /// The HTTP status the control API answers this error with.
     pub fn http_status(&self) -> u16 {
         match self {
-            Error::Config(_) | Error::InvalidRequest(_) => 400,
+            Error::Config(_)
+            | Error::InvalidRequest(_)
+            | Error::Resolve(crate::indexes::ResolveError::NoSuchLayer { .. }) => 400,
             Error::NotMounted(_) => 404,
             Error::AlreadyMounted(_) | Error::AlreadyRunning(_) => 409,
             Error::Remote { status, .. } => *status,

@@ -25,6 +25,10 @@
 //! layer again at the same directory, so new containers work, but containers that were
 //! already running must be restarted.
 //!
+//! Lazy layers of registry images are resolved through [`indexes`]: the round trips of
+//! one image (manifest, index artifact, every layer's index blob) are made at once at
+//! its first layer's Prepare and shared by the Prepares that follow.
+//!
 //! Startup traces ([`autotrace`]): an image with no trace records one during its first
 //! start here and shares it (referrer push, ferry's registry endpoint, the node store);
 //! a mount looks its trace up in the background and warms up once it has the answer.
@@ -39,6 +43,7 @@ pub mod control;
 pub mod daemon;
 pub mod error;
 pub mod fdstore;
+pub mod indexes;
 pub mod memory;
 pub mod metrics;
 pub mod mounts;

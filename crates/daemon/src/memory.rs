@@ -25,6 +25,8 @@ struct State {
     images: HashMap<String, (String, Vec<(String, LayerKind)>)>,
     mounts: BTreeMap<PathBuf, MountStatus>,
     unmounted: Vec<PathBuf>,
+    /// Every `layer_kind` call: (image, layer, the layers named ahead of it).
+    asked: Vec<(String, String, Vec<String>)>,
 }
 
 impl MemoryBackend {
@@ -53,6 +55,12 @@ impl MemoryBackend {
         if let Some(m) = self.state().mounts.get_mut(mountpoint) {
             m.stats = stats;
         }
+    }
+
+    /// Every layer asked about through `layer_kind` so far, in order: image, layer and
+    /// the layers named ahead of it.
+    pub fn asked(&self) -> Vec<(String, String, Vec<String>)> {
+        self.state().asked.clone()
     }
 
     /// Mount points unmounted so far, in order.
@@ -121,8 +129,16 @@ impl MountBackend for MemoryBackend {
         None
     }
 
-    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)> {
-        let state = self.state();
+    fn layer_kind(
+        &self,
+        image: &str,
+        layer: &str,
+        ahead: &[String],
+    ) -> Result<(LayerKind, String)> {
+        let mut state = self.state();
+        state
+            .asked
+            .push((image.to_owned(), layer.to_owned(), ahead.to_vec()));
         let (manifest, layers) = state
             .images
             .get(image)

@@ -29,7 +29,7 @@ use ferry_index::ferryidx::LayerIndex;
 use ferry_index::source::RangeSource;
 use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
 use ferry_oci::{Descriptor, ImageRef};
-use ferry_registry::client::{Client, RangeRuntime};
+use ferry_registry::client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
 use serde::{Deserialize, Serialize};
 
@@ -40,9 +40,11 @@ use crate::autotrace::{
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::fdstore::FdHolderClient;
+use crate::indexes::{ClientIndexRegistry, LayerIndexes, ResolvedLayer};
 
-/// How long an opened image's manifest and indexes are reused for further mounts of
-/// the same reference (the snapshotter mounts an image's layers one Prepare at a time).
+/// How long an opened OCI layout image's manifest and indexes are reused for further
+/// mounts of the same reference (the snapshotter mounts an image's layers one Prepare at
+/// a time; registry images are resolved through [`LayerIndexes`] instead).
 const IMAGE_CACHE_TTL: Duration = Duration::from_secs(60);
 /// Most images remembered at once.
 const IMAGE_CACHE_ENTRIES: usize = 32;
@@ -150,8 +152,11 @@ pub trait MountBackend: Send + Sync {
     fn file_cache_status(&self) -> Option<ferry_fs::FileCacheSnapshot> {
         None
     }
-    /// How `layer` of `image` can be served, and the image's manifest digest.
-    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)>;
+    /// How `layer` of `image` can be served, and the image's manifest digest. `ahead`
+    /// names the layers to be prepared after this one (CRI's image-layers label): their
+    /// lookups may start now, so their own calls find them done or in flight.
+    fn layer_kind(&self, image: &str, layer: &str, ahead: &[String])
+    -> Result<(LayerKind, String)>;
 }
 
 /// One layer as last opened: descriptor, ferry index, range source.
@@ -352,7 +357,11 @@ pub struct MountManager {
     mounts: Mutex<BTreeMap<PathBuf, ActiveMount>>,
     /// Mount points with a mount in progress (so two requests cannot race for one).
     pending: Mutex<HashSet<PathBuf>>,
+    /// OCI layout images opened for single-layer mounts.
     images: Mutex<HashMap<String, Arc<ImageTemplate>>>,
+    /// Registry images' layers and indexes, resolved once per image and shared by the
+    /// Prepares of its layers.
+    indexes: LayerIndexes,
     /// Startup traces looked up (and recorded) per image manifest, kept as long as
     /// opened images (longer while recording), so the layers of one image (one mount
     /// each under the snapshotter) ask once and record into one trace.
@@ -569,8 +578,15 @@ impl MountManager {
                 None
             }
         };
+        let indexes = LayerIndexes::new(
+            Arc::new(ClientIndexRegistry {
+                client: client.clone(),
+            }),
+            config.fetch.timeout,
+        );
         Ok(MountManager {
             store,
+            indexes,
             client,
             runtime,
             config,
@@ -890,7 +906,35 @@ impl MountManager {
         &self.store
     }
 
-    /// Opens `image` afresh and remembers its layers for [`IMAGE_CACHE_TTL`].
+    /// Layer `layer` of `image` when `image` is in a registry (`None` for an OCI layout),
+    /// through [`LayerIndexes`]: the lookups of `ahead` layers start too.
+    fn registry_layer(
+        &self,
+        image: &str,
+        layer: &str,
+        ahead: &[String],
+    ) -> Result<Option<(Repo, ResolvedLayer)>> {
+        let ferry_oci::ImageRef::Registry {
+            registry,
+            repository,
+            tag,
+            digest,
+        } = ImageRef::parse(image)
+            .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?
+        else {
+            return Ok(None);
+        };
+        let repo = Repo::new(registry, repository);
+        let reference = digest.or(tag).unwrap_or_else(|| "latest".to_owned());
+        let resolved = self
+            .runtime
+            .handle()
+            .block_on(self.indexes.resolve(&repo, &reference, layer, ahead))?;
+        Ok(Some((repo, resolved)))
+    }
+
+    /// Opens the OCI layout image `image` afresh and remembers its layers for
+    /// [`IMAGE_CACHE_TTL`].
     fn open_image(&self, image: &str) -> Result<ImageSource> {
         let source = ImageSource::open(image, &self.client, &self.runtime)?;
         let mut images = lock(&self.images);
@@ -915,12 +959,25 @@ impl MountManager {
     }
 
     /// The source to mount: the whole image for a merged view; for one layer only that
-    /// layer (so the other layers are not touched), from the cache when it is lazy.
+    /// layer (so the other layers are not touched), resolved once per image.
     fn source_for(&self, image: &str, layer: Option<&str>) -> Result<ImageSource> {
         let Some(layer) = layer else {
-            // Whole-blob layers need the registry handle only a fresh open carries.
-            return self.open_image(image);
+            return Ok(ImageSource::open(image, &self.client, &self.runtime)?);
         };
+        if let Some((repo, resolved)) = self.registry_layer(image, layer, &[])? {
+            self.indexes.taken(&repo, &resolved);
+            let spec = LayerSpec::from_registry(
+                &self.client,
+                &repo,
+                resolved.descriptor,
+                resolved.index,
+                &self.runtime,
+            )?;
+            return Ok(ImageSource {
+                manifest_digest: resolved.manifest_digest,
+                layers: vec![spec],
+            });
+        }
         if let Some(template) = self.cached(image)
             && let Some((desc, index, source)) = template
                 .layers
@@ -1197,8 +1254,17 @@ impl MountBackend for MountManager {
         })
     }
 
-    fn layer_kind(&self, image: &str, layer: &str) -> Result<(LayerKind, String)> {
+    fn layer_kind(
+        &self,
+        image: &str,
+        layer: &str,
+        ahead: &[String],
+    ) -> Result<(LayerKind, String)> {
         check_layer_digest(layer)?;
+        if let Some((_, resolved)) = self.registry_layer(image, layer, ahead)? {
+            let kind = layer_kind_of(&resolved.descriptor, resolved.index.is_some());
+            return Ok((kind, resolved.manifest_digest));
+        }
         let template = match self.cached(image) {
             Some(t) => t,
             None => {

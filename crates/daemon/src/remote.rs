@@ -7,7 +7,9 @@
 //! A layer is served lazily when the Prepare labels name the image and the layer
 //! (ferry's `ferry.dev/*` labels, else CRI's) and the layer has a ferry index or an
 //! eStargz TOC. Otherwise `Ok(None)`: containerd (or `ferry pull`) unpacks it the
-//! ordinary way.
+//! ordinary way. The layers the labels name after this one are handed to the backend
+//! too, so it can start resolving them before their Prepares arrive (see
+//! [`crate::indexes`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -87,7 +89,18 @@ impl RemoteLayers for LazyLayers {
             Some(m) => pin_image(image_ref, m).map_err(failed)?,
             None => image_ref.clone(),
         };
-        let (kind, manifest) = self.backend.layer_kind(&image, layer).map_err(failed)?;
+        // The layers after this one (CRI's image-layers list starts with this one):
+        // their lookups start now, so their own Prepares do not wait a round trip each.
+        let ahead: Vec<String> = parsed
+            .image_layers
+            .iter()
+            .filter(|d| *d != layer)
+            .cloned()
+            .collect();
+        let (kind, manifest) = self
+            .backend
+            .layer_kind(&image, layer, &ahead)
+            .map_err(failed)?;
         if !kind.is_lazy() {
             tracing::info!(
                 image,
@@ -153,7 +166,7 @@ impl RemoteLayers for LazyLayers {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use ferry_snapshotter::remote::{
-        LABEL_CRI_IMAGE_REF, LABEL_CRI_LAYER_DIGEST, LABEL_FERRY_IMAGE_REF,
+        LABEL_CRI_IMAGE_LAYERS, LABEL_CRI_IMAGE_REF, LABEL_CRI_LAYER_DIGEST, LABEL_FERRY_IMAGE_REF,
         LABEL_FERRY_LAYER_DIGEST, LABEL_FERRY_MANIFEST_DIGEST, LABEL_TARGET,
     };
 
@@ -258,6 +271,29 @@ mod tests {
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
         ]);
         assert!(lazy.prepare_remote(&unknown, &t).is_err());
+    }
+
+    #[test]
+    fn the_layers_named_after_this_one_are_handed_on() {
+        let (backend, lazy, dir) = setup();
+        let following = format!("{},{},{}", digest('a'), digest('b'), digest('c'));
+        let l = labels(&[
+            (LABEL_TARGET, "chain"),
+            (LABEL_CRI_IMAGE_REF, "reg.local/app:v1"),
+            (LABEL_CRI_LAYER_DIGEST, &digest('a')),
+            (LABEL_CRI_IMAGE_LAYERS, &following),
+        ]);
+        lazy.prepare_remote(&l, &dir.path().join("a"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            backend.asked(),
+            vec![(
+                "reg.local/app:v1".to_owned(),
+                digest('a'),
+                vec![digest('b'), digest('c')]
+            )]
+        );
     }
 
     #[test]

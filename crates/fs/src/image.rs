@@ -81,6 +81,40 @@ impl LayerSpec {
             fallback: None,
         }
     }
+
+    /// A layer of a registry image: HTTP Range reads of its blob (and of the registry
+    /// itself for spans that do not verify, when a pull mirror may serve the blob), the
+    /// parallel whole-blob download, and its ferry index when one is known. Nothing is
+    /// asked of the registry here.
+    pub fn from_registry(
+        client: &Client,
+        repo: &Repo,
+        descriptor: Descriptor,
+        index: Option<Arc<LayerIndex>>,
+        runtime: &RangeRuntime,
+    ) -> Result<LayerSpec> {
+        let source = HttpRangeSource::with_runtime(
+            client.clone(),
+            repo.clone(),
+            descriptor.digest().as_ref(),
+            descriptor.size(),
+            runtime,
+        )?;
+        let fallback = source
+            .origin_fallback()
+            .map(|f| Arc::new(f) as Arc<dyn RangeSource>);
+        Ok(LayerSpec {
+            descriptor,
+            index,
+            source: Arc::new(source),
+            fallback,
+            remote: Some(RemoteBlob {
+                client: client.clone(),
+                repo: repo.clone(),
+                runtime: runtime.clone(),
+            }),
+        })
+    }
 }
 
 #[derive(Clone)]
@@ -147,28 +181,14 @@ impl ImageSource {
         let indexes = registry_indexes(client, repo, &digest, runtime)?;
         let mut layers = Vec::new();
         for layer in manifest.layers() {
-            let digest = layer.digest().to_string();
-            let source = HttpRangeSource::with_runtime(
-                client.clone(),
-                repo.clone(),
-                &digest,
-                layer.size(),
+            let index = indexes.get(layer.digest().as_ref()).cloned();
+            layers.push(LayerSpec::from_registry(
+                client,
+                repo,
+                layer.clone(),
+                index,
                 runtime,
-            )?;
-            let fallback = source
-                .origin_fallback()
-                .map(|f| Arc::new(f) as Arc<dyn RangeSource>);
-            layers.push(LayerSpec {
-                descriptor: layer.clone(),
-                index: indexes.get(&digest).cloned(),
-                source: Arc::new(source),
-                fallback,
-                remote: Some(RemoteBlob {
-                    client: client.clone(),
-                    repo: repo.clone(),
-                    runtime: runtime.clone(),
-                }),
-            });
+            )?);
         }
         Ok(ImageSource {
             manifest_digest: digest,
@@ -208,8 +228,19 @@ pub fn registry_manifest(
     reference: &str,
     runtime: &RangeRuntime,
 ) -> Result<(Descriptor, ImageManifest)> {
-    let rt = runtime.handle();
-    let mut doc = rt.block_on(client.get_manifest(repo, reference, &[]))?;
+    runtime
+        .handle()
+        .block_on(fetch_registry_manifest(client, repo, reference))
+}
+
+/// [`registry_manifest`], for callers already in an async context (on `client`'s
+/// runtime).
+pub async fn fetch_registry_manifest(
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+) -> Result<(Descriptor, ImageManifest)> {
+    let mut doc = client.get_manifest(repo, reference, &[]).await?;
     if is_index(&doc.bytes) {
         let index: ImageIndex = serde_json::from_slice(&doc.bytes)
             .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
@@ -220,7 +251,7 @@ pub fn registry_manifest(
                 oci_arch()
             ))
         })?;
-        doc = rt.block_on(client.get_manifest(repo, &pick, &[]))?;
+        doc = client.get_manifest(repo, &pick, &[]).await?;
     }
     let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
         .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
@@ -320,18 +351,49 @@ fn pick_platform(index: &ImageIndex) -> Option<String> {
         .map(|m| m.digest().to_string())
 }
 
+/// Most index blobs [`registry_indexes`] fetches at once.
+const INDEX_FETCHES: usize = 8;
+
 /// The ferry indexes referring to manifest `subject` in a registry: layer digest → index.
+/// The index blobs are fetched at once (they are independent), so opening an image
+/// costs the same round trips however many layers it has.
 fn registry_indexes(
     client: &Client,
     repo: &Repo,
     subject: &str,
     runtime: &RangeRuntime,
 ) -> Result<HashMap<String, Arc<LayerIndex>>> {
-    let rt = runtime.handle();
-    let referrers = rt.block_on(client.referrers(repo, subject, Some(FERRY_INDEX_ARTIFACT)))?;
-    let mut out = HashMap::new();
+    use futures_util::{StreamExt, TryStreamExt};
+    runtime.handle().block_on(async {
+        let blobs = registry_index_blobs(client, repo, subject).await?;
+        futures_util::stream::iter(
+            blobs
+                .iter()
+                .map(|blob| fetch_index_blob(client, repo, blob)),
+        )
+        .buffer_unordered(INDEX_FETCHES)
+        .map_ok(|index| (index.layer_digest.clone(), Arc::new(index)))
+        .try_collect()
+        .await
+    })
+}
+
+/// The ferry index blobs of the index artifacts that refer to manifest `subject` in a
+/// registry (referrers API or its tag fallback, then each artifact's manifest), each
+/// checked for size. Fetch one with [`fetch_index_blob`].
+pub async fn registry_index_blobs(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+) -> Result<Vec<Descriptor>> {
+    let referrers = client
+        .referrers(repo, subject, Some(FERRY_INDEX_ARTIFACT))
+        .await?;
+    let mut out = Vec::new();
     for referrer in referrers.manifests() {
-        let doc = rt.block_on(client.get_manifest(repo, referrer.digest().as_ref(), &[]))?;
+        let doc = client
+            .get_manifest(repo, referrer.digest().as_ref(), &[])
+            .await?;
         if doc.bytes.len() as u64 > MAX_DOCUMENT_BYTES {
             continue;
         }
@@ -356,21 +418,34 @@ fn registry_indexes(
                     blob.digest()
                 )));
             }
-            let digest = blob.digest().to_string();
-            let bytes = rt.block_on(async {
-                let stream = client.blob_stream(repo, &digest, None).await?;
-                collect_body(stream, blob.size()).await
-            })?;
-            if ferry_oci::sha256_digest(&bytes).to_string() != digest {
-                return Err(Error::Invalid(format!(
-                    "index blob {digest} does not match its digest"
-                )));
-            }
-            let index = ferry_index::image::decode_index_blob(blob, &bytes)?;
-            out.insert(index.layer_digest.clone(), Arc::new(index));
+            out.push(blob.clone());
         }
     }
     Ok(out)
+}
+
+/// Fetches one ferry index blob (as [`registry_index_blobs`] lists it), checks it against
+/// its digest and decodes it.
+pub async fn fetch_index_blob(
+    client: &Client,
+    repo: &Repo,
+    blob: &Descriptor,
+) -> Result<LayerIndex> {
+    if blob.size() > MAX_INDEX_BYTES as u64 {
+        return Err(Error::Invalid(format!(
+            "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
+            blob.digest()
+        )));
+    }
+    let digest = blob.digest().to_string();
+    let stream = client.blob_stream(repo, &digest, None).await?;
+    let bytes = collect_body(stream, blob.size()).await?;
+    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
+        return Err(Error::Invalid(format!(
+            "index blob {digest} does not match its digest"
+        )));
+    }
+    Ok(ferry_index::image::decode_index_blob(blob, &bytes)?)
 }
 
 /// Which tree a mount shows.

@@ -751,9 +751,12 @@ impl Client {
                     resp
                 }
                 Err(e) => {
+                    // A concurrent first request may have switched the host to http
+                    // meanwhile: follow it, rather than count this as a failure (which
+                    // cost a retry's backoff, or the call when retries are off).
                     if matches!(call.target, Target::Path(_))
                         && scheme == "https"
-                        && self.fall_back_to_http(ep)
+                        && (self.fall_back_to_http(ep) || self.scheme_of(ep) == "http")
                     {
                         continue;
                     }

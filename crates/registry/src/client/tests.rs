@@ -500,6 +500,23 @@ async fn loopback_falls_back_to_http_and_reads_ranges() {
 }
 
 #[tokio::test]
+async fn concurrent_first_requests_to_a_loopback_registry_all_fall_back_to_http() {
+    let fake = start_fake().await;
+    let d = fake.add_blob(b"hello");
+    // No retries: a request that lost the race to fall back would fail outright.
+    let (c, r) = client_for(&fake, |cfg| cfg.max_attempts = 1);
+    let (a, b, e) = tokio::join!(
+        c.blob_size(&r, &d),
+        c.blob_size(&r, &d),
+        c.blob_size(&r, &d)
+    );
+    assert_eq!(
+        (a.unwrap(), b.unwrap(), e.unwrap()),
+        (Some(5), Some(5), Some(5))
+    );
+}
+
+#[tokio::test]
 async fn bearer_token_is_fetched_cached_and_refreshed() {
     let fake = start_fake().await;
     *fake.auth.lock().unwrap() = AuthMode::Bearer { lifetime_secs: 1 };

@@ -1,0 +1,445 @@
+//! Resolving the layers of registry images for the snapshotter's lazy mounts, with the
+//! round trips of one image made at once instead of one layer after another.
+//!
+//! containerd prepares an image's layers one Prepare at a time, in chain order (the
+//! parent must exist first); `ferry pull` and CRI's unpacker (containerd 1.6) alike.
+//! Each lazy layer needs the image's manifest, the ferry index artifact that refers to
+//! it (referrers API or tag fallback, then the artifact's manifest) and the layer's own
+//! index blob. [`LayerIndexes`] makes those requests once per image and layer and
+//! shares them:
+//!
+//! - the image-level lookups (manifest, index artifacts) are single-flighted per
+//!   (repository, reference) and kept for [`RESOLVED_TTL`]; with a pinned reference
+//!   (the Prepare labels carry the manifest digest) the manifest and the referrers
+//!   lookup run at the same time;
+//! - at a Prepare whose labels name the following layers (CRI's
+//!   `containerd.io/snapshot/cri.image-layers`, also sent by `ferry pull`), the index
+//!   blobs of all of them are fetched at once ([`INDEX_FETCHES`] at most in flight),
+//!   single-flighted per (repository, index blob); the Prepare waits only for its own
+//!   layer, and the next layers' Prepares find their index fetched or join its fetch.
+//!
+//! Results are bounded in memory ([`MemoryCache`], by bytes); a layer's index is
+//! dropped once its mount has taken it ([`LayerIndexes::taken`]), anything else after
+//! [`RESOLVED_TTL`]. Failures are not kept, so a later Prepare asks again. Every
+//! registry call is bounded by the daemon's fetch timeout. The registry is reached
+//! through [`IndexRegistry`], so this is tested with an in-memory one.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ferry_index::ferryidx::LayerIndex;
+use ferry_oci::Descriptor;
+use ferry_oci::media::ANNOTATION_LAYER_DIGEST;
+use ferry_registry::cache::flight::SingleFlight;
+use ferry_registry::cache::memory::MemoryCache;
+use ferry_registry::client::{Client, Repo};
+use tokio::sync::Semaphore;
+
+/// How long a resolved image and its fetched indexes are reused (an image's Prepares
+/// follow each other within seconds; a later pull asks again).
+pub const RESOLVED_TTL: Duration = Duration::from_secs(60);
+/// Most index blob fetches in flight at once, over all images.
+pub const INDEX_FETCHES: usize = 6;
+/// Bytes of resolved images kept (manifest layer lists and index blob lists).
+const IMAGE_CACHE_BYTES: u64 = 4 << 20;
+/// Bytes of fetched layer indexes kept until their mounts take them (counted by blob
+/// size): the indexes of a few large images being prepared at once.
+const INDEX_CACHE_BYTES: u64 = 64 << 20;
+/// Bookkeeping charged per layer of a resolved image.
+const LAYER_WEIGHT: u64 = 512;
+
+/// Why a layer could not be resolved. Cloneable: one outcome is shared by every
+/// Prepare that waited for the same request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    /// The registry failed or answered something unusable.
+    #[error("{0}")]
+    Registry(String),
+    /// The registry did not answer within the fetch timeout.
+    #[error("{what}: no answer within {timeout:?}")]
+    TimedOut {
+        /// What was asked.
+        what: String,
+        /// The bound.
+        timeout: Duration,
+    },
+    /// The image has no such layer.
+    #[error("image {image} has no layer {layer}")]
+    NoSuchLayer {
+        /// The image.
+        image: String,
+        /// The layer asked for.
+        layer: String,
+    },
+    /// The shared request ended without a result (its task died).
+    #[error("the shared registry request ended without a result")]
+    Aborted,
+}
+
+impl From<ferry_fs::Error> for ResolveError {
+    fn from(e: ferry_fs::Error) -> ResolveError {
+        ResolveError::Registry(e.to_string())
+    }
+}
+
+/// The registry requests resolving a layer needs.
+#[async_trait]
+pub trait IndexRegistry: Send + Sync + 'static {
+    /// The image manifest `reference` names (for an image index, this platform's):
+    /// its digest and its layers.
+    async fn manifest(
+        &self,
+        repo: &Repo,
+        reference: &str,
+    ) -> Result<(String, Vec<Descriptor>), ResolveError>;
+    /// The ferry index blobs of the index artifacts that refer to manifest `subject`.
+    async fn index_blobs(
+        &self,
+        repo: &Repo,
+        subject: &str,
+    ) -> Result<Vec<Descriptor>, ResolveError>;
+    /// One index blob, fetched, verified and decoded.
+    async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError>;
+}
+
+/// [`IndexRegistry`] over the daemon's registry client.
+#[derive(Debug, Clone)]
+pub struct ClientIndexRegistry {
+    /// The daemon's client (credentials, mirrors, retries).
+    pub client: Client,
+}
+
+#[async_trait]
+impl IndexRegistry for ClientIndexRegistry {
+    async fn manifest(
+        &self,
+        repo: &Repo,
+        reference: &str,
+    ) -> Result<(String, Vec<Descriptor>), ResolveError> {
+        let (desc, manifest) =
+            ferry_fs::image::fetch_registry_manifest(&self.client, repo, reference).await?;
+        Ok((desc.digest().to_string(), manifest.layers().clone()))
+    }
+
+    async fn index_blobs(
+        &self,
+        repo: &Repo,
+        subject: &str,
+    ) -> Result<Vec<Descriptor>, ResolveError> {
+        Ok(ferry_fs::image::registry_index_blobs(&self.client, repo, subject).await?)
+    }
+
+    async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
+        Ok(ferry_fs::image::fetch_index_blob(&self.client, repo, blob).await?)
+    }
+}
+
+/// An image's manifest digest and layers, and where each layer's index is.
+#[derive(Debug)]
+struct ResolvedImage {
+    manifest_digest: String,
+    layers: Vec<Descriptor>,
+    /// Layer digest → its index blob (as the artifact's annotation names it).
+    index_blobs: HashMap<String, Descriptor>,
+}
+
+/// One layer as a lazy mount needs it.
+#[derive(Debug, Clone)]
+pub struct ResolvedLayer {
+    /// The image manifest's digest.
+    pub manifest_digest: String,
+    /// The layer's descriptor in the manifest.
+    pub descriptor: Descriptor,
+    /// Its ferry index, when one refers to the image.
+    pub index: Option<Arc<LayerIndex>>,
+    /// The index blob it came from.
+    index_blob: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ImageKey {
+    repo: Repo,
+    reference: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct BlobKey {
+    repo: Repo,
+    blob: String,
+}
+
+type Shared<T> = Result<Arc<T>, ResolveError>;
+
+/// See the module doc.
+pub struct LayerIndexes {
+    inner: Arc<Inner>,
+}
+
+/// What the shared requests' tasks hold.
+struct Inner {
+    registry: Arc<dyn IndexRegistry>,
+    timeout: Duration,
+    /// Bounds index blob fetches in flight.
+    fetches: Semaphore,
+    image_flight: SingleFlight<ImageKey, Shared<ResolvedImage>>,
+    images: MemoryCache<ImageKey, Arc<ResolvedImage>>,
+    index_flight: SingleFlight<BlobKey, Shared<LayerIndex>>,
+    indexes: MemoryCache<BlobKey, Arc<LayerIndex>>,
+}
+
+impl std::fmt::Debug for LayerIndexes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerIndexes")
+            .field("images", &self.inner.images.len())
+            .field("indexes", &self.inner.indexes.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The value of `cache` at `key` while younger than [`RESOLVED_TTL`].
+fn fresh<K: Eq + std::hash::Hash + Clone, V: Clone>(
+    cache: &MemoryCache<K, V>,
+    key: &K,
+) -> Option<V> {
+    match cache.get(key) {
+        Some((v, at)) if at.elapsed() < RESOLVED_TTL => Some(v),
+        Some(_) => {
+            cache.remove(key);
+            None
+        }
+        None => None,
+    }
+}
+
+/// `call`, or [`ResolveError::TimedOut`] once `timeout` has passed.
+async fn bounded<T>(
+    timeout: Duration,
+    what: impl FnOnce() -> String,
+    call: impl std::future::Future<Output = Result<T, ResolveError>>,
+) -> Result<T, ResolveError> {
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(ResolveError::TimedOut {
+                what: what(),
+                timeout,
+            })
+        })
+}
+
+impl LayerIndexes {
+    /// Resolves through `registry`, each request bounded by `timeout`.
+    pub fn new(registry: Arc<dyn IndexRegistry>, timeout: Duration) -> LayerIndexes {
+        LayerIndexes {
+            inner: Arc::new(Inner {
+                registry,
+                timeout,
+                fetches: Semaphore::new(INDEX_FETCHES),
+                image_flight: SingleFlight::new(),
+                images: MemoryCache::new(IMAGE_CACHE_BYTES),
+                index_flight: SingleFlight::new(),
+                indexes: MemoryCache::new(INDEX_CACHE_BYTES),
+            }),
+        }
+    }
+
+    /// Layer `layer` of the image `reference` names in `repo`, with its index. The
+    /// indexes of the `ahead` layers (the layers still to be prepared, e.g. from CRI's
+    /// image-layers label) start downloading too, without being waited for. Call on a
+    /// tokio runtime (the shared requests run as tasks of it).
+    pub async fn resolve(
+        &self,
+        repo: &Repo,
+        reference: &str,
+        layer: &str,
+        ahead: &[String],
+    ) -> Result<ResolvedLayer, ResolveError> {
+        let image = image(&self.inner, repo, reference).await?;
+        let started: Vec<&Descriptor> = ahead
+            .iter()
+            .filter(|d| d.as_str() != layer)
+            .filter_map(|d| image.index_blobs.get(d))
+            .collect();
+        if !started.is_empty() {
+            tracing::debug!(
+                repository = %repo.repository,
+                layer,
+                ahead = started.len(),
+                "fetching the indexes of the layers to be prepared next"
+            );
+        }
+        for blob in started {
+            {
+                let fetch = fetch_index(self.inner.clone(), repo.clone(), blob.clone());
+                // Only to have it ready: the Prepare that needs it sees any failure.
+                tokio::spawn(fetch);
+            }
+        }
+        let descriptor = image
+            .layers
+            .iter()
+            .find(|d| d.digest().as_ref() == layer)
+            .cloned()
+            .ok_or_else(|| ResolveError::NoSuchLayer {
+                image: format!("{}/{}:{reference}", repo.registry, repo.repository),
+                layer: layer.to_owned(),
+            })?;
+        let blob = image.index_blobs.get(layer);
+        let index = match blob {
+            Some(blob) => Some(fetch_index(self.inner.clone(), repo.clone(), blob.clone()).await?),
+            None => None,
+        };
+        Ok(ResolvedLayer {
+            manifest_digest: image.manifest_digest.clone(),
+            descriptor,
+            index,
+            index_blob: blob.map(|b| b.digest().to_string()),
+        })
+    }
+
+    /// The mount of `layer` (of `repo`) holds its index now: the cache lets go of it
+    /// (a later Prepare of the same layer fetches it again).
+    pub fn taken(&self, repo: &Repo, layer: &ResolvedLayer) {
+        if let Some(blob) = &layer.index_blob {
+            self.inner.indexes.remove(&BlobKey {
+                repo: repo.clone(),
+                blob: blob.clone(),
+            });
+        }
+    }
+}
+
+/// The image-level lookups of `reference` in `repo`, once per image while fresh.
+async fn image(inner: &Arc<Inner>, repo: &Repo, reference: &str) -> Shared<ResolvedImage> {
+    let key = ImageKey {
+        repo: repo.clone(),
+        reference: reference.to_owned(),
+    };
+    if let Some(image) = fresh(&inner.images, &key) {
+        return Ok(image);
+    }
+    let shared = inner.clone();
+    inner
+        .image_flight
+        .run(key.clone(), move || async move {
+            // A flight that just landed filled the cache.
+            if let Some(image) = fresh(&shared.images, &key) {
+                return Ok(image);
+            }
+            let what = || {
+                format!(
+                    "resolving {}/{}:{}",
+                    key.repo.registry, key.repo.repository, key.reference
+                )
+            };
+            let image = bounded(shared.timeout, what, lookup_image(&shared, &key)).await?;
+            let image = Arc::new(image);
+            let weight = LAYER_WEIGHT * (image.layers.len() + image.index_blobs.len()) as u64;
+            shared
+                .images
+                .insert(key, image.clone(), weight, Instant::now());
+            Ok(image)
+        })
+        .await
+        .unwrap_or(Err(ResolveError::Aborted))
+}
+
+/// Index blob `blob` of `repo`: from the cache, else one fetch shared with every other
+/// caller asking for it meanwhile.
+async fn fetch_index(inner: Arc<Inner>, repo: Repo, blob: Descriptor) -> Shared<LayerIndex> {
+    let key = BlobKey {
+        repo,
+        blob: blob.digest().to_string(),
+    };
+    if let Some(index) = fresh(&inner.indexes, &key) {
+        return Ok(index);
+    }
+    let shared = inner.clone();
+    inner
+        .index_flight
+        .run(key.clone(), move || async move {
+            if let Some(index) = fresh(&shared.indexes, &key) {
+                return Ok(index);
+            }
+            let what = || format!("index blob {} of {}", key.blob, key.repo.repository);
+            let index = bounded(shared.timeout, what, async {
+                // Never closed: the semaphore lives as long as `shared`.
+                let _permit = shared
+                    .fetches
+                    .acquire()
+                    .await
+                    .map_err(|_| ResolveError::Aborted)?;
+                shared.registry.index(&key.repo, &blob).await
+            })
+            .await?;
+            let index = Arc::new(index);
+            shared
+                .indexes
+                .insert(key, index.clone(), blob.size(), Instant::now());
+            Ok(index)
+        })
+        .await
+        .unwrap_or(Err(ResolveError::Aborted))
+}
+
+/// Manifest and index artifacts of one image. An index blob that does not say which
+/// layer it indexes is fetched here to find out (ferry's own artifacts always say).
+async fn lookup_image(inner: &Arc<Inner>, key: &ImageKey) -> Result<ResolvedImage, ResolveError> {
+    let (registry, repo) = (&inner.registry, &key.repo);
+    let (manifest_digest, layers, blobs) = if key.reference.starts_with("sha256:") {
+        // The referrers' subject is known already: ask both at once.
+        let (manifest, blobs) = tokio::join!(
+            registry.manifest(repo, &key.reference),
+            registry.index_blobs(repo, &key.reference)
+        );
+        let (digest, layers) = manifest?;
+        let blobs = if digest == key.reference {
+            blobs?
+        } else {
+            // The digest named an image index: the platform's manifest is the subject.
+            registry.index_blobs(repo, &digest).await?
+        };
+        (digest, layers, blobs)
+    } else {
+        let (digest, layers) = registry.manifest(repo, &key.reference).await?;
+        let blobs = registry.index_blobs(repo, &digest).await?;
+        (digest, layers, blobs)
+    };
+    let mut index_blobs = HashMap::new();
+    let mut unnamed = Vec::new();
+    for blob in blobs {
+        let named = blob
+            .annotations()
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_LAYER_DIGEST))
+            .cloned();
+        match named {
+            Some(layer) => {
+                index_blobs.entry(layer).or_insert(blob);
+            }
+            None => unnamed.push(blob),
+        }
+    }
+    let fetched = futures_util::future::join_all(
+        unnamed
+            .iter()
+            .map(|blob| fetch_index(inner.clone(), repo.clone(), blob.clone())),
+    )
+    .await;
+    for (blob, index) in unnamed.into_iter().zip(fetched) {
+        index_blobs
+            .entry(index?.layer_digest.clone())
+            .or_insert(blob);
+    }
+    Ok(ResolvedImage {
+        manifest_digest,
+        layers,
+        index_blobs,
+    })
+}
+
+#[cfg(test)]
+#[path = "indexes_tests.rs"]
+mod tests;

@@ -1,0 +1,397 @@
+//! [`LayerIndexes`] against an in-memory registry that counts what it is asked.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Mutex;
+
+use ferry_index::ferryidx::Compression;
+use tokio::sync::watch;
+
+use super::*;
+
+fn digest(c: char, i: usize) -> String {
+    format!("sha256:{c}{:063x}", i)
+}
+
+fn descriptor(media: &str, digest: &str, size: u64, layer: Option<&str>) -> Descriptor {
+    let mut d = serde_json::json!({ "mediaType": media, "digest": digest, "size": size });
+    if let Some(l) = layer {
+        d["annotations"] = serde_json::json!({ ANNOTATION_LAYER_DIGEST: l });
+    }
+    serde_json::from_value(d).unwrap()
+}
+
+/// An image of `n` layers, each with an index blob; index fetches wait for `open`.
+struct FakeRegistry {
+    manifest_digest: String,
+    layers: Vec<Descriptor>,
+    blobs: Vec<Descriptor>,
+    /// What was asked, in order: `manifest`, `index_blobs`, `index <blob>`.
+    asked: Mutex<Vec<String>>,
+    /// Index blob → failures still to answer before it succeeds.
+    failing: Mutex<HashMap<String, usize>>,
+    open: watch::Receiver<bool>,
+}
+
+impl FakeRegistry {
+    /// The registry and the switch that lets its index fetches answer.
+    fn new(n: usize, annotated: bool) -> (Arc<FakeRegistry>, watch::Sender<bool>) {
+        let layers: Vec<_> = (0..n)
+            .map(|i| {
+                descriptor(
+                    "application/vnd.oci.image.layer.v1.tar+gzip",
+                    &digest('a', i),
+                    1000 + i as u64,
+                    None,
+                )
+            })
+            .collect();
+        let blobs = (0..n)
+            .map(|i| {
+                let layer = digest('a', i);
+                descriptor(
+                    ferry_oci::media::FERRY_LAYER_INDEX,
+                    &digest('b', i),
+                    100,
+                    annotated.then_some(layer.as_str()),
+                )
+            })
+            .collect();
+        let (tx, rx) = watch::channel(true);
+        let registry = FakeRegistry {
+            manifest_digest: digest('m', 0),
+            layers,
+            blobs,
+            asked: Mutex::new(Vec::new()),
+            failing: Mutex::new(HashMap::new()),
+            open: rx,
+        };
+        (Arc::new(registry), tx)
+    }
+
+    fn asked(&self) -> Vec<String> {
+        self.asked.lock().unwrap().clone()
+    }
+
+    fn index_fetches(&self) -> usize {
+        self.asked()
+            .iter()
+            .filter(|a| a.starts_with("index "))
+            .count()
+    }
+
+    fn note(&self, what: String) {
+        self.asked.lock().unwrap().push(what);
+    }
+}
+
+#[async_trait]
+impl IndexRegistry for FakeRegistry {
+    async fn manifest(
+        &self,
+        _repo: &Repo,
+        reference: &str,
+    ) -> Result<(String, Vec<Descriptor>), ResolveError> {
+        self.note("manifest".into());
+        if reference != self.manifest_digest && reference != "v1" {
+            return Err(ResolveError::Registry(format!("no manifest {reference}")));
+        }
+        Ok((self.manifest_digest.clone(), self.layers.clone()))
+    }
+
+    async fn index_blobs(
+        &self,
+        _repo: &Repo,
+        subject: &str,
+    ) -> Result<Vec<Descriptor>, ResolveError> {
+        self.note("index_blobs".into());
+        if subject != self.manifest_digest {
+            return Ok(Vec::new());
+        }
+        Ok(self.blobs.clone())
+    }
+
+    async fn index(&self, _repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
+        let blob_digest = blob.digest().to_string();
+        self.note(format!("index {blob_digest}"));
+        let mut open = self.open.clone();
+        open.wait_for(|o| *o).await.unwrap();
+        {
+            let mut failing = self.failing.lock().unwrap();
+            if let Some(left) = failing.get_mut(&blob_digest)
+                && *left > 0
+            {
+                *left -= 1;
+                return Err(ResolveError::Registry("503 from the fake".into()));
+            }
+        }
+        let i = self
+            .blobs
+            .iter()
+            .position(|b| b.digest() == blob.digest())
+            .unwrap();
+        Ok(LayerIndex {
+            layer_digest: self.layers[i].digest().to_string(),
+            compression: Compression::None,
+            compressed_size: self.layers[i].size(),
+            uncompressed_size: self.layers[i].size(),
+            span_size: 1 << 20,
+            checkpoints: Vec::new(),
+            span_digests: Vec::new(),
+            entries: Vec::new(),
+            windows: None,
+        })
+    }
+}
+
+fn repo() -> Repo {
+    Repo::new("reg.local:5000", "app")
+}
+
+fn layer_digests(n: usize) -> Vec<String> {
+    (0..n).map(|i| digest('a', i)).collect()
+}
+
+/// Waits (bounded) until `cond` holds; yields to the runtime in between.
+async fn eventually(what: &str, cond: impl Fn() -> bool) {
+    let waited = tokio::time::timeout(Duration::from_secs(20), async {
+        while !cond() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert!(waited.is_ok(), "never happened: {what}");
+}
+
+/// The labels' layers after layer `i`, as `LazyLayers` hands them over.
+fn ahead(layers: &[String], i: usize) -> Vec<String> {
+    layers[i + 1..].to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_prepare_fetches_every_layer_and_the_others_ask_nothing_more() {
+    let n = 5;
+    let (registry, _open) = FakeRegistry::new(n, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(n);
+    let manifest = registry.manifest_digest.clone();
+
+    let first = indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    assert_eq!(first.manifest_digest, manifest);
+    assert_eq!(first.descriptor.digest().as_ref(), layers[0]);
+    assert_eq!(first.index.unwrap().layer_digest, layers[0]);
+    // Every other layer's index was started by the first Prepare.
+    eventually("every index fetched", || registry.index_fetches() == n).await;
+    let before = registry.asked();
+    // Pinned reference: manifest and referrers once, at the same time.
+    assert_eq!(before.iter().filter(|a| *a == "manifest").count(), 1);
+    assert_eq!(before.iter().filter(|a| *a == "index_blobs").count(), 1);
+
+    for i in 1..n {
+        let layer = indexes
+            .resolve(&repo(), &manifest, &layers[i], &ahead(&layers, i))
+            .await
+            .unwrap();
+        assert_eq!(layer.index.unwrap().layer_digest, layers[i]);
+    }
+    assert_eq!(
+        registry.asked(),
+        before,
+        "layers 1..n asked the registry again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_index_taken_by_its_mount_is_dropped() {
+    let (registry, _open) = FakeRegistry::new(2, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(2);
+    let manifest = registry.manifest_digest.clone();
+    let first = indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    eventually("both indexes fetched", || indexes.inner.indexes.len() == 2).await;
+    indexes.taken(&repo(), &first);
+    assert_eq!(indexes.inner.indexes.len(), 1, "the other layer's stays");
+    // Asked again (a second pull), the layer is fetched again; the image is not.
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &[])
+        .await
+        .unwrap();
+    assert_eq!(registry.index_fetches(), 3);
+    assert_eq!(
+        registry.asked().iter().filter(|a| *a == "manifest").count(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepare_joins_the_fetch_its_predecessor_started() {
+    let (registry, open) = FakeRegistry::new(3, true);
+    open.send_replace(false);
+    let indexes = Arc::new(LayerIndexes::new(registry.clone(), Duration::from_secs(30)));
+    let layers = layer_digests(3);
+    let manifest = registry.manifest_digest.clone();
+    // Layer 0's Prepare waits for its index; the other two fetches are started.
+    let first = {
+        let (indexes, layers, manifest) = (indexes.clone(), layers.clone(), manifest.clone());
+        tokio::spawn(async move {
+            indexes
+                .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+                .await
+        })
+    };
+    eventually("three fetches in flight", || registry.index_fetches() == 3).await;
+    // Layer 1's Prepare arrives while its fetch is still in flight: it joins it.
+    let second = {
+        let (indexes, layers, manifest) = (indexes.clone(), layers.clone(), manifest.clone());
+        tokio::spawn(async move {
+            indexes
+                .resolve(&repo(), &manifest, &layers[1], &ahead(&layers, 1))
+                .await
+        })
+    };
+    open.send_replace(true);
+    first.await.unwrap().unwrap();
+    assert_eq!(
+        second.await.unwrap().unwrap().index.unwrap().layer_digest,
+        layers[1]
+    );
+    assert_eq!(registry.index_fetches(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_prepares_of_one_layer_fetch_once() {
+    let (registry, open) = FakeRegistry::new(2, true);
+    open.send_replace(false);
+    let indexes = Arc::new(LayerIndexes::new(registry.clone(), Duration::from_secs(30)));
+    let layers = layer_digests(2);
+    let mut prepares = Vec::new();
+    for _ in 0..8 {
+        let (indexes, layer) = (indexes.clone(), layers[1].clone());
+        // By tag: the image-level lookups are shared too.
+        prepares.push(tokio::spawn(async move {
+            indexes.resolve(&repo(), "v1", &layer, &[]).await
+        }));
+    }
+    eventually("the fetch in flight", || registry.index_fetches() == 1).await;
+    open.send_replace(true);
+    for p in prepares {
+        assert_eq!(
+            p.await.unwrap().unwrap().index.unwrap().layer_digest,
+            layers[1]
+        );
+    }
+    let asked = registry.asked();
+    assert_eq!(
+        asked,
+        vec![
+            "manifest".to_owned(),
+            "index_blobs".to_owned(),
+            format!("index {}", digest('b', 1)),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefetch_is_not_kept_and_the_prepare_retries() {
+    let (registry, _open) = FakeRegistry::new(3, true);
+    registry.failing.lock().unwrap().insert(digest('b', 2), 1);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(3);
+    let manifest = registry.manifest_digest.clone();
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    // The prefetch of layer 2 failed once (and nobody waited for it)…
+    eventually("the failed prefetch", || registry.index_fetches() == 3).await;
+    eventually("the failed flight landed", || {
+        registry.failing.lock().unwrap()[&digest('b', 2)] == 0
+            && indexes.inner.index_flight.running() == 0
+    })
+    .await;
+    indexes
+        .resolve(&repo(), &manifest, &layers[1], &ahead(&layers, 1))
+        .await
+        .unwrap();
+    // …so layer 2's own Prepare asks again and gets it.
+    let third = indexes
+        .resolve(&repo(), &manifest, &layers[2], &[])
+        .await
+        .unwrap();
+    assert_eq!(third.index.unwrap().layer_digest, layers[2]);
+    assert_eq!(registry.index_fetches(), 4);
+    // The image-level lookups were not repeated.
+    assert_eq!(
+        registry.asked().iter().filter(|a| *a == "manifest").count(),
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_image_lookup_is_retried_by_the_next_prepare() {
+    let (registry, _open) = FakeRegistry::new(2, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(2);
+    // A reference the fake does not know fails…
+    let err = indexes
+        .resolve(&repo(), &digest('x', 0), &layers[0], &[])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ResolveError::Registry(_)), "{err}");
+    // …and is not remembered: the right one works, an unknown layer is named.
+    let manifest = registry.manifest_digest.clone();
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &[])
+        .await
+        .unwrap();
+    let missing = indexes
+        .resolve(&repo(), &manifest, &digest('c', 9), &[])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(missing, ResolveError::NoSuchLayer { .. }),
+        "{missing}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_blobs_without_a_layer_annotation_are_fetched_to_find_their_layer() {
+    let (registry, _open) = FakeRegistry::new(2, false);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(2);
+    let manifest = registry.manifest_digest.clone();
+    for layer in &layers {
+        let resolved = indexes
+            .resolve(&repo(), &manifest, layer, &[])
+            .await
+            .unwrap();
+        assert_eq!(resolved.index.unwrap().layer_digest, *layer);
+    }
+    assert_eq!(registry.index_fetches(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_that_never_answers_times_out() {
+    let (registry, open) = FakeRegistry::new(1, true);
+    open.send_replace(false);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_millis(200));
+    let layers = layer_digests(1);
+    let manifest = registry.manifest_digest.clone();
+    let err = indexes
+        .resolve(&repo(), &manifest, &layers[0], &[])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ResolveError::TimedOut { .. }), "{err}");
+    // Not remembered: once the registry answers, the same layer resolves.
+    open.send_replace(true);
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &[])
+        .await
+        .unwrap();
+}
