@@ -78,7 +78,10 @@ node_fs() {
             truncate -s 64G "$img"
             mkfs.ext4 -q -F "$img"
         fi
-        mount -o loop,discard "$img" "$mnt"
+        # direct I/O: the backing file's pages are not cached a second time
+        local dev
+        dev=$(losetup --direct-io=on --find --show "$img")
+        mount "$dev" "$mnt"
     fi
     export E2E_TMPDIR=$mnt
     echo "node state on a journaled ext4 ($img): $base is ext4 without a journal" >&2
