@@ -88,7 +88,6 @@ cpu_secs() { # PID -> utime+stime in seconds (0 when there is no such process)
 }
 sub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 # proxy_down: bytes the proxy has sent towards the node so far ("" when none runs)
-PROXY_PID='' PROXY_STATS=''
 proxy_down() { [[ -z $PROXY_PID ]] || jq .down "$PROXY_STATS"; }
 # mark WHAT: a line in $OUT/timeline.log (seconds since the bench started), to see where
 # a run's wall time goes besides the timed starts
@@ -197,23 +196,6 @@ for w in $WORKLOADS; do
     printf '%s\t%s\t%s\t%s\n' "$w" "$(workload_cmd "$w")" "${TRACE_BYTES[$w]:-}" "${TRACE_STATUS[$w]:-none}"
 done >"$OUT/workloads.tsv"
 
-# ---------------------------------------------------------------- the latency proxy
-start_proxy() { # UPSTREAM DELAY_MS: sets PROXY_ADDR, PROXY_PID, PROXY_STATS
-    PROXY_ADDR=127.0.0.1:$(free_port)
-    PROXY_STATS=$E2E_TMP/proxy-stats.json
-    rm -f "$PROXY_STATS"
-    "$FERRY" bench proxy --listen "$PROXY_ADDR" --upstream "$1" --delay "${2}ms" \
-        --stats "$PROXY_STATS" >>"$OUT/proxy.log" 2>&1 &
-    PROXY_PID=$!
-    E2E_PIDS+=("$PROXY_PID")
-    wait_for 10 "proxy stats" test -s "$PROXY_STATS" || e2e_die "ferry bench proxy did not start (log $OUT/proxy.log)"
-}
-stop_proxy() {
-    [[ -n $PROXY_PID ]] || return 0
-    kill "$PROXY_PID" 2>/dev/null || true
-    wait "$PROXY_PID" 2>/dev/null || true
-    PROXY_PID=
-}
 
 # ---------------------------------------------------------------- phases
 # (a) for every workload: one pull, then each workload's run right after it

@@ -134,3 +134,22 @@ ferry_pull_ctr() {
         --snapshotter-root "$E2E_TMP/ferry/snapshotter" "$1" >"$E2E_TMP/pull.log" 2>&1 ||
         { cat "$E2E_TMP/pull.log" >&2; e2e_die "ferry pull failed"; }
 }
+
+# ---- the latency proxy (`ferry bench proxy`), one at a time
+PROXY_PID='' PROXY_STATS=''
+start_proxy() { # UPSTREAM DELAY_MS: sets PROXY_ADDR, PROXY_PID, PROXY_STATS (its counters)
+    PROXY_ADDR=127.0.0.1:$(free_port)
+    PROXY_STATS=$E2E_TMP/proxy-stats.json
+    rm -f "$PROXY_STATS"
+    "$FERRY" bench proxy --listen "$PROXY_ADDR" --upstream "$1" --delay "${2}ms" \
+        --stats "$PROXY_STATS" >>"$OUT/proxy.log" 2>&1 &
+    PROXY_PID=$!
+    E2E_PIDS+=("$PROXY_PID")
+    wait_for 10 "proxy stats" test -s "$PROXY_STATS" || e2e_die "ferry bench proxy did not start (log $OUT/proxy.log)"
+}
+stop_proxy() {
+    [[ -n $PROXY_PID ]] || return 0
+    kill "$PROXY_PID" 2>/dev/null || true
+    wait "$PROXY_PID" 2>/dev/null || true
+    PROXY_PID=
+}

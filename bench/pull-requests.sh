@@ -61,22 +61,6 @@ clone_layout "$IMG" "$LAYOUT"
     { tail -5 "$OUT/copy.txt" >&2; e2e_die "ferry copy"; }
 e2e_log "image $REG/bench/app:v1: $(tail -1 "$OUT/index.txt")"
 
-PROXY_PID=''
-start_proxy() { # UPSTREAM DELAY_MS: sets PROXY_ADDR, PROXY_PID
-    PROXY_ADDR=127.0.0.1:$(free_port)
-    "$FERRY" bench proxy --listen "$PROXY_ADDR" --upstream "$1" --delay "${2}ms" \
-        --stats "$E2E_TMP/proxy-stats.json" >>"$OUT/proxy.log" 2>&1 &
-    PROXY_PID=$!
-    E2E_PIDS+=("$PROXY_PID")
-    wait_for 10 "proxy stats" test -s "$E2E_TMP/proxy-stats.json" || e2e_die "ferry bench proxy did not start"
-}
-stop_proxy() {
-    [[ -n $PROXY_PID ]] || return 0
-    kill "$PROXY_PID" 2>/dev/null || true
-    wait "$PROXY_PID" 2>/dev/null || true
-    PROXY_PID=''
-    rm -f "$E2E_TMP/proxy-stats.json"
-}
 access_lines() { grep -c '"\(GET\|HEAD\|POST\|PUT\|PATCH\) /v2/' "$ACCESS_LOG" || true; }
 # kind of one access-log request line
 classify() {
