@@ -1360,7 +1360,10 @@ impl Client {
     // ------------------------------------------------------------------ listing
 
     /// Referrers of `subject` (optionally of one artifact type): the referrers API, else
-    /// the `sha256-<hex>` tag fallback; an empty index when there are none.
+    /// the `sha256-<hex>` tag fallback; an empty index when there are none. The fallback
+    /// tag is asked at the same time as the API's first page, so a registry without the
+    /// API (distribution 2.x) costs one round trip, not two; its answer is used only
+    /// when the API answers 404.
     pub async fn referrers(
         &self,
         r: &Repo,
@@ -1379,9 +1382,19 @@ impl Client {
         let mut descriptors: Vec<oci_spec::image::Descriptor> = Vec::new();
         let mut call = Call::new(Method::GET, path, format!("referrers of {subject} in {r}"))
             .header(header::ACCEPT, media::OCI_INDEX)?;
+        let tag = format!("sha256-{}", subject.trim_start_matches("sha256:"));
+        let (first_page, fallback) = tokio::join!(
+            self.execute(r, &call),
+            self.get_manifest(r, &tag, &[media::OCI_INDEX])
+        );
+        let mut first_page = Some(first_page);
         let mut api = true;
         for _ in 0..MAX_PAGES {
-            let resp = match self.execute(r, &call).await {
+            let page = match first_page.take() {
+                Some(page) => page,
+                None => self.execute(r, &call).await,
+            };
+            let resp = match page {
                 Ok(resp) => resp,
                 Err(ClientError::NotFound { .. }) if descriptors.is_empty() => {
                     api = false;
@@ -1409,8 +1422,7 @@ impl Client {
             }
         }
         if !api {
-            let tag = format!("sha256-{}", subject.trim_start_matches("sha256:"));
-            match self.get_manifest(r, &tag, &[media::OCI_INDEX]).await {
+            match fallback {
                 Ok(m) => {
                     let index: oci_spec::image::ImageIndex = serde_json::from_slice(&m.bytes)
                         .map_err(|e| ClientError::Invalid {
