@@ -64,7 +64,8 @@ mem_of() { # PID -> "rss_kib hwm_kib"
 # file created search the inode table past recently deleted inodes (ext4's
 # recently_deleted(), only without a journal): a fifth of the daemon's CPU at a cold start
 # with the store rebuilt phase after phase. When the temp dir's filesystem is such an
-# ext4, a sparse journaled ext4 image under bench/out/ is mounted and used instead;
+# ext4, a sparse journaled ext4 image under bench/out/ is mounted and used instead, and
+# left mounted for the next run (umount bench/out/node-fs; losetup -D);
 # BENCH_NODE_FS=0 keeps the temp dir as it is. Call before anything creates E2E_TMP.
 node_fs() {
     local base=${E2E_TMPDIR:-/tmp} src fstype
