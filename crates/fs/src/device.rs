@@ -16,7 +16,8 @@
 //! so a start moving through the stream waits for few round trips. Readahead fetches
 //! spans only: the miss fetches its own checkpoint's inflate window, and reads moving on
 //! keep the windows of the checkpoints they inflate through (in the process's inflated
-//! cache, `ferry_index::inflated`), so the next read along needs no request for its own. Readahead goes through the same single flight, verification and
+//! cache, `ferry_index::inflated`), so the next read along needs no request for its own.
+//! Readahead goes through the same single flight, verification and
 //! store as every fetch, and counts in `bytes_readahead`.
 //!
 //! Layers without span digests (eStargz, whose chunk digests are over uncompressed

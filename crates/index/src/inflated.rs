@@ -43,9 +43,16 @@ enum Piece {
     Window(usize),
 }
 
+impl Piece {
+    fn is_window(self) -> bool {
+        matches!(self, Piece::Window(_))
+    }
+}
+
 impl Inner {
-    fn bytes_of(&mut self, windows: bool) -> &mut usize {
-        if windows {
+    /// The byte count `piece`'s kind is bounded by.
+    fn bytes_of(&mut self, piece: Piece) -> &mut usize {
+        if piece.is_window() {
             &mut self.window_bytes
         } else {
             &mut self.bytes
@@ -192,7 +199,6 @@ impl InflatedSpans {
         if !self.admits(len as u64) {
             return false;
         }
-        let is_window = matches!(piece, Piece::Window(_));
         let mut inner = self.lock();
         inner.tick += 1;
         let tick = inner.tick;
@@ -203,28 +209,28 @@ impl InflatedSpans {
                 last_use: tick,
             },
         ) {
-            *inner.bytes_of(is_window) -= old.data.len();
+            *inner.bytes_of(piece) -= old.data.len();
         }
-        *inner.bytes_of(is_window) += len;
-        let bound = if is_window {
+        *inner.bytes_of(piece) += len;
+        let bound = if piece.is_window() {
             self.max_bytes / 4
         } else {
             self.max_bytes
         };
-        while *inner.bytes_of(is_window) > bound {
+        while *inner.bytes_of(piece) > bound {
             // A linear scan: the cache holds tens of entries, and eviction is rare next
             // to the inflate it saves.
             let Some(oldest) = inner
                 .map
                 .iter()
-                .filter(|((_, p), _)| matches!(p, Piece::Window(_)) == is_window)
+                .filter(|((_, p), _)| p.is_window() == piece.is_window())
                 .min_by_key(|(_, e)| e.last_use)
                 .map(|(k, _)| *k)
             else {
                 break;
             };
             if let Some(e) = inner.map.remove(&oldest) {
-                *inner.bytes_of(is_window) -= e.data.len();
+                *inner.bytes_of(piece) -= e.data.len();
             }
         }
         true

@@ -451,7 +451,7 @@ fn inflate_spans(
             // The last checkpoint the pass reaches: where a reader moving on starts next
             // (the ones before it are inside spans the pass leaves in the span cache).
             let end = pos + dst.len() as u64;
-            let wanted: Vec<(usize, u64)> = match (windows, kept) {
+            let keep = match (windows, kept) {
                 (Some(w), Some((c, key))) => (first + 1..index.checkpoints.len())
                     .take_while(|&j| index.checkpoints[j].out_offset <= end)
                     .last()
@@ -461,22 +461,20 @@ fn inflate_spans(
                             .as_ref()
                             .is_some_and(|at| !w.is_local(j, at) && !c.has_window(key, j))
                     })
-                    .map(|j| (j, index.checkpoints[j].out_offset - cp.out_offset))
-                    .into_iter()
-                    .collect(),
-                _ => Vec::new(),
+                    .map(|j| (c, key, j)),
+                _ => None,
             };
-            let at: Vec<u64> = wanted.iter().map(|&(_, o)| o).collect();
+            let at = keep.map(|(_, _, j)| index.checkpoints[j].out_offset - cp.out_offset);
             crate::zran::extract_capturing(
                 cp,
                 window,
                 &data,
                 pos - cp.out_offset,
                 dst,
-                &at,
-                &mut |i, raw| {
-                    if let Some((c, key)) = kept {
-                        c.insert_window(key, wanted[i].0, raw);
+                at.as_slice(),
+                &mut |_, raw| {
+                    if let Some((c, key, j)) = keep {
+                        c.insert_window(key, j, raw);
                     }
                 },
             )

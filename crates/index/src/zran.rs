@@ -53,7 +53,7 @@ use crate::ferryidx::Checkpoint;
 /// decodes (0.22% of the layers at 256 KiB), only what a cold read fetches: a span plus
 /// its window, 125 KB on average at 256 KiB against 404 KB at 1 MiB, at under a third of
 /// the latency. The price is a windows blob of about 11% of the layers, fetched a window
-/// per miss (reads moving on rebuild the later ones; all of it only by background fill).
+/// per miss (reads moving on keep the later ones; all of it only by background fill).
 pub const DEFAULT_SPAN: u64 = 256 << 10;
 
 /// Size of the deflate history window.
@@ -819,10 +819,20 @@ impl<R: Read> GzipIndexer<R> {
     }
 
     fn compress_window(&mut self, len: usize) -> Result<Vec<u8>> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        // libdeflate level 6 (its default): deterministic, fast, small windows.
         let compressor = self.compressor.get_or_insert_with(|| {
             libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
         });
-        deflate_window_with(compressor, &self.window[..len])
+        let bound = compressor.deflate_compress_bound(len);
+        let mut buf = vec![0u8; bound];
+        let n = compressor
+            .deflate_compress(&self.window[..len], &mut buf)
+            .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
+        buf.truncate(n);
+        Ok(buf)
     }
 
     fn step_trailer(&mut self) -> Result<()> {
@@ -936,20 +946,6 @@ pub enum Window<'a> {
     /// The history itself, at most [`WINDOW_SIZE`] bytes (as [`extract_capturing`]
     /// hands it out).
     Raw(&'a [u8]),
-}
-
-/// libdeflate level 6 (its default): deterministic, fast, small windows.
-fn deflate_window_with(compressor: &mut libdeflater::Compressor, raw: &[u8]) -> Result<Vec<u8>> {
-    if raw.is_empty() {
-        return Ok(Vec::new());
-    }
-    let bound = compressor.deflate_compress_bound(raw.len());
-    let mut buf = vec![0u8; bound];
-    let n = compressor
-        .deflate_compress(raw, &mut buf)
-        .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
-    buf.truncate(n);
-    Ok(buf)
 }
 
 /// [`extract`] with the checkpoint's deflated window given by the caller (fetched from
@@ -1349,8 +1345,8 @@ mod tests {
     }
 
     /// Inflating from a checkpoint through later ones hands out, at each, the window the
-    /// indexer stored there (deflated the same way it hashes the same), across members
-    /// and whether the extraction starts by skipping or not.
+    /// indexer stored there, across members and whether the extraction starts by
+    /// skipping or not; a read starting from such a raw window gets the stream's bytes.
     #[test]
     fn extraction_captures_the_windows_of_the_checkpoints_it_passes() {
         let mut blob = gz(&mixed(900_000, 7), 6);
