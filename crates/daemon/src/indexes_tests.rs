@@ -89,10 +89,11 @@ impl FakeRegistry {
 impl IndexRegistry for FakeRegistry {
     async fn manifest(
         &self,
-        _repo: &Repo,
+        repo: &Repo,
         reference: &str,
     ) -> Result<(String, Vec<Descriptor>), ResolveError> {
-        self.note("manifest".into());
+        self.note(asked_as("manifest", repo));
+        pull_right(repo)?;
         if reference != self.manifest_digest && reference != "v1" {
             return Err(ResolveError::Registry(format!("no manifest {reference}")));
         }
@@ -101,19 +102,21 @@ impl IndexRegistry for FakeRegistry {
 
     async fn index_blobs(
         &self,
-        _repo: &Repo,
+        repo: &Repo,
         subject: &str,
     ) -> Result<Vec<Descriptor>, ResolveError> {
-        self.note("index_blobs".into());
+        self.note(asked_as("index_blobs", repo));
+        pull_right(repo)?;
         if subject != self.manifest_digest {
             return Ok(Vec::new());
         }
         Ok(self.blobs.clone())
     }
 
-    async fn index(&self, _repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
+    async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
         let blob_digest = blob.digest().to_string();
         self.note(format!("index {blob_digest}"));
+        pull_right(repo)?;
         let mut open = self.open.clone();
         open.wait_for(|o| *o).await.unwrap();
         {
@@ -146,6 +149,29 @@ impl IndexRegistry for FakeRegistry {
 
 fn repo() -> Repo {
     Repo::new("reg.local:5000", "app")
+}
+
+/// How the fake records a request: by its kind, with the repository when it is not
+/// `app` (the one every other test uses).
+fn asked_as(what: &str, repo: &Repo) -> String {
+    if repo.repository == "app" {
+        what.to_owned()
+    } else {
+        format!("{what} {}", repo.repository)
+    }
+}
+
+/// The node may pull `app` only (what the registry would answer for any other
+/// repository, whose content the node has no right to).
+fn pull_right(repo: &Repo) -> Result<(), ResolveError> {
+    if repo.repository == "app" {
+        Ok(())
+    } else {
+        Err(ResolveError::Registry(format!(
+            "denied: {}",
+            repo.repository
+        )))
+    }
 }
 
 fn layer_digests(n: usize) -> Vec<String> {
@@ -202,6 +228,32 @@ async fn the_first_prepare_fetches_every_layer_and_the_others_ask_nothing_more()
         before,
         "layers 1..n asked the registry again"
     );
+}
+
+/// What one repository resolved is never an answer for another: the same manifest and
+/// layer named under a repository the node may not pull go to the registry, which
+/// refuses, instead of being served from the first repository's cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_repository_is_not_answered_from_this_ones_cache() {
+    let n = 3;
+    let (registry, _open) = FakeRegistry::new(n, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(n);
+    let manifest = registry.manifest_digest.clone();
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    eventually("every index fetched", || registry.index_fetches() == n).await;
+    let other = Repo::new("reg.local:5000", "private");
+    for layer in &layers {
+        let denied = indexes.resolve(&other, &manifest, layer, &[]).await;
+        assert!(
+            denied.is_err(),
+            "{layer} of another repository came from the cache"
+        );
+    }
+    assert!(registry.asked().iter().any(|a| a == "manifest private"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
