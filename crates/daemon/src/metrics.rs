@@ -51,6 +51,8 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let read_waits = Counters::default();
     let readahead = Counters::default();
     let nearby = Counters::default();
+    let guessed = Counters::default();
+    let guessed_used = Counters::default();
     let prefetch_done = Gauges::default();
     let fill_done = Gauges::default();
     for m in backend.list() {
@@ -71,6 +73,10 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         read_waits.get_or_create(&labels).inc_by(s.read_waits);
         readahead.get_or_create(&labels).inc_by(s.bytes_readahead);
         nearby.get_or_create(&labels).inc_by(s.bytes_nearby);
+        guessed.get_or_create(&labels).inc_by(s.bytes_guessed);
+        guessed_used
+            .get_or_create(&labels)
+            .inc_by(s.bytes_guessed_used);
         prefetch_done
             .get_or_create(&labels)
             .set(i64::from(s.prefetch_done));
@@ -122,6 +128,16 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         "mount_nearby_bytes",
         "Compressed bytes fetched at a miss as the rest of its file and the small files beside it",
         nearby,
+    );
+    registry.register(
+        "mount_guessed_bytes",
+        "Compressed bytes of spans fetched as guesses (readahead, a file's rest, its neighbours)",
+        guessed,
+    );
+    registry.register(
+        "mount_guessed_used_bytes",
+        "Of the guessed bytes, those of spans a read has used since",
+        guessed_used,
     );
     registry.register(
         "mount_prefetch_done",

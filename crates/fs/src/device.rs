@@ -472,6 +472,9 @@ pub struct LayerSource {
     readahead: Mutex<Readahead>,
     /// A background readahead is running (at most one per layer).
     readahead_running: AtomicBool,
+    /// Per span of an indexed layer: fetched as a guess and not read since
+    /// ([`MountStats::bytes_guessed`]). Empty for other layers.
+    guessed: Vec<AtomicBool>,
     /// This source, once shared ([`LayerSource::into_shared`]): background readahead
     /// holds it while it runs. Empty for a source never shared that way (no background
     /// readahead then).
@@ -479,12 +482,14 @@ pub struct LayerSource {
 }
 
 /// What a fetch of pieces did, for the caller's accounting.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct Fetched {
     /// Bytes fetched from the backend.
     bytes: u64,
     /// The caller waited for the network: a fetch of its own or one in flight it joined.
     waited: bool,
+    /// The spans (of a layer's stream, not windows) this call fetched itself.
+    led: Vec<usize>,
 }
 
 impl std::fmt::Debug for LayerSource {
@@ -533,6 +538,7 @@ impl LayerSource {
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
             readahead_running: AtomicBool::new(false),
+            guessed: (0..n).map(|_| AtomicBool::new(false)).collect(),
             me: Weak::new(),
         }
     }
@@ -560,6 +566,7 @@ impl LayerSource {
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
             readahead_running: AtomicBool::new(false),
+            guessed: Vec::new(),
             me: Weak::new(),
         }
     }
@@ -675,6 +682,16 @@ impl LayerSource {
     /// [`MAX_HELD_BYTES`] (beyond that it is skipped). Returns the compressed bytes
     /// fetched from the backend.
     pub fn warm_range(&self, range: Range<u64>) -> io::Result<u64> {
+        self.warm(range, false)
+    }
+
+    /// [`Self::warm_range`] for a guess ([`crate::nearby`]): the spans it fetches count
+    /// in [`MountStats::bytes_guessed`] until a read uses them.
+    pub(crate) fn warm_guessed(&self, range: Range<u64>) -> io::Result<u64> {
+        self.warm(range, true)
+    }
+
+    fn warm(&self, range: Range<u64>, guess: bool) -> io::Result<u64> {
         if range.start >= range.end || range.end > self.backend.len() {
             return Ok(0);
         }
@@ -699,6 +716,9 @@ impl LayerSource {
                 }
                 self.spans_and_windows(spans, k..l, &mut fetched)?;
                 k = l;
+            }
+            if guess {
+                self.note_guessed(&fetched);
             }
             return Ok(fetched.bytes);
         }
@@ -729,6 +749,59 @@ impl LayerSource {
             }
         }
         Ok(n)
+    }
+
+    /// Makes `range` (the compressed extent of a file a read has just started on) local
+    /// as that read's own request, before the read itself runs: the spans covering it
+    /// and, in a request at the same time, their checkpoints' windows, so that reads
+    /// anywhere in the file later (a loader's page faults) inflate from a local window
+    /// instead of waiting for one. Like a miss, it extends into the readahead window
+    /// after it and counts as one read that waited. For a passthrough layer it warms the
+    /// range ([`Self::warm_range`]). Returns the compressed bytes fetched.
+    pub fn fetch_for_read(&self, range: Range<u64>) -> io::Result<u64> {
+        if range.start >= range.end || range.end > self.backend.len() {
+            return Ok(0);
+        }
+        let (Some(spans), Some(store)) = (&self.spans, self.store.as_deref()) else {
+            return self.warm_range(range);
+        };
+        let demand = spans.covering(&range);
+        let map = StreamMap {
+            source: self,
+            spans,
+            store,
+        };
+        if demand.is_empty() || !demand.clone().any(|k| map.is_missing(k)) {
+            return Ok(0);
+        }
+        let plan =
+            lock(&self.readahead).plan(demand.clone(), true, self.config.readahead_bytes, &map);
+        let end = plan.sync_end.max(demand.end);
+        let mut fetched = Fetched::default();
+        // In pieces of at most `max_request_bytes`, as `warm_range`: a file is at most
+        // `whole_file_bytes`, so this is one request (and its windows) in practice.
+        let mut k = demand.start;
+        while k < end {
+            let mut l = k + 1;
+            while l < end
+                && spans.ranges[l].end - spans.ranges[k].start <= self.config.max_request_bytes
+            {
+                l += 1;
+            }
+            self.spans_and_windows(spans, k..l, &mut fetched)?;
+            k = l;
+        }
+        let ahead: u64 = (demand.end..end).map(|k| span_len(&spans.ranges[k])).sum();
+        MountStats::add(&self.stats.bytes_readahead, ahead);
+        if fetched.waited {
+            self.stats.read_waited();
+        }
+        // All of it a guess until read: the read that asked uses its own spans at once.
+        self.note_guessed(&fetched);
+        if let Some(ks) = plan.background {
+            self.read_ahead_in_background(ks);
+        }
+        Ok(fetched.bytes)
     }
 
     /// What background fill still has to fetch for this layer: runs of neighbouring
@@ -1028,9 +1101,25 @@ impl LayerSource {
             } else if let Some(e) = self.failed_recently(spans.kind, run.iter().map(|(k, _)| *k)) {
                 Err(e)
             } else {
-                self.origin(spans.kind)
+                let began = Instant::now();
+                let landed = self
+                    .origin(spans.kind)
                     .and_then(|(backend, _)| self.fetch_from(backend, start..end, deadline))
-                    .inspect_err(|_| self.remember_failure(spans.kind, run.iter().map(|(k, _)| *k)))
+                    .inspect_err(|_| {
+                        self.remember_failure(spans.kind, run.iter().map(|(k, _)| *k))
+                    });
+                // Which thread asked (a FUSE read, readahead, nearby, prefetch, fill) and
+                // how long it took: what a start's critical path is made of.
+                tracing::debug!(
+                    kind = spans.kind.name(),
+                    first = run[0].0,
+                    pieces = run.len(),
+                    bytes = end - start,
+                    ms = began.elapsed().as_secs_f64() * 1e3,
+                    by = std::thread::current().name().unwrap_or("?"),
+                    "fetched"
+                );
+                landed
             };
             match landed {
                 Ok(data) => {
@@ -1047,6 +1136,9 @@ impl LayerSource {
                             Ok(b) => {
                                 out[*k - ks.start] = Some(b.clone());
                                 self.forget_failure(spans.kind, *k);
+                                if spans.kind == PieceKind::Span {
+                                    fetched.led.push(*k);
+                                }
                             }
                             // Wrong bytes (from the backend and any fallback): back off
                             // like a failed fetch, so rereads do not fetch it again.
@@ -1269,6 +1361,7 @@ impl LayerSource {
                 "range outside the layer's spans",
             ));
         }
+        self.note_used(first..last);
         let bytes = self.read_spans_ahead(spans, first..last)?;
         let mut out = vec![0u8; len];
         let mut covered = range.start;
@@ -1335,6 +1428,16 @@ impl LayerSource {
             // (`ferry_index::inflated`), so readahead costs one request, not two.
             let mut bytes = self.spans_bytes(spans, demand.start..plan.sync_end, &mut fetched)?;
             MountStats::add(&self.stats.bytes_readahead, ahead);
+            let ahead_led = Fetched {
+                led: fetched
+                    .led
+                    .iter()
+                    .copied()
+                    .filter(|&k| k >= demand.end)
+                    .collect(),
+                ..Fetched::default()
+            };
+            self.note_guessed(&ahead_led);
             bytes.truncate(demand.len());
             bytes
         } else {
@@ -1347,6 +1450,30 @@ impl LayerSource {
             self.read_ahead_in_background(ks);
         }
         Ok(bytes)
+    }
+
+    /// Notes the spans `fetched` brought as guesses: no read asked for them (yet).
+    fn note_guessed(&self, fetched: &Fetched) {
+        for &k in &fetched.led {
+            if let Some(flag) = self.guessed.get(k)
+                && !flag.swap(true, Ordering::AcqRel)
+                && let Some(r) = self.spans.as_ref().and_then(|s| s.ranges.get(k))
+            {
+                MountStats::add(&self.stats.bytes_guessed, span_len(r));
+            }
+        }
+    }
+
+    /// A read wants spans `ks`: the guesses among them were worth their bytes.
+    fn note_used(&self, ks: Range<usize>) {
+        for k in ks {
+            if let Some(flag) = self.guessed.get(k)
+                && flag.swap(false, Ordering::AcqRel)
+                && let Some(r) = self.spans.as_ref().and_then(|s| s.ranges.get(k))
+            {
+                MountStats::add(&self.stats.bytes_guessed_used, span_len(r));
+            }
+        }
     }
 
     /// Fetches spans `ks` (and their windows) in a thread of its own, at most one per
@@ -1364,7 +1491,10 @@ impl LayerSource {
                 if let Some(spans) = &me.spans {
                     let mut fetched = Fetched::default();
                     match me.spans_bytes(spans, ks.clone(), &mut fetched) {
-                        Ok(_) => MountStats::add(&me.stats.bytes_readahead, fetched.bytes),
+                        Ok(_) => {
+                            MountStats::add(&me.stats.bytes_readahead, fetched.bytes);
+                            me.note_guessed(&fetched);
+                        }
                         Err(e) => tracing::debug!(
                             start = ks.start,
                             end = ks.end,

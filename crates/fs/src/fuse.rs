@@ -173,10 +173,11 @@ impl FerryFs {
             return Ok(Vec::new());
         };
         let len = (node.size - offset).min(u64::from(size.min(MAX_READ))) as usize;
+        // From here: a read's first miss in a file may fetch the file whole first.
+        let started = std::time::Instant::now();
         self.image.read_nearby(ino, node, offset, len as u64);
         let mut buf = vec![0u8; len];
         let layer = self.image.image.layers().get(loc.layer).ok_or(Errno::EIO)?;
-        let started = std::time::Instant::now();
         let read = layer.read_at(loc.entry, offset, &mut buf);
         let took = started.elapsed();
         if took >= SLOW_READ && tracing::enabled!(tracing::Level::DEBUG) {

@@ -582,22 +582,13 @@ impl MountedImage {
     }
 
     /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
-    /// file `ino` (nothing unless the read misses), fetched in the background.
+    /// file `ino` (nothing unless the read misses): its neighbours go to the background,
+    /// its whole file is fetched here, as the read's own request, before it reads.
     pub(crate) fn read_nearby(&self, ino: Ino, node: &Node, offset: u64, len: u64) {
         let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
             return;
         };
-        let fetched = self
-            .stats
-            .bytes_fetched
-            .load(std::sync::atomic::Ordering::Relaxed);
-        let served = self
-            .stats
-            .bytes_served
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if !self.nearby.within_budget(fetched, served) {
-            return;
-        }
+        let spent = crate::nearby::Spent::of(&self.stats);
         let layers = crate::nearby::MountLayers {
             image: &self.image,
             sources: &self.sources,
@@ -608,8 +599,35 @@ impl MountedImage {
             offset,
             len,
         };
-        let ranges = self.nearby.plan(&layers, &read);
-        crate::nearby::submit(source, &self.stats, ranges);
+        let asks = self.nearby.plan(&layers, &read, spent);
+        if asks == crate::nearby::Asks::default() {
+            return;
+        }
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(
+                path = self.tree.path_of(ino).unwrap_or_default(),
+                whole = asks.whole.as_ref().map_or(0, |r| r.end - r.start),
+                neighbours = asks.neighbours.iter().map(|r| r.end - r.start).sum::<u64>(),
+                fetched = spent.fetched,
+                served = spent.served,
+                guessed_unused = spent.guessed_unused,
+                "nearby: asked"
+            );
+        }
+        // The neighbours first, so they travel while the read waits for its file.
+        crate::nearby::submit(source, &self.stats, asks.neighbours);
+        if let Some(range) = asks.whole {
+            match source.fetch_for_read(range.clone()) {
+                Ok(n) => MountStats::add(&self.stats.bytes_nearby, n),
+                // The read fetches what it needs itself (and reports what fails).
+                Err(e) => tracing::debug!(
+                    start = range.start,
+                    end = range.end,
+                    error = %e,
+                    "fetching the file whole failed"
+                ),
+            }
+        }
     }
 
     /// The device-level source of layer `layer`, when it has one.

@@ -2,23 +2,26 @@
 //! trace (readahead along the stream, [`crate::readahead`], covers what *follows* a miss;
 //! this covers what belongs with it):
 //!
-//! * the first read of a file that misses brings the **rest of the file** when the file
-//!   is at most [`FetchConfig::whole_file_bytes`]: a program that opens a module or a
-//!   library reads nearly all of it, the loader by page faults at scattered offsets (nine
-//!   misses in one 4.7 MB `libcrypto` at a pandas start);
+//! * the first read of a file that misses brings the **whole file** when the file is at
+//!   most [`FetchConfig::whole_file_bytes`], as that read's own request: a program that
+//!   opens a module or a library reads nearly all of it, the loader by page faults at
+//!   scattered offsets (nine misses in one 4.7 MB `libcrypto` at a pandas start), and
+//!   each of those would wait a round trip. Fetched on the pool instead, the faults came
+//!   before it and waited anyway; and this is no guess, so it is not held back by the
+//!   budget below (a looser one, [`WHOLE_FILE_NUM`], bounds a program that opens many
+//!   files and reads little of each);
 //! * the first miss in a directory brings the **small files around it** (each at most
 //!   [`MAX_NEARBY_FILE`]) in the subtree of the directory's parent, nearest in the stream
 //!   first, up to [`FetchConfig::nearby_bytes`] compressed: a package's modules, and its
 //!   subpackages', are imported together but not in the order the tar holds them, so
-//!   the miss can be anywhere among them (readahead only covers what follows it).
+//!   the miss can be anywhere among them (readahead only covers what follows it). These
+//!   go out on a small process-wide pool of fetch threads, in parallel with the read,
+//!   through the same single flight, verification and store as every fetch
+//!   ([`LayerSource::warm_range`]), without the file's own ranges.
 //!
-//! Both go out at once, in parallel with the read that asked and with each other, on a
-//! small process-wide pool of fetch threads, through the same single flight,
-//! verification and store as every fetch ([`LayerSource::warm_range`]). They leave out
-//! the read's own spans, which the read fetches itself rather than wait behind a larger
-//! request. Each file and directory asks once per mount; only reads that miss ask, so a
-//! start served from its trace's prefetch adds nothing; and a mount stops asking while
-//! it has fetched more than 1.4x what its reads used ([`Nearby::within_budget`]).
+//! Each file and directory asks once per mount; only reads that miss ask, so a start
+//! served from its trace's prefetch adds nothing; and a mount stops guessing neighbours
+//! while it has fetched more than 1.4x what its reads used ([`Nearby::within_budget`]).
 //!
 //! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
 //! data or keep any.
@@ -39,15 +42,27 @@ use crate::warm::{merge_ranges, subtract_ranges};
 
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
-/// A mount guesses only while its fetched bytes are at most NUM/DEN of the bytes its
-/// reads were served ([`Nearby::within_budget`]). Measured 10 ms from Debian's registry:
-/// a numpy import, whose reads are scattered (1.45x fetched per byte read by readahead
-/// alone), then guesses nothing (with unbounded guesses it moved 2.03x, no faster); a
-/// pandas + scipy start guesses while it uses what comes (1.16x, 116 reads waited
-/// instead of 123).
-pub const SPECULATION_NUM: u64 = 7;
+/// A mount guesses a miss's neighbours only while the guesses no read has used yet
+/// ([`MountStats::guessed_unused`]) are at most NUM/DEN of the bytes its reads were
+/// served, or [`GUESS_FLOOR`]: guessing costs what it fetches that the start never
+/// reads, and a start may move at most 1.5x what it reads (issue 16), of which about
+/// 0.85-1.0x is the spans its reads need. Guesses that the start reads free the bound
+/// again, so a start that reads what comes keeps guessing and one whose reads are
+/// scattered (a numpy import) soon stops. (The bound used to be on all fetched bytes
+/// against served ones; the spans a start's first reads need are 1.5-2.5x what they
+/// serve, so it held every guess back for the first half of a pandas start.)
+pub const SPECULATION_NUM: u64 = 2;
 /// See [`SPECULATION_NUM`].
 pub const SPECULATION_DEN: u64 = 5;
+/// Unused guesses a mount may always have: one directory's neighbours
+/// ([`crate::device::DEFAULT_NEARBY_BYTES`]).
+pub const GUESS_FLOOR: u64 = 4 << 20;
+/// A mount fetches the files its reads start on whole while its fetched bytes are at
+/// most this many times the bytes its reads were served: far looser than the
+/// neighbours' budget (the file is being read), but a program that opens thousands of
+/// files and reads a header of each stops pulling them whole. At a pandas + scipy start
+/// the ratio stays under 1.5 (measured by `bench/cold-start.sh`).
+pub const WHOLE_FILE_NUM: u64 = 3;
 /// Entries looked at, at most, around a miss for its neighbours.
 const MAX_NEARBY_SCAN: usize = 20_000;
 /// Threads of the process-wide pool that fetches nearby files.
@@ -70,6 +85,39 @@ struct Seen {
     files: HashSet<Ino>,
     /// Directories whose small files were asked for.
     dirs: HashSet<Ino>,
+}
+
+/// What a mount has spent when a read asks ([`Nearby::plan`]), from its counters.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Spent {
+    /// Compressed bytes fetched.
+    pub fetched: u64,
+    /// Bytes served to reads.
+    pub served: u64,
+    /// Compressed bytes fetched as guesses that no read has used yet.
+    pub guessed_unused: u64,
+}
+
+impl Spent {
+    pub(crate) fn of(stats: &MountStats) -> Spent {
+        use std::sync::atomic::Ordering::Relaxed;
+        Spent {
+            fetched: stats.bytes_fetched.load(Relaxed),
+            served: stats.bytes_served.load(Relaxed),
+            guessed_unused: stats.guessed_unused(),
+        }
+    }
+}
+
+/// What a read asks for besides its own bytes ([`Nearby::plan`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Asks {
+    /// The compressed extent of the read's whole file: fetched as the read's own request
+    /// ([`LayerSource::fetch_for_read`]), before the read.
+    pub whole: Option<Range<u64>>,
+    /// Sorted disjoint compressed ranges of small files around it, without the file's
+    /// own: fetched on the pool ([`submit`]), in parallel with the read.
+    pub neighbours: Vec<Range<u64>>,
 }
 
 /// One read, as [`Nearby::plan`] sees it.
@@ -100,58 +148,83 @@ impl Nearby {
         }
     }
 
-    /// Whether a mount that has fetched `fetched` compressed bytes and served `served`
-    /// bytes to reads may still guess: while what it fetched stays within
-    /// [`SPECULATION_NUM`]/[`SPECULATION_DEN`] of what its reads used (its first miss
-    /// always may). Guesses that the start reads raise the bound; a start that reads
-    /// little of what comes stops guessing, so the bytes it moves stay near what it reads.
-    pub(crate) fn within_budget(&self, fetched: u64, served: u64) -> bool {
+    /// Whether a mount whose unused guesses are `unused` compressed bytes, having served
+    /// `served` bytes to reads, may still guess ([`SPECULATION_NUM`], [`GUESS_FLOOR`]).
+    pub(crate) fn within_budget(&self, unused: u64, served: u64) -> bool {
         let bound = served
             .saturating_mul(SPECULATION_NUM)
             .checked_div(SPECULATION_DEN)
-            .unwrap_or(u64::MAX);
-        fetched <= bound
+            .unwrap_or(u64::MAX)
+            .max(GUESS_FLOOR);
+        unused <= bound
     }
 
-    /// The fetches a read asks for besides its own, all in the read's layer: sorted
-    /// disjoint compressed ranges, without the read's own. Empty unless the read misses
-    /// and its file or its directory has not asked yet (checked first: most reads stop
-    /// there, before any range is looked up).
-    pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>) -> Vec<Range<u64>> {
+    /// Whether a mount that has fetched `fetched` and served `served` bytes may still
+    /// fetch the files its reads start on whole ([`WHOLE_FILE_NUM`]; its first miss
+    /// always may).
+    pub(crate) fn within_whole_file_budget(&self, fetched: u64, served: u64) -> bool {
+        fetched <= served.saturating_mul(WHOLE_FILE_NUM)
+    }
+
+    /// The fetches a read asks for besides its own, all in the read's layer. Nothing
+    /// unless the read misses and its file or its directory has not asked yet (checked
+    /// first: most reads stop there). `spent` is what the mount has fetched and served
+    /// so far: the neighbours are guesses, asked within [`Self::within_budget`]; the
+    /// read's own file is not, it comes whole within the looser
+    /// [`Self::within_whole_file_budget`].
+    pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>, spent: Spent) -> Asks {
+        let none = Asks::default();
         let Some(loc) = read.node.data else {
-            return Vec::new();
+            return none;
         };
+        let (fetched, served) = (spent.fetched, spent.served);
+        let guess = self.within_budget(spent.guessed_unused, served);
         let (whole, dir) = {
             let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             (
                 self.whole_file_bytes > 0
                     && read.node.size <= self.whole_file_bytes
+                    && self.within_whole_file_budget(fetched, served)
                     && !seen.files.contains(&read.ino),
-                self.nearby_bytes > 0 && !seen.dirs.contains(&read.node.parent),
+                guess && self.nearby_bytes > 0 && !seen.dirs.contains(&read.node.parent),
             )
         };
         if !whole && !dir {
-            return Vec::new();
+            return none;
         }
         let own = layers.ranges(loc, read.offset, read.len);
         if !own.iter().any(|r| layers.missing(loc.layer, r)) {
-            return Vec::new();
+            return none;
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         let whole = whole && seen.files.insert(read.ino);
         let dir = dir && seen.dirs.insert(read.node.parent);
         drop(seen);
-        let mut want = Vec::new();
-        if whole {
-            want.extend(layers.ranges(loc, 0, read.node.size));
-        }
-        if dir {
-            want.extend(self.neighbours(layers, loc));
-        }
-        subtract_ranges(&merge_ranges(want), &merge_ranges(own))
+        let file = if whole {
+            layers.ranges(loc, 0, read.node.size)
+        } else {
+            own
+        };
+        let neighbours = if dir {
+            subtract_ranges(
+                &merge_ranges(self.neighbours(layers, loc)),
+                &merge_ranges(file.clone()),
+            )
             .into_iter()
             .filter(|r| layers.missing(loc.layer, r))
             .collect()
+        } else {
+            Vec::new()
+        };
+        // A file is one stretch of its layer's stream: its ranges' hull.
+        let whole = whole
+            .then(|| {
+                let start = file.iter().map(|r| r.start).min()?;
+                let end = file.iter().map(|r| r.end).max()?;
+                Some(start..end)
+            })
+            .flatten();
+        Asks { whole, neighbours }
     }
 
     /// The small files around the read's in its layer's stream, nearest first, inside
@@ -334,7 +407,7 @@ fn work(jobs: &Mutex<Receiver<Job>>) {
         };
         let Ok(job) = job else { return };
         if let Some(source) = job.source.upgrade() {
-            match source.warm_range(job.range.clone()) {
+            match source.warm_guessed(job.range.clone()) {
                 Ok(n) => {
                     if let Some(stats) = job.stats.upgrade() {
                         MountStats::add(&stats.bytes_nearby, n);

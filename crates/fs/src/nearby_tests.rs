@@ -125,6 +125,23 @@ impl Rig {
             .any(|r| source.range_missing(r))
     }
 
+    /// What a read of `path` would ask for, with the mount at `spent`.
+    fn plan(&self, path: &str, offset: u64, len: u64, spent: Spent) -> Asks {
+        let ino = self.image.tree.resolve(path).unwrap();
+        let node = self.image.tree.get(ino).unwrap();
+        let layers = MountLayers {
+            image: &self.image.image,
+            sources: &self.image.sources,
+        };
+        let read = Read {
+            ino,
+            node,
+            offset,
+            len,
+        };
+        self.image.nearby.plan(&layers, &read, spent)
+    }
+
     fn calls(&self) -> usize {
         self.backend.log.lock().unwrap().len()
     }
@@ -261,28 +278,105 @@ fn off_is_off() {
 }
 
 #[test]
-fn a_mount_that_fetched_much_more_than_it_read_stops_guessing() {
-    let rig = rig(1 << 20, 100 << 10);
-    assert!(rig.image.nearby.within_budget(0, 0));
-    // Two directories' first misses, 200 bytes read: their guesses outgrow the reads.
+fn guesses_count_until_a_read_uses_them() {
+    let rig = rig(0, 4 << 20);
     rig.read("app/pkg/m3", 0, 100);
-    rig.read("other/x", 0, 100);
     let s = rig.image.stats.snapshot();
-    assert!(s.bytes_nearby > 0);
-    assert!(
-        !rig.image
-            .nearby
-            .within_budget(s.bytes_fetched, s.bytes_served),
-        "{s:?}"
+    assert!(s.bytes_guessed > 0, "{s:?}");
+    assert_eq!(s.bytes_guessed_used, 0, "{s:?}");
+    // A neighbour that came is read: its spans were worth it.
+    rig.read("app/pkg/m0", 0, 100);
+    let t = rig.image.stats.snapshot();
+    assert!(t.bytes_guessed_used > 0, "{t:?}");
+    assert_eq!(t.bytes_guessed, s.bytes_guessed, "a hit is no new guess");
+    assert!(t.bytes_guessed_used <= t.bytes_guessed);
+}
+
+#[test]
+fn a_mount_whose_guesses_go_unread_stops_guessing() {
+    let nearby = Nearby::new(&FetchConfig::default());
+    // Its first guesses always may, up to the floor.
+    assert!(nearby.within_budget(0, 0));
+    assert!(nearby.within_budget(GUESS_FLOOR, 0));
+    assert!(!nearby.within_budget(GUESS_FLOOR + 1, 0));
+    // Beyond the floor: unused guesses up to 2/5 of what the reads were served.
+    assert!(nearby.within_budget(40 << 20, 100 << 20));
+    assert!(!nearby.within_budget((40 << 20) + 1, 100 << 20));
+
+    let rig = rig(1 << 20, 4 << 20);
+    let over = Spent {
+        fetched: 10 << 20,
+        served: 1 << 20,
+        guessed_unused: GUESS_FLOOR + 1,
+    };
+    let asks = rig.plan("app/pkg/m3", 0, 100, over);
+    assert!(asks.neighbours.is_empty(), "{asks:?}");
+    // Its own file (within the looser bound) still comes whole.
+    let asks = rig.plan(
+        "app/pkg/m4",
+        0,
+        100,
+        Spent {
+            fetched: 2 << 20,
+            ..over
+        },
     );
-    // A file that would come whole: only the read's own bytes now.
-    rig.read("lib.so", 0, 100);
-    assert_eq!(rig.image.stats.snapshot().bytes_nearby, s.bytes_nearby);
-    assert!(rig.missing("lib.so"));
-    // Reads that used what was fetched raise the bound again.
     assert!(
-        rig.image
-            .nearby
-            .within_budget(s.bytes_fetched, s.bytes_fetched)
+        asks.whole.is_some() && asks.neighbours.is_empty(),
+        "{asks:?}"
     );
+}
+
+#[test]
+fn a_reads_own_file_comes_whole_past_the_guessing_budget() {
+    let rig = rig(1 << 20, 4 << 20);
+    let spent = |fetched: u64, served: u64, guessed_unused: u64| Spent {
+        fetched,
+        served,
+        guessed_unused,
+    };
+    // Guesses unused past the bound: no neighbours, the file still whole.
+    let asks = rig.plan("lib.so", 0, 100, spent(150, 100, GUESS_FLOOR + 1));
+    assert!(asks.whole.is_some(), "{asks:?}");
+    assert!(asks.neighbours.is_empty(), "{asks:?}");
+    // Within both: the file, and its neighbours without the file's own ranges.
+    let asks = rig.plan("app/pkg/m3", 0, 100, spent(100, 100, 0));
+    let whole = asks.whole.clone().unwrap();
+    assert!(!asks.neighbours.is_empty());
+    assert!(
+        asks.neighbours
+            .iter()
+            .all(|r| r.end <= whole.start || r.start >= whole.end),
+        "{asks:?}"
+    );
+    // Past both (fetched over 3x served): nothing, and the file may still ask later.
+    let asks = rig.plan("app/pkg/m0", 0, 100, spent(400, 100, GUESS_FLOOR + 1));
+    assert_eq!(asks, Asks::default());
+    assert!(
+        rig.plan("app/pkg/m0", 0, 100, spent(100, 100, 0))
+            .whole
+            .is_some()
+    );
+}
+
+#[test]
+fn a_files_first_miss_fetches_it_whole_in_the_reads_own_request() {
+    let rig = rig(1 << 20, 0);
+    let before = rig.calls();
+    rig.read("lib.so", 0, 4096);
+    let after_first = rig.calls();
+    // The file's spans in one request and their windows in one more (no readahead here).
+    assert!(
+        after_first - before <= 2,
+        "{:?}",
+        &rig.backend.log.lock().unwrap()[before..]
+    );
+    assert!(!rig.missing("lib.so"));
+    // Faults anywhere in it later need nothing from the network, windows included.
+    for off in [100u64 << 10, 300 << 10, 590 << 10] {
+        let data = rig.read("lib.so", off, 4096);
+        assert_eq!(data, noise(600 << 10, 5)[off as usize..off as usize + 4096]);
+    }
+    assert_eq!(rig.calls(), after_first);
+    assert_eq!(rig.image.stats.snapshot().read_waits, 1);
 }

@@ -36,6 +36,13 @@ pub struct MountStats {
     /// Compressed bytes fetched as the rest of a file or the small files beside it, at a
     /// miss ([`crate::nearby`]).
     pub bytes_nearby: AtomicU64,
+    /// Compressed bytes of spans fetched as guesses (readahead, a file's rest, its
+    /// neighbours) rather than for a read that wanted them.
+    pub bytes_guessed: AtomicU64,
+    /// Of [`Self::bytes_guessed`], the bytes of spans a read has used since: what the
+    /// guesses were worth. Their difference is what guessing has cost so far, and bounds
+    /// further guesses ([`crate::nearby`]).
+    pub bytes_guessed_used: AtomicU64,
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
     pub hot_bytes: AtomicU64,
@@ -79,6 +86,12 @@ pub struct StatsSnapshot {
     /// See [`MountStats::bytes_nearby`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub bytes_nearby: u64,
+    /// See [`MountStats::bytes_guessed`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub bytes_guessed: u64,
+    /// See [`MountStats::bytes_guessed_used`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub bytes_guessed_used: u64,
     /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub hot_bytes: u64,
@@ -107,6 +120,8 @@ impl MountStats {
             read_waits: l(&self.read_waits),
             bytes_readahead: l(&self.bytes_readahead),
             bytes_nearby: l(&self.bytes_nearby),
+            bytes_guessed: l(&self.bytes_guessed),
+            bytes_guessed_used: l(&self.bytes_guessed_used),
             hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),
@@ -118,6 +133,14 @@ impl MountStats {
     pub(crate) fn read_waited(&self) {
         self.read_waits.fetch_add(1, Ordering::Relaxed);
         NODE_READ_WAITS.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Compressed bytes fetched as guesses that no read has used yet.
+    pub(crate) fn guessed_unused(&self) -> u64 {
+        let used = self.bytes_guessed_used.load(Ordering::Relaxed);
+        self.bytes_guessed
+            .load(Ordering::Relaxed)
+            .saturating_sub(used)
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: u64) {
