@@ -1482,7 +1482,7 @@ impl Client {
 
     /// Sends a startup trace (trace JSON) for manifest `subject` to ferry's registry
     /// endpoint for nodes that may only pull (`PUT /v2/<name>/ferry-traces/<subject>`,
-    /// see [`crate::server::traces`]); returns the digest of the artifact the registry
+    /// see `ferry_registry::server::traces`); returns the digest of the artifact the registry
     /// built. Other registries answer 404 (or 405).
     pub async fn push_trace(
         &self,
@@ -1496,10 +1496,7 @@ impl Client {
             format!("/v2/{}/ferry-traces/{subject}", r.repository),
             format!("trace endpoint of {r}"),
         )
-        .header(
-            header::CONTENT_TYPE,
-            crate::server::traces::TRACE_BLOB_MEDIA_TYPE,
-        )?;
+        .header(header::CONTENT_TYPE, media::FERRY_TRACE)?;
         // Pull access is what this endpoint asks of a node.
         call.push = false;
         call.body = Some(trace_json);
