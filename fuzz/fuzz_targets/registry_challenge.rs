@@ -4,7 +4,7 @@
 //! (`scheme k="v", …` with `\` escapes) must parse to the same thing with both parsers.
 #![no_main]
 
-use ferry_registry::client::auth::{Challenge as ClientChallenge, parse_challenges};
+use ferry_registry_client::auth::{Challenge as ClientChallenge, parse_challenges};
 use ferry_registry::loadtest::{Challenge, parse_challenge};
 use libfuzzer_sys::fuzz_target;
 

@@ -29,7 +29,7 @@ use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
-use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
+use ferry_registry_client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
 use ferry_store::{ChunkKey, Store};
 
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
@@ -296,7 +296,7 @@ pub fn find_trace(
 }
 
 mod blob_body {
-    use ferry_registry::client::{BlobStream, ClientError};
+    use ferry_registry_client::{BlobStream, ClientError};
     use futures_util::StreamExt;
 
     /// Collects a blob body, refusing more than `max` bytes.

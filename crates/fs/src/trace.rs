@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use ferry_oci::layout::{OciLayout, artifact_manifest, descriptor, media_type};
 use ferry_oci::media::OCI_MANIFEST;
 use ferry_oci::{Descriptor, ImageManifest};
-use ferry_registry::client::{Client, RangeRuntime, Repo};
+use ferry_registry_client::{Client, RangeRuntime, Repo};
 
 use crate::error::{Error, Result};
 use crate::tree::{Ino, InodeTree};
@@ -475,7 +475,7 @@ pub fn find_repository_trace(
     let rt = runtime.handle();
     let doc = match rt.block_on(client.get_manifest(repo, REPOSITORY_TRACE_TAG, &[OCI_MANIFEST])) {
         Ok(doc) => doc,
-        Err(ferry_registry::client::ClientError::NotFound { .. }) => return Ok(None),
+        Err(ferry_registry_client::ClientError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
     let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)

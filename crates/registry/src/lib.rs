@@ -20,7 +20,6 @@
 
 pub mod auth;
 pub mod cache;
-pub mod client;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod loadtest;

@@ -29,8 +29,7 @@
 pub mod config;
 pub mod disk;
 pub mod fetch;
-pub mod flight;
-pub mod memory;
+pub use ferry_registry_client::cache::{flight, memory};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -44,10 +43,10 @@ use tokio::sync::watch;
 
 pub use config::UpstreamConfig;
 
-use crate::client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use crate::server::metrics::Metrics;
 use crate::storage::{BlobRead, StoredManifest};
 use disk::DiskCache;
+use ferry_registry_client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use fetch::{FetchJob, FetchState, Inflight, Progress};
 use flight::SingleFlight;
 use memory::MemoryCache;

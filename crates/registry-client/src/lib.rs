@@ -1,13 +1,35 @@
-//! # The registry client every ferry piece uses
+//! # ferry-registry-client: how ferry talks to OCI registries
 //!
-//! `ferry copy`, the pull-through cache, the load tester and the lazy filesystem all talk
-//! to registries through [`Client`]. It is written on `reqwest` rather than on an existing
-//! OCI client crate because the lazy filesystem needs things those crates keep private:
-//! token state shared between async pulls and a *synchronous* [`HttpRangeSource`] called
-//! from FUSE threads, bearer tokens refreshed in the middle of a long pull (and re-fetched
-//! once when the registry refuses one anyway), pull mirrors with fallback, and HTTP Range
-//! reads with parallel chunked downloads. One `reqwest::Client` (keep-alive pool, HTTP/2
-//! where offered) serves every request of a `Client` and its clones.
+//! `ferry copy`, `ferry pull`, the lazy filesystem, the node daemon, the pull-through
+//! cache of ferry's registry and the load tester all talk to registries through this
+//! crate. It owns:
+//!
+//! - [`Client`]: reference resolution, manifests, blobs, tags, referrers, pushes;
+//!   bearer/basic auth challenges ([`auth`]), credentials from `~/.docker/config.json`
+//!   and credential helpers, token refresh, pull mirrors with fallback, retries with
+//!   backoff ([`retry`]), HTTP Range reads and parallel chunked downloads ([`download`]);
+//! - image copy between registries and OCI layouts ([`copy`]);
+//! - [`RangeRuntime`], a tokio runtime on its own thread for synchronous callers (FUSE
+//!   threads) that drive the client;
+//! - [`ByteStream`], the body type blobs are streamed as, here and in ferry's registry;
+//! - [`cache`]: single-flight and a byte-bounded document LRU, for callers that fetch
+//!   through the client and must not fetch the same thing twice at once.
+//!
+//! It must not know layer formats, filesystems or containerd: it moves bytes and
+//! documents, verified by digest, and nothing else (reading a layer lazily through it is
+//! `ferry-fs`'s `HttpRangeSource`). It must not contain server code: ferry's registry
+//! (`ferry-registry`) depends on it, never the other way round, so what uses only the
+//! client compiles no HTTP server, object store or password hashing. Input from the
+//! network is bounded and validated before it is trusted; nothing here panics on what a
+//! peer sends.
+//!
+//! It is written on `reqwest` rather than on an existing OCI client crate because the
+//! lazy filesystem needs things those crates keep private: token state shared between
+//! async pulls and *synchronous* range reads from FUSE threads, bearer tokens refreshed
+//! in the middle of a long pull (and re-fetched once when the registry refuses one
+//! anyway), pull mirrors with fallback, and HTTP Range reads with parallel chunked
+//! downloads. One `reqwest::Client` (keep-alive pool, HTTP/2 where offered) serves every
+//! request of a `Client` and its clones.
 //!
 //! What it guarantees:
 //! - Manifests are digest-verified (against the requested digest or the registry's
@@ -21,10 +43,13 @@
 //!   registry's config uses HTTP directly anywhere.
 
 pub mod auth;
+pub mod cache;
 pub mod config;
 pub mod copy;
 pub(crate) mod credentials;
 pub mod download;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod range_source;
 mod retry;
 #[cfg(test)]
@@ -35,7 +60,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use reqwest::Method;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 
@@ -44,9 +69,11 @@ pub use copy::{CopyOptions, CopyProgress, CopyReport, ImageLocation, NoProgress,
 pub use download::DownloadOptions;
 pub use range_source::{HttpRangeSource, RangeRuntime};
 
-use crate::storage::ByteStream;
 use auth::{AuthState, HostSecret};
 use ferry_oci::media;
+
+/// A stream of body bytes, as received from a peer or sent to one.
+pub type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, std::io::Error>> + Send>>;
 
 /// A repository in a registry.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
