@@ -50,8 +50,8 @@ pub(crate) mod credentials;
 pub mod download;
 #[doc(hidden)]
 pub mod fuzz_api;
-pub mod range_source;
-mod retry;
+pub mod retry;
+mod runtime;
 #[cfg(test)]
 mod tests;
 
@@ -67,7 +67,7 @@ use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 pub use config::{ClientConfig, Credentials, RegistryConfig};
 pub use copy::{CopyOptions, CopyProgress, CopyReport, ImageLocation, NoProgress, copy_image};
 pub use download::DownloadOptions;
-pub use range_source::{HttpRangeSource, RangeRuntime};
+pub use runtime::RangeRuntime;
 
 use auth::{AuthState, HostSecret};
 use ferry_oci::media;
@@ -296,7 +296,9 @@ fn sha256_hex_digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
 }
 
-fn check_digest(d: &str) -> Result<(), ClientError> {
+/// Checks that `d` is a well-formed `sha256:<hex>` digest (what the client asks for
+/// blobs by), as an [`ClientError::Invalid`] otherwise.
+pub fn check_digest(d: &str) -> Result<(), ClientError> {
     ferry_oci::digest::parse_sha256(d)
         .map(|_| ())
         .map_err(|e| ClientError::Invalid {
