@@ -22,7 +22,6 @@ pub mod auth;
 pub mod cache;
 #[doc(hidden)]
 pub mod fuzz_api;
-pub mod loadtest;
 pub mod server;
 pub mod storage;
 
