@@ -1,8 +1,8 @@
 //! # ferry-registry-client: how ferry talks to OCI registries
 //!
-//! `ferry copy`, `ferry pull`, the lazy filesystem, the node daemon, the pull-through
-//! cache of ferry's registry and the load tester all talk to registries through this
-//! crate. It owns:
+//! `ferry copy`, `ferry pull`, the lazy filesystem, the node daemon and the pull-through
+//! cache of ferry's registry all talk to registries through this crate, and the load
+//! tester reads challenges and asks for manifests the way it does. It owns:
 //!
 //! - [`Client`]: reference resolution, manifests, blobs, tags, referrers, pushes;
 //!   bearer/basic auth challenges ([`auth`]), credentials from `~/.docker/config.json`

@@ -51,13 +51,9 @@ use fetch::{FetchJob, FetchState, Inflight, Progress};
 use flight::SingleFlight;
 use memory::MemoryCache;
 
-/// Manifest media types asked of upstream (everything a registry may hold as a manifest).
-const MANIFEST_ACCEPT: &[&str] = &[
-    ferry_oci::media::OCI_MANIFEST,
-    ferry_oci::media::OCI_INDEX,
-    ferry_oci::media::DOCKER_MANIFEST,
-    ferry_oci::media::DOCKER_MANIFEST_LIST,
-];
+/// Manifest media types asked of upstream (everything a registry may hold as a manifest):
+/// the client's list.
+const MANIFEST_ACCEPT: &[&str] = &ferry_registry_client::MANIFEST_TYPES;
 
 /// Upper bound on remembered (repository, blob) pairs; past it the set is cleared and
 /// re-learned from upstream (a HEAD per pair).
