@@ -1,11 +1,11 @@
-//! Fuzzes both `WWW-Authenticate` parsers: the client's (every challenge, all parameters)
-//! and the load tester's (first challenge, Basic or Bearer with a realm). Neither may
-//! panic or produce more than the input holds; challenges written back in canonical form
-//! (`scheme k="v", …` with `\` escapes) must parse to the same thing with both parsers.
+//! Fuzzes the client's `WWW-Authenticate` parser (every challenge, all parameters) and
+//! the load tester's reading of it (first challenge, Basic or Bearer with a realm). Neither
+//! may panic or produce more than the input holds; challenges written back in canonical
+//! form (`scheme k="v", …` with `\` escapes) must parse to the same thing both ways.
 #![no_main]
 
-use ferry_registry::client::auth::{Challenge as ClientChallenge, parse_challenges};
-use ferry_registry::loadtest::{Challenge, parse_challenge};
+use ferry_registry_client::auth::{Challenge as ClientChallenge, parse_challenges};
+use ferry_loadtest::{Challenge, parse_challenge};
 use libfuzzer_sys::fuzz_target;
 
 fn quote(v: &str) -> String {

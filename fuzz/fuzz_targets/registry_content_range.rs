@@ -5,7 +5,7 @@
 //! A formatted range must parse back to itself.
 #![no_main]
 
-use ferry_registry::fuzz_api::client_content_range;
+use ferry_registry_client::fuzz_api::client_content_range;
 use ferry_registry::server::range::parse_content_range;
 use libfuzzer_sys::fuzz_target;
 

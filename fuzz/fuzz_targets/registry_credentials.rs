@@ -6,7 +6,7 @@
 #![no_main]
 
 use base64::Engine as _;
-use ferry_registry::fuzz_api::auth_file_choice;
+use ferry_registry_client::fuzz_api::auth_file_choice;
 use libfuzzer_sys::fuzz_target;
 
 const TARGETS: &[(&str, &str)] = &[

@@ -3,7 +3,7 @@
 //! `rel=next`, and it is the link target resolved against the request URL.
 #![no_main]
 
-use ferry_registry::fuzz_api::next_link;
+use ferry_registry_client::fuzz_api::next_link;
 use libfuzzer_sys::fuzz_target;
 
 const BASES: &[&str] = &[

@@ -6,7 +6,8 @@
 //! see every blob the server links, and the client the same media type.
 #![no_main]
 
-use ferry_registry::fuzz_api::{cache_referenced_blobs, document_media_type, validate_manifest};
+use ferry_registry::fuzz_api::{cache_referenced_blobs, validate_manifest};
+use ferry_registry_client::fuzz_api::document_media_type;
 use ferry_registry::server::routes::validate_digest;
 use libfuzzer_sys::fuzz_target;
 

@@ -507,15 +507,15 @@ impl NodeTraces {
 #[derive(Debug)]
 pub struct RegistryTraces {
     /// The node's registry client (its credentials).
-    pub client: ferry_registry::client::Client,
+    pub client: ferry_registry_client::Client,
     /// Runtime the client's calls run on.
-    pub runtime: ferry_registry::client::RangeRuntime,
+    pub runtime: ferry_registry_client::RangeRuntime,
     /// Longest one lookup or share step may take.
     pub timeout: Duration,
 }
 
 impl RegistryTraces {
-    fn repo(image: &str) -> Result<Option<ferry_registry::client::Repo>> {
+    fn repo(image: &str) -> Result<Option<ferry_registry_client::Repo>> {
         match ImageRef::parse(image)
             .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?
         {
@@ -524,9 +524,7 @@ impl RegistryTraces {
                 registry,
                 repository,
                 ..
-            } => Ok(Some(ferry_registry::client::Repo::new(
-                registry, repository,
-            ))),
+            } => Ok(Some(ferry_registry_client::Repo::new(registry, repository))),
         }
     }
 

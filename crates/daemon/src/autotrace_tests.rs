@@ -6,7 +6,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::sync::{Arc, Mutex};
 
 use ferry_fs::TraceRead;
-use ferry_registry::client::ClientError;
+use ferry_registry_client::ClientError;
 
 use super::*;
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ferry_fs::{FetchConfig, WarmConfig};
-use ferry_registry::client::ClientConfig;
+use ferry_registry_client::ClientConfig;
 use ferry_store::StoreConfig;
 use serde::{Deserialize, Serialize};
 

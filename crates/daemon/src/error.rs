@@ -40,7 +40,7 @@ pub enum Error {
     Store(#[from] ferry_store::Error),
     /// The registry client failed.
     #[error(transparent)]
-    Registry(#[from] ferry_registry::client::ClientError),
+    Registry(#[from] ferry_registry_client::ClientError),
     /// A lazy layer could not be resolved (see [`crate::indexes`]).
     #[error(transparent)]
     Resolve(#[from] crate::indexes::ResolveError),

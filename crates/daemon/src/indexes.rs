@@ -32,9 +32,9 @@ use async_trait::async_trait;
 use ferry_index::ferryidx::LayerIndex;
 use ferry_oci::Descriptor;
 use ferry_oci::media::ANNOTATION_LAYER_DIGEST;
-use ferry_registry::cache::flight::SingleFlight;
-use ferry_registry::cache::memory::MemoryCache;
-use ferry_registry::client::{Client, Repo};
+use ferry_registry_client::cache::flight::SingleFlight;
+use ferry_registry_client::cache::memory::MemoryCache;
+use ferry_registry_client::{Client, Repo};
 use tokio::sync::Semaphore;
 
 /// How long a resolved image and its fetched indexes are reused (an image's Prepares

@@ -29,7 +29,7 @@ use ferry_index::ferryidx::LayerIndex;
 use ferry_index::source::RangeSource;
 use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
 use ferry_oci::{Descriptor, ImageRef};
-use ferry_registry::client::{Client, RangeRuntime, Repo};
+use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
 use serde::{Deserialize, Serialize};
 

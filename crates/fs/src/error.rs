@@ -13,7 +13,7 @@ pub enum Error {
     Oci(#[from] ferry_oci::Error),
     /// The registry said no or could not be reached.
     #[error(transparent)]
-    Registry(#[from] ferry_registry::client::ClientError),
+    Registry(#[from] ferry_registry_client::ClientError),
     /// The chunk store failed.
     #[error(transparent)]
     Store(#[from] ferry_store::Error),

@@ -29,11 +29,12 @@ use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
-use ferry_registry::client::{Client, DownloadOptions, HttpRangeSource, RangeRuntime, Repo};
+use ferry_registry_client::{Client, DownloadOptions, RangeRuntime, Repo};
 use ferry_store::{ChunkKey, Store};
 
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};
+use crate::range_source::HttpRangeSource;
 use crate::stats::MountStats;
 use crate::trace::Recorder;
 use crate::tree::{Ino, InodeTree, Node};
@@ -296,7 +297,7 @@ pub fn find_trace(
 }
 
 mod blob_body {
-    use ferry_registry::client::{BlobStream, ClientError};
+    use ferry_registry_client::{BlobStream, ClientError};
     use futures_util::StreamExt;
 
     /// Collects a blob body, refusing more than `max` bytes.

@@ -16,7 +16,8 @@
 //!   miss, the rest of the file and the small files beside it ([`nearby`]);
 //! * cache: verified spans go into the node chunk store (`ferry-store`) and are read
 //!   from it first;
-//! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range).
+//! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range
+//!   through [`range_source::HttpRangeSource`] over `ferry-registry-client`).
 //!
 //! It must not parse layer formats (that is `ferry-index`) or keep per-mount copies of
 //! data (the chunk store is node-wide; the only bytes held in memory are the process's
@@ -29,6 +30,7 @@ pub mod fuse;
 pub mod image;
 mod localfiles;
 pub mod nearby;
+pub mod range_source;
 mod readahead;
 pub mod stats;
 pub mod trace;
@@ -45,6 +47,7 @@ pub use image::{
     ImageSource, LayerSpec, MountedImage, View, configure_inflated_spans, find_trace,
     inflated_spans, registry_manifest, release_idle_inflated_spans,
 };
+pub use range_source::HttpRangeSource;
 pub use stats::{MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
 pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};

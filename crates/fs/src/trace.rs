@@ -14,14 +14,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use ferry_oci::layout::{OciLayout, artifact_manifest, descriptor, media_type};
 use ferry_oci::media::OCI_MANIFEST;
 use ferry_oci::{Descriptor, ImageManifest};
-use ferry_registry::client::{Client, RangeRuntime, Repo};
+use ferry_registry_client::{Client, RangeRuntime, Repo};
 
 use crate::error::{Error, Result};
 use crate::tree::{Ino, InodeTree};
 use crate::warm::{TRACE_MEDIA_TYPE, Trace, TraceRead};
 
 /// Media type of the trace JSON blob (the artifact's one layer).
-pub const TRACE_BLOB_MEDIA_TYPE: &str = ferry_registry::server::traces::TRACE_BLOB_MEDIA_TYPE;
+pub const TRACE_BLOB_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE;
 /// Version written into, and the only one accepted from, trace JSON.
 pub const TRACE_VERSION: u32 = 1;
 /// Most bytes of trace JSON accepted.
@@ -32,7 +32,7 @@ pub const MAX_TRACE_READS: usize = 200_000;
 pub const MAX_TRACE_PATH: usize = 4096;
 /// Annotation on a trace artifact: when it was recorded (seconds since the epoch); the
 /// newest of several traces of one image wins.
-pub const ANNOTATION_TRACE_CREATED: &str = ferry_registry::server::traces::ANNOTATION_TRACE_CREATED;
+pub const ANNOTATION_TRACE_CREATED: &str = ferry_oci::media::ANNOTATION_TRACE_CREATED;
 
 /// Trace JSON as written: `{"version":1,"reads":[{"path","offset","len"}…]}`. A missing
 /// version is read as 1 (what `Trace`'s own serde derive writes).
@@ -388,7 +388,7 @@ pub fn find_layout_trace(layout: &OciLayout, subject: &Descriptor) -> Result<Opt
 /// refers to): how a new tag of the repository finds the trace of the version before it
 /// in one round trip, on any registry. Set by [`publish_registry_trace`] and by ferry's
 /// registry when it accepts a trace from a node that may only pull.
-pub const REPOSITORY_TRACE_TAG: &str = ferry_registry::server::traces::REPOSITORY_TRACE_TAG;
+pub const REPOSITORY_TRACE_TAG: &str = ferry_oci::media::FERRY_TRACE_TAG;
 
 /// Publishes `trace` to a registry as an artifact referring to image manifest `subject`
 /// (referrers API, with the tag fallback when the registry does not index subjects), and
@@ -475,7 +475,7 @@ pub fn find_repository_trace(
     let rt = runtime.handle();
     let doc = match rt.block_on(client.get_manifest(repo, REPOSITORY_TRACE_TAG, &[OCI_MANIFEST])) {
         Ok(doc) => doc,
-        Err(ferry_registry::client::ClientError::NotFound { .. }) => return Ok(None),
+        Err(ferry_registry_client::ClientError::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
     let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)

@@ -52,7 +52,7 @@ use crate::image::MountedImage;
 use crate::stats::MountStats;
 
 /// Media type of a published startup trace (artifactType of its manifest).
-pub const TRACE_MEDIA_TYPE: &str = ferry_registry::server::traces::TRACE_ARTIFACT_TYPE;
+pub const TRACE_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE_ARTIFACT;
 
 /// What to warm and how hard.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -35,6 +35,18 @@ pub const ANNOTATION_LAYER_DIGEST: &str = "dev.ferry.layer.digest";
 /// Annotation recording the span size an index was built with.
 pub const ANNOTATION_SPAN_SIZE: &str = "dev.ferry.span-size";
 
+/// Artifact type of a ferry startup trace artifact manifest (which files an image's
+/// first start read, referring to the image).
+pub const FERRY_TRACE_ARTIFACT: &str = "application/vnd.ferry.trace.v1+json";
+/// Media type of the trace JSON blob (a trace artifact's one layer, and the body of ferry
+/// registry's `PUT /v2/<name>/ferry-traces/<subject>`).
+pub const FERRY_TRACE: &str = "application/vnd.ferry.trace.v1+json";
+/// Tag that points at the newest trace artifact of a repository, whatever its subject.
+pub const FERRY_TRACE_TAG: &str = "ferry.trace";
+/// Annotation on a trace artifact: when the trace was recorded or accepted (seconds since
+/// the epoch).
+pub const ANNOTATION_TRACE_CREATED: &str = "dev.ferry.trace.created";
+
 /// eStargz TOC digest annotation on a layer descriptor.
 pub const ANNOTATION_ESTARGZ_TOC: &str = "containerd.io/snapshot/stargz/toc.digest";
 /// eStargz uncompressed size annotation on a layer descriptor.

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_oci::ImageRef;
 use ferry_oci::media;
-use ferry_registry::client::{Client, ClientConfig, ClientError, Repo};
+use ferry_registry_client::{Client, ClientConfig, ClientError, Repo};
 use ferry_snapshotter::remote::LABEL_STAGED_DIR;
 use futures_util::StreamExt;
 use tokio::sync::Semaphore;

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use ferry_oci::media::LayerCompression;
-use ferry_registry::client::{Client, ClientError, Repo};
+use ferry_registry_client::{Client, ClientError, Repo};
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use sha2::{Digest as _, Sha256};

@@ -1,6 +1,6 @@
 //! `ferry bench …` — measurements that the scripts under `bench/` drive. `read` is local
 //! (lazy reads through the index); `registry` is the registry load tester, whose engine
-//! lives in `ferry_registry::loadtest` (this file only maps flags onto it); `proxy` is
+//! lives in `ferry_loadtest` (this file only maps flags onto it); `proxy` is
 //! the latency-injecting TCP relay the cold-start benchmark puts before a registry.
 
 mod proxy;
@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ferry_index::entry::EntryKind;
 use ferry_index::image::open_layout_image;
+use ferry_loadtest::{self as loadtest, Credentials, LayerMode, LoadTestConfig};
 use ferry_oci::ImageRef;
-use ferry_registry::loadtest::{self, Credentials, LayerMode, LoadTestConfig};
 
 use super::{cat::counter, layout_ref};
 

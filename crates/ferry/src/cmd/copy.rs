@@ -1,6 +1,6 @@
 //! `ferry copy SRC DST`: copies an image (a manifest or a whole multi-arch index) with its
 //! ferry index artifacts between OCI layouts and registries. The work is in
-//! `ferry_registry::client::copy`; this file owns flags, progress bars and messages.
+//! `ferry_registry_client::copy`; this file owns flags, progress bars and messages.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use anyhow::{Context, Result, bail};
 use ferry_oci::ImageRef;
 use ferry_oci::media::FERRY_INDEX_ARTIFACT;
-use ferry_registry::client::copy::BlobOutcome;
-use ferry_registry::client::{
+use ferry_registry_client::copy::BlobOutcome;
+use ferry_registry_client::{
     Client, ClientConfig, ClientError, CopyOptions, CopyProgress, Credentials, ImageLocation,
     copy_image,
 };

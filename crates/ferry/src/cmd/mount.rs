@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use ferry_daemon::{ControlClient, MountRequest};
 use ferry_fs::{FerryFs, FetchConfig, ImageSource, MountOptions, MountedImage, View};
-use ferry_registry::client::{Client, ClientConfig, RangeRuntime};
+use ferry_registry_client::{Client, ClientConfig, RangeRuntime};
 use ferry_store::{Store, StoreConfig, StoreOptions};
 
 /// Arguments of `ferry mount`.

@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use ferry_pull::image::Descriptor;
 use ferry_pull::unpack::UnpackLimits;
 use ferry_pull::{LayerEvent, PullOptions, PullProgress};
-use ferry_registry::client::{ClientConfig, Credentials, RegistryConfig};
+use ferry_registry_client::{ClientConfig, Credentials, RegistryConfig};
 use indicatif::{MultiProgress, ProgressBar};
 
 /// How the layers that cannot be lazy are pulled, for `ferry pull --help`.

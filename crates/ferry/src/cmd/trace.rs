@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use ferry_fs::trace::{find_layout_trace, publish_registry_trace, store_layout_trace};
 use ferry_fs::{FerryFs, FetchConfig, ImageSource, MountOptions, MountedImage, Trace, View};
 use ferry_oci::{ImageRef, OciLayout};
-use ferry_registry::client::{Client, ClientConfig, RangeRuntime, Repo};
+use ferry_registry_client::{Client, ClientConfig, RangeRuntime, Repo};
 use ferry_store::{Store, StoreConfig, StoreOptions};
 
 /// Arguments of `ferry trace`.

@@ -29,8 +29,7 @@
 pub mod config;
 pub mod disk;
 pub mod fetch;
-pub mod flight;
-pub mod memory;
+pub use ferry_registry_client::cache::{flight, memory};
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -44,21 +43,17 @@ use tokio::sync::watch;
 
 pub use config::UpstreamConfig;
 
-use crate::client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use crate::server::metrics::Metrics;
 use crate::storage::{BlobRead, StoredManifest};
 use disk::DiskCache;
+use ferry_registry_client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use fetch::{FetchJob, FetchState, Inflight, Progress};
 use flight::SingleFlight;
 use memory::MemoryCache;
 
-/// Manifest media types asked of upstream (everything a registry may hold as a manifest).
-const MANIFEST_ACCEPT: &[&str] = &[
-    ferry_oci::media::OCI_MANIFEST,
-    ferry_oci::media::OCI_INDEX,
-    ferry_oci::media::DOCKER_MANIFEST,
-    ferry_oci::media::DOCKER_MANIFEST_LIST,
-];
+/// Manifest media types asked of upstream (everything a registry may hold as a manifest):
+/// the client's list.
+const MANIFEST_ACCEPT: &[&str] = &ferry_registry_client::MANIFEST_TYPES;
 
 /// Upper bound on remembered (repository, blob) pairs; past it the set is cleared and
 /// re-learned from upstream (a HEAD per pair).

@@ -33,13 +33,13 @@ use crate::storage::{ByteStream, StoredManifest};
 use ferry_oci::media;
 
 /// Artifact type of a startup trace artifact manifest.
-pub const TRACE_ARTIFACT_TYPE: &str = "application/vnd.ferry.trace.v1+json";
+pub const TRACE_ARTIFACT_TYPE: &str = media::FERRY_TRACE_ARTIFACT;
 /// Media type of the trace JSON (the artifact's one layer, and this endpoint's body).
-pub const TRACE_BLOB_MEDIA_TYPE: &str = "application/vnd.ferry.trace.v1+json";
+pub const TRACE_BLOB_MEDIA_TYPE: &str = media::FERRY_TRACE;
 /// Tag that points at the newest trace artifact of a repository, whatever its subject.
-pub const REPOSITORY_TRACE_TAG: &str = "ferry.trace";
+pub const REPOSITORY_TRACE_TAG: &str = media::FERRY_TRACE_TAG;
 /// Annotation: when the trace was recorded or accepted (seconds since the epoch).
-pub const ANNOTATION_TRACE_CREATED: &str = "dev.ferry.trace.created";
+pub const ANNOTATION_TRACE_CREATED: &str = media::ANNOTATION_TRACE_CREATED;
 /// Annotation on artifacts built by this endpoint: the user who sent the trace.
 pub const ANNOTATION_TRACE_ACCEPTED_FROM: &str = "dev.ferry.trace.accepted-from";
 /// Largest trace JSON accepted from a pull-only user.

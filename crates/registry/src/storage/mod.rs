@@ -30,17 +30,16 @@ pub(crate) mod conformance;
 
 use std::fmt::Debug;
 use std::ops::Range;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 
-/// A stream of body bytes, as received from a client or sent to one.
-pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, std::io::Error>> + Send>>;
+/// A stream of body bytes, as received from a client or sent to one (the client crate's
+/// type, so blobs stream from an upstream into storage and out to a client unchanged).
+pub use ferry_registry_client::ByteStream;
 
 /// Errors a backend reports. The server maps them to distribution error codes.
 #[derive(Debug, thiserror::Error)]

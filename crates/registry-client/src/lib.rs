@@ -1,13 +1,35 @@
-//! # The registry client every ferry piece uses
+//! # ferry-registry-client: how ferry talks to OCI registries
 //!
-//! `ferry copy`, the pull-through cache, the load tester and the lazy filesystem all talk
-//! to registries through [`Client`]. It is written on `reqwest` rather than on an existing
-//! OCI client crate because the lazy filesystem needs things those crates keep private:
-//! token state shared between async pulls and a *synchronous* [`HttpRangeSource`] called
-//! from FUSE threads, bearer tokens refreshed in the middle of a long pull (and re-fetched
-//! once when the registry refuses one anyway), pull mirrors with fallback, and HTTP Range
-//! reads with parallel chunked downloads. One `reqwest::Client` (keep-alive pool, HTTP/2
-//! where offered) serves every request of a `Client` and its clones.
+//! `ferry copy`, `ferry pull`, the lazy filesystem, the node daemon and the pull-through
+//! cache of ferry's registry all talk to registries through this crate, and the load
+//! tester reads challenges and asks for manifests the way it does. It owns:
+//!
+//! - [`Client`]: reference resolution, manifests, blobs, tags, referrers, pushes;
+//!   bearer/basic auth challenges ([`auth`]), credentials from `~/.docker/config.json`
+//!   and credential helpers, token refresh, pull mirrors with fallback, retries with
+//!   backoff ([`retry`]), HTTP Range reads and parallel chunked downloads ([`download`]);
+//! - image copy between registries and OCI layouts ([`copy`]);
+//! - [`RangeRuntime`], a tokio runtime on its own thread for synchronous callers (FUSE
+//!   threads) that drive the client;
+//! - [`ByteStream`], the body type blobs are streamed as, here and in ferry's registry;
+//! - [`cache`]: single-flight and a byte-bounded document LRU, for callers that fetch
+//!   through the client and must not fetch the same thing twice at once.
+//!
+//! It must not know layer formats, filesystems or containerd: it moves bytes and
+//! documents, verified by digest, and nothing else (reading a layer lazily through it is
+//! `ferry-fs`'s `HttpRangeSource`). It must not contain server code: ferry's registry
+//! (`ferry-registry`) depends on it, never the other way round, so what uses only the
+//! client compiles no HTTP server, object store or password hashing. Input from the
+//! network is bounded and validated before it is trusted; nothing here panics on what a
+//! peer sends.
+//!
+//! It is written on `reqwest` rather than on an existing OCI client crate because the
+//! lazy filesystem needs things those crates keep private: token state shared between
+//! async pulls and *synchronous* range reads from FUSE threads, bearer tokens refreshed
+//! in the middle of a long pull (and re-fetched once when the registry refuses one
+//! anyway), pull mirrors with fallback, and HTTP Range reads with parallel chunked
+//! downloads. One `reqwest::Client` (keep-alive pool, HTTP/2 where offered) serves every
+//! request of a `Client` and its clones.
 //!
 //! What it guarantees:
 //! - Manifests are digest-verified (against the requested digest or the registry's
@@ -21,12 +43,15 @@
 //!   registry's config uses HTTP directly anywhere.
 
 pub mod auth;
+pub mod cache;
 pub mod config;
 pub mod copy;
 pub(crate) mod credentials;
 pub mod download;
-pub mod range_source;
-mod retry;
+#[doc(hidden)]
+pub mod fuzz_api;
+pub mod retry;
+mod runtime;
 #[cfg(test)]
 mod tests;
 
@@ -35,18 +60,20 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use reqwest::Method;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 pub use config::{ClientConfig, Credentials, RegistryConfig};
 pub use copy::{CopyOptions, CopyProgress, CopyReport, ImageLocation, NoProgress, copy_image};
 pub use download::DownloadOptions;
-pub use range_source::{HttpRangeSource, RangeRuntime};
+pub use runtime::RangeRuntime;
 
-use crate::storage::ByteStream;
 use auth::{AuthState, HostSecret};
 use ferry_oci::media;
+
+/// A stream of body bytes, as received from a peer or sent to one.
+pub type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, std::io::Error>> + Send>>;
 
 /// A repository in a registry.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -269,7 +296,9 @@ fn sha256_hex_digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
 }
 
-fn check_digest(d: &str) -> Result<(), ClientError> {
+/// Checks that `d` is a well-formed `sha256:<hex>` digest (what the client asks for
+/// blobs by), as an [`ClientError::Invalid`] otherwise.
+pub fn check_digest(d: &str) -> Result<(), ClientError> {
     ferry_oci::digest::parse_sha256(d)
         .map(|_| ())
         .map_err(|e| ClientError::Invalid {
@@ -1482,7 +1511,7 @@ impl Client {
 
     /// Sends a startup trace (trace JSON) for manifest `subject` to ferry's registry
     /// endpoint for nodes that may only pull (`PUT /v2/<name>/ferry-traces/<subject>`,
-    /// see [`crate::server::traces`]); returns the digest of the artifact the registry
+    /// see `ferry_registry::server::traces`); returns the digest of the artifact the registry
     /// built. Other registries answer 404 (or 405).
     pub async fn push_trace(
         &self,
@@ -1496,10 +1525,7 @@ impl Client {
             format!("/v2/{}/ferry-traces/{subject}", r.repository),
             format!("trace endpoint of {r}"),
         )
-        .header(
-            header::CONTENT_TYPE,
-            crate::server::traces::TRACE_BLOB_MEDIA_TYPE,
-        )?;
+        .header(header::CONTENT_TYPE, media::FERRY_TRACE)?;
         // Pull access is what this endpoint asks of a node.
         call.push = false;
         call.body = Some(trace_json);

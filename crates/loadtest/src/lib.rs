@@ -1,4 +1,11 @@
-//! # `ferry bench registry`: replay a fleet's node-startup flow against any registry
+//! # ferry-loadtest: `ferry bench registry`, a fleet's node-startup flow against any registry
+//!
+//! This crate owns the load tester: the virtual nodes, their request loop, the
+//! histograms and the report. It reads challenges with the registry client's parser and
+//! asks for manifests with the client's `Accept` list, so it exercises a registry the way
+//! ferry's nodes do, but it does not use the client's [`Client`](ferry_registry_client::Client)
+//! for the measured requests (a pooled, retrying client would hide what is measured). It
+//! must not depend on ferry's registry server: it measures any registry from outside.
 //!
 //! Each virtual node owns one keep-alive HTTP/1.1 connection (raw hyper 1 client
 //! connections: no pool, no per-request allocation beyond the request itself) and loops

@@ -25,11 +25,6 @@ use super::challenge::{Challenge, parse_challenge};
 use super::report::{ErrorClass, RequestKind, Stats};
 use super::{LayerMode, LoadTestConfig, LoadTestError, Report, split_authority};
 
-/// Manifest types a node accepts, most preferred first.
-const MANIFEST_ACCEPT: &str = "application/vnd.oci.image.manifest.v1+json, \
-    application/vnd.oci.image.index.v1+json, \
-    application/vnd.docker.distribution.manifest.v2+json, \
-    application/vnd.docker.distribution.manifest.list.v2+json";
 /// Largest manifest read during discovery (the spec's recommended limit).
 const MAX_MANIFEST_BYTES: usize = 4 << 20;
 /// Largest token response read.
@@ -98,12 +93,15 @@ impl Shared {
         };
         let registry_host_header = HeaderValue::try_from(cfg.registry.as_str())
             .map_err(|_| invalid(format!("registry {:?} is not a valid Host", cfg.registry)))?;
+        // The manifest types a node accepts, most preferred first: the client's list.
+        let accept = HeaderValue::try_from(ferry_registry_client::MANIFEST_TYPES.join(", "))
+            .map_err(|e| invalid(e.to_string()))?;
         Ok(Shared {
             cfg: cfg.clone(),
             registry_host: host,
             registry_addr,
             registry_host_header,
-            accept: HeaderValue::from_static(MANIFEST_ACCEPT),
+            accept,
             range,
             basic,
             stats: Stats::default(),

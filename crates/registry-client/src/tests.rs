@@ -938,47 +938,6 @@ async fn tags_follow_pagination_and_referrers_fall_back_to_tag() {
     assert!(other.manifests().is_empty());
 }
 
-#[test]
-fn range_source_reads_from_plain_threads() {
-    use ferry_index::source::RangeSource;
-    let rt = RangeRuntime::new().unwrap();
-    let fake = {
-        let _g = rt.handle().enter();
-        std::thread::scope(|_| {});
-        let (tx, rx) = std::sync::mpsc::channel();
-        rt.handle().spawn(async move {
-            let _ = tx.send(start_fake().await);
-        });
-        rx.recv().unwrap()
-    };
-    let data = pattern(100_000);
-    let d = fake.add_blob(&data);
-    let (c, r) = client_for(&fake, |_| {});
-    let src = HttpRangeSource::open(c.clone(), r.clone(), &d, &rt).unwrap();
-    assert_eq!(src.len(), 100_000);
-    assert_eq!(src.read_range(10..20).unwrap(), &data[10..20]);
-    let ranges = vec![0..5, 100..1_100, 50_000..99_999, 99_999..100_000];
-    let got = src.read_ranges(&ranges).unwrap();
-    for (rg, bytes) in ranges.iter().zip(&got) {
-        assert_eq!(bytes.as_slice(), &data[rg.start as usize..rg.end as usize]);
-    }
-    assert!(src.read_range(99_990..100_001).is_err());
-    // A sibling blob of the same repository (how a layer reaches its index's windows).
-    let other = pattern(3_000);
-    let od = fake.add_blob(&other[..]);
-    let sib = src.sibling(&od, 3_000).unwrap();
-    assert_eq!(sib.len(), 3_000);
-    assert_eq!(sib.read_range(100..200).unwrap(), &other[100..200]);
-    assert!(src.sibling("sha256:nothex", 1).is_none());
-    // From inside an async task it refuses instead of blocking a worker.
-    let (tx, rx) = std::sync::mpsc::channel();
-    let s2 = src.clone();
-    rt.handle().spawn(async move {
-        let _ = tx.send(s2.read_range(0..1).is_err());
-    });
-    assert!(rx.recv().unwrap());
-}
-
 struct Recorder(Mutex<Vec<(String, copy::BlobOutcome)>>);
 impl CopyProgress for Recorder {
     fn blob_finished(&self, digest: &str, outcome: copy::BlobOutcome) {

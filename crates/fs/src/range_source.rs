@@ -1,5 +1,7 @@
 //! [`HttpRangeSource`]: the synchronous [`RangeSource`] the lazy reader pulls a remote
 //! layer through, one blob per source, sharing the [`Client`]'s connections and tokens.
+//! It is the registry backend's, not the client's: the client moves bytes and knows no
+//! layer formats; this is where a registry blob becomes something `ferry-index` reads.
 //!
 //! The reader runs on plain threads (FUSE workers, rayon), so the source hands each read
 //! to a tokio runtime and blocks for the answer. That runtime is either one the source
@@ -14,68 +16,7 @@ use std::sync::Arc;
 use ferry_index::source::RangeSource;
 use futures_util::StreamExt;
 
-use super::{Client, ClientError, Repo};
-
-/// A tokio runtime running on its own thread, for synchronous callers. Cloning shares it;
-/// the thread stops when the last clone is dropped.
-#[derive(Debug, Clone)]
-pub struct RangeRuntime {
-    handle: tokio::runtime::Handle,
-    _stop: Arc<StopOnDrop>,
-}
-
-#[derive(Debug)]
-struct StopOnDrop(Option<tokio::sync::oneshot::Sender<()>>);
-
-impl Drop for StopOnDrop {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
-}
-
-impl RangeRuntime {
-    /// Starts the runtime thread.
-    pub fn new() -> Result<Self, ClientError> {
-        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("ferry-range-io".into())
-            .spawn(move || {
-                let rt = match tokio::runtime::Builder::new_multi_thread()
-                    .worker_threads(2)
-                    .thread_name("ferry-range-io")
-                    .enable_all()
-                    .build()
-                {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        let _ = handle_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let _ = handle_tx.send(Ok(rt.handle().clone()));
-                rt.block_on(async {
-                    let _ = stop_rx.await;
-                });
-            })
-            .map_err(|e| ClientError::Config(format!("cannot start the range I/O thread: {e}")))?;
-        let handle = handle_rx
-            .recv()
-            .map_err(|_| ClientError::Config("range I/O thread died".into()))?
-            .map_err(|e| ClientError::Config(format!("cannot build the range runtime: {e}")))?;
-        Ok(RangeRuntime {
-            handle,
-            _stop: Arc::new(StopOnDrop(Some(stop_tx))),
-        })
-    }
-
-    /// The runtime's handle.
-    pub fn handle(&self) -> &tokio::runtime::Handle {
-        &self.handle
-    }
-}
+use ferry_registry_client::{Client, ClientError, RangeRuntime, Repo, check_digest, retry};
 
 /// One remote blob as a synchronous [`RangeSource`].
 #[derive(Debug, Clone)]
@@ -112,7 +53,7 @@ impl HttpRangeSource {
         size: u64,
         handle: tokio::runtime::Handle,
     ) -> Result<Self, ClientError> {
-        super::check_digest(digest)?;
+        check_digest(digest)?;
         Ok(HttpRangeSource {
             client,
             repo,
@@ -144,7 +85,7 @@ impl HttpRangeSource {
         digest: &str,
         runtime: &RangeRuntime,
     ) -> Result<Self, ClientError> {
-        super::check_digest(digest)?;
+        check_digest(digest)?;
         let (c, r, d) = (client.clone(), repo.clone(), digest.to_string());
         let size = run_on(runtime.handle(), async move { c.blob_size(&r, &d).await })
             .map_err(|e| ClientError::Config(e.to_string()))??
@@ -179,7 +120,7 @@ impl HttpRangeSource {
     ) -> io::Result<Vec<u8>> {
         let len = usize::try_from(rg.end - rg.start)
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "range too large"))?;
-        let max = client.inner.cfg.max_attempts.max(1);
+        let max = client.config().max_attempts.max(1);
         let mut attempt = 1;
         loop {
             let result: Result<Vec<u8>, ClientError> = async {
@@ -198,7 +139,7 @@ impl HttpRangeSource {
             .await;
             match result {
                 Err(e) if e.is_retryable() && attempt < max => {
-                    super::retry::sleep(&client.inner.cfg, attempt, None).await;
+                    retry::sleep(client.config(), attempt, None).await;
                     attempt += 1;
                 }
                 other => return other.map_err(to_io),
@@ -260,7 +201,7 @@ impl RangeSource for HttpRangeSource {
     /// Blob `digest` of the same repository, through the same client and runtime (so a
     /// source reading from the origin only gives siblings that do too).
     fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
-        super::check_digest(digest).ok()?;
+        check_digest(digest).ok()?;
         Some(Arc::new(HttpRangeSource {
             digest: digest.to_string(),
             size,
@@ -274,7 +215,7 @@ impl RangeSource for HttpRangeSource {
         for r in ranges {
             self.check(r)?;
         }
-        let concurrency = self.client.inner.cfg.max_concurrent_downloads.max(1);
+        let concurrency = self.client.config().max_concurrent_downloads.max(1);
         let jobs: Vec<_> = ranges
             .iter()
             .map(|rg| {

@@ -20,8 +20,7 @@ use futures_util::{StreamExt, TryStreamExt};
 use sha2::Digest as _;
 use tokio::io::AsyncWriteExt;
 
-use super::{Client, ClientError, Manifest, Repo};
-use crate::storage::ByteStream;
+use super::{ByteStream, Client, ClientError, Manifest, Repo};
 
 /// One end of a copy.
 #[derive(Debug, Clone)]

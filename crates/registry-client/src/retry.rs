@@ -1,6 +1,8 @@
 //! Backoff between attempts: exponential from the configured base, with full jitter so a
 //! fleet retrying the same registry does not stampede in step, capped, and overridden by
-//! a registry's `Retry-After` (in seconds).
+//! a registry's `Retry-After` (in seconds). Public for callers that retry whole
+//! operations the client does not (a Range read whose body failed midway), so they back
+//! off the same way.
 
 use std::time::Duration;
 
@@ -11,7 +13,7 @@ use super::ClientConfig;
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
 /// The delay before attempt `attempt + 1`.
-pub(crate) fn backoff(cfg: &ClientConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
+pub fn backoff(cfg: &ClientConfig, attempt: u32, retry_after: Option<Duration>) -> Duration {
     if let Some(d) = retry_after {
         return d.min(MAX_BACKOFF);
     }
@@ -24,7 +26,8 @@ pub(crate) fn backoff(cfg: &ClientConfig, attempt: u32, retry_after: Option<Dura
     exp / 2 + exp.mul_f64(jitter / 2.0)
 }
 
-pub(crate) async fn sleep(cfg: &ClientConfig, attempt: u32, retry_after: Option<Duration>) {
+/// Sleeps for [`backoff`].
+pub async fn sleep(cfg: &ClientConfig, attempt: u32, retry_after: Option<Duration>) {
     tokio::time::sleep(backoff(cfg, attempt, retry_after)).await;
 }
 
