@@ -11,9 +11,10 @@
 //!   budget below (a looser one, [`WHOLE_FILE_NUM`], bounds a program that opens many
 //!   files and reads little of each);
 //! * the first miss in a directory brings the **small files around it** (each at most
-//!   [`MAX_NEARBY_FILE`]) in the subtree of the directory's parent, nearest in the stream
-//!   first, up to [`FetchConfig::nearby_bytes`] compressed: a package's modules, and its
-//!   subpackages', are imported together but not in the order the tar holds them, so
+//!   [`MAX_NEARBY_FILE`]) in the directory's subtree (a `__pycache__`'s package),
+//!   nearest in the stream first, up to [`FetchConfig::nearby_bytes`] compressed: a
+//!   package's modules, and its subpackages', are imported together but not in the
+//!   order the tar holds them, so
 //!   the miss can be anywhere among them (readahead only covers what follows it). These
 //!   go out on a small process-wide pool of fetch threads, in parallel with the read,
 //!   through the same single flight, verification and store as every fetch
@@ -55,7 +56,9 @@ pub const SPECULATION_NUM: u64 = 2;
 /// See [`SPECULATION_NUM`].
 pub const SPECULATION_DEN: u64 = 5;
 /// Unused guesses a mount may always have: one directory's neighbours
-/// ([`crate::device::DEFAULT_NEARBY_BYTES`]).
+/// ([`crate::device::DEFAULT_NEARBY_BYTES`]). (Added to the share of what was served
+/// instead, the bound let a pandas start guess 15 MB of neighbours, half of them
+/// unused, for one wait fewer.)
 pub const GUESS_FLOOR: u64 = 4 << 20;
 /// A mount fetches the files its reads start on whole while its fetched bytes are at
 /// most this many times the bytes its reads were served: far looser than the
@@ -228,8 +231,8 @@ impl Nearby {
     }
 
     /// The small files around the read's in its layer's stream, nearest first, inside
-    /// the subtree of its directory's parent (a package and its subpackages, a library
-    /// directory and its neighbours), whose missing ranges fit in [`Self::nearby_bytes`].
+    /// its [`neighbourhood`] (a directory and its subdirectories, a compiled module's
+    /// package), whose missing ranges fit in [`Self::nearby_bytes`].
     /// A tar is written depth first, so that subtree is one stretch of the stream: the
     /// walk goes outward from the read's entry and stops on each side where the stretch
     /// ends, or after [`MAX_NEARBY_SCAN`] entries.
@@ -238,7 +241,7 @@ impl Nearby {
         let Some(entry) = layers.entry(layer, loc.entry) else {
             return Vec::new();
         };
-        let scope = parent(parent(&entry.path));
+        let scope = neighbourhood(&entry.path);
         let inside = |e: &Entry| {
             scope.is_empty()
                 || (e.path.len() > scope.len()
@@ -313,6 +316,21 @@ impl Nearby {
             }
         }
         out
+    }
+}
+
+/// The subtree whose small files are a miss's neighbours: the file's directory, with
+/// its subdirectories; for a module compiled into a `__pycache__`, the package around
+/// it (its modules and subpackages are imported together). The parent's subtree would
+/// also take the directory's siblings: for `/usr/bin/dash` all of `/usr`, for
+/// `/etc/ld.so.cache` everything, guesses a start rarely reads that held back the good
+/// ones behind the budget for the first half of a pandas start.
+fn neighbourhood(path: &str) -> &str {
+    let dir = parent(path);
+    if dir.rsplit('/').next() == Some("__pycache__") {
+        parent(dir)
+    } else {
+        dir
     }
 }
 

@@ -1,6 +1,6 @@
 //! Tests of fetching what belongs with a miss, over an in-memory backend that logs every
 //! range asked of it and a real chunk store: a directory's small files come with its
-//! first miss (nearest first, within the budget and the parent's subtree, never big
+//! first miss (nearest first, within the budget and the directory's subtree, never big
 //! files),
 //! a file's rest comes with its first miss (only when it is small enough), reads that do
 //! not miss ask nothing, each directory asks once, and off is off.
@@ -44,8 +44,10 @@ struct Rig {
 
 /// Files `app/pkg/m0`…`m7` (24 KiB each), `app/pkg/big` (1.5 MiB, over the neighbour
 /// limit), `app/pkg/z0`…`z3` (24 KiB each, far from `m*` in the stream, after `big`),
-/// `app/sub/s0` (24 KiB, in the subtree of `pkg`'s parent), `pad` (200 KiB), `other/x`
-/// (24 KiB, outside it) and `lib.so` (600 KiB); spans of 64 KiB, no readahead.
+/// `app/sub/s0` (24 KiB, in a sibling directory of `pkg`), `pad` (200 KiB), `other/x`
+/// (24 KiB, outside it), `lib.so` (600 KiB), then a package with compiled modules:
+/// `app/lib/__pycache__/c0`, `c1` and `app/lib/deep/__pycache__/d0` (24 KiB each);
+/// spans of 64 KiB, no readahead.
 fn rig(whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
     let mut files: Vec<(String, Vec<u8>)> = Vec::new();
     for i in 0..8 {
@@ -60,6 +62,9 @@ fn rig(whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
     files.push(("pad".into(), noise(200 << 10, 6)));
     files.push(("other/x".into(), noise(24 << 10, 4)));
     files.push(("lib.so".into(), noise(600 << 10, 5)));
+    files.push(("app/lib/__pycache__/c0".into(), noise(24 << 10, 40)));
+    files.push(("app/lib/__pycache__/c1".into(), noise(24 << 10, 41)));
+    files.push(("app/lib/deep/__pycache__/d0".into(), noise(24 << 10, 42)));
     let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, d)| (p.as_str(), d.clone())).collect();
     let (blob, index) = indexed_gzip_layer(&named);
     let backend = Arc::new(LogBackend {
@@ -186,6 +191,31 @@ fn a_miss_brings_the_small_files_of_its_directory() {
         );
     }
     assert_eq!(rig.calls(), before, "a neighbour was fetched again");
+}
+
+#[test]
+fn neighbours_are_the_directorys_own_or_a_compiled_modules_package() {
+    // A miss in app/sub brings nothing of its sibling app/pkg (the parent's subtree
+    // would have brought all of it).
+    let rig = rig(0, 4 << 20);
+    rig.read("app/sub/s0", 0, 100);
+    for i in 0..8 {
+        assert!(
+            rig.missing(&format!("app/pkg/m{i}")),
+            "app/pkg/m{i}, of a sibling directory, came along"
+        );
+    }
+    let rig = self::rig(0, 4 << 20);
+    rig.read("app/lib/__pycache__/c0", 0, 100);
+    assert!(!rig.missing("app/lib/__pycache__/c1"));
+    assert!(
+        !rig.missing("app/lib/deep/__pycache__/d0"),
+        "a subpackage's compiled module did not come with its package"
+    );
+    assert!(
+        rig.missing("app/pkg/m0"),
+        "another package's file came along"
+    );
 }
 
 #[test]
