@@ -10,6 +10,7 @@
 //! repositories/<name>/_manifests/tags/<tag>         the tag's manifest digest
 //! repositories/<name>/_referrers/sha256/<subject>/sha256/<referrer>   empty file
 //! tmp/<random>                                      files being written (emptied on open)
+//! gc/{running,deleting,pins}/<name>                 empty files: collections' coordination
 //! ```
 //!
 //! Why it survives crashes: every file whose *content* matters (blobs, manifest links,
@@ -50,7 +51,8 @@ use tokio_util::io::ReaderStream;
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
+    valid_upload_id,
 };
 
 /// Upload bytes are written in batches of this size (one blocking task each).
@@ -168,6 +170,15 @@ impl FsStorage {
         p.push(hex);
         p.push("sha256");
         Ok(p)
+    }
+
+    fn gc_record_path(&self, dir: &str, name: Option<&str>) -> Result<PathBuf> {
+        check_gc_record(dir, name)?;
+        let dir = self.root.join("gc").join(dir);
+        Ok(match name {
+            Some(name) => dir.join(name),
+            None => dir,
+        })
     }
 
     fn temp_path(&self) -> PathBuf {
@@ -950,6 +961,44 @@ impl Storage for FsStorage {
             Ok(out)
         })
         .await
+    }
+
+    async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(touch_link(&path)?)).await
+    }
+
+    async fn gc_record_exists(&self, dir: &str, name: &str) -> Result<bool> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(optional(fs::symlink_metadata(&path))?.is_some())).await
+    }
+
+    async fn gc_record_list(&self, dir: &str) -> Result<Vec<(String, SystemTime)>> {
+        let dir = self.gc_record_path(dir, None)?;
+        blocking(move || {
+            let Some(entries) = optional(fs::read_dir(&dir))? else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for entry in entries {
+                let entry = entry?;
+                let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                    continue;
+                };
+                match optional(entry.metadata())? {
+                    Some(meta) if meta.is_file() => out.push((name, meta.modified()?)),
+                    _ => {} // removed while listing, or not a record
+                }
+            }
+            out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(remove_optional(&path)?)).await
     }
 }
 
