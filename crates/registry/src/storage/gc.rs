@@ -315,12 +315,22 @@ pub async fn pin_referenced(storage: &dyn Storage, digests: &[String]) -> Result
         }
     }
     let deadline = Instant::now() + DELETION_WAIT;
-    for (name, d) in names {
-        while storage.gc_record_exists(DELETING, &name).await? {
+    for (name, d) in &names {
+        while storage.gc_record_exists(DELETING, name).await? {
             if Instant::now() >= deadline {
-                return Ok(Some(d.clone()));
+                return Ok(Some((*d).clone()));
             }
             tokio::time::sleep(DELETION_POLL).await;
+        }
+    }
+    // Pins under a collection that has ended since protect nothing (it removes nothing
+    // more), and it may have cleared its pins before these were written: remove them.
+    for id in &running {
+        if storage.gc_record_exists(RUNNING, id).await? {
+            continue;
+        }
+        for (name, _) in names.iter().filter(|(n, _)| n.starts_with(id.as_str())) {
+            storage.gc_record_delete(PINS, name).await?;
         }
     }
     Ok(None)
