@@ -98,7 +98,7 @@ ok=$(jq '[.[] | select(.ok)] | length' "$E2E_TMP/pushes.json" 2>/dev/null || ech
 refused=$(jq '[.[].codes[] | select(endswith("MANIFEST_BLOB_UNKNOWN"))] | length' "$E2E_TMP/pushes.json" 2>/dev/null || echo 0)
 odd=$(jq -r '[.[].codes[] | select((endswith("/201") or endswith("MANIFEST_BLOB_UNKNOWN") ) | not)] | join(" ")' "$E2E_TMP/pushes.json" 2>/dev/null || echo '?')
 runs=$(grep -c 'repositories:' "$E2E_TMP/gc.log" || true)
-pinned=$(grep -o '[0-9]* pinned by pushes' "$E2E_TMP/gc.log" | awk '{s += $1} END {print s + 0}')
+pinned=$({ grep -o '[0-9]* pinned by pushes' "$E2E_TMP/gc.log" || true; } | awk '{s += $1} END {print s + 0}')
 echo "    | $total images pushed ($ok tagged), $refused manifest PUTs refused and retried; $runs collections, $pinned removals spared by a push's pin"
 [[ -s $E2E_TMP/pushers.err ]] && show "$E2E_TMP/pushers.err"
 if [[ $total -gt 0 && -z $odd ]]; then
