@@ -496,15 +496,24 @@ impl Snapshotter {
             parent = p.parent;
         }
         let own = self.fs_dir(record.id).display().to_string();
-        let bind = |source: String, mode: &str| Mount {
+        let bind = |source: String, options: &[&str]| Mount {
             fs_type: "bind".to_owned(),
             source,
-            options: vec![mode.to_owned(), "rbind".to_owned()],
+            options: options.iter().map(|o| (*o).to_owned()).collect(),
         };
+        // A read-only view of one layer is that layer itself, bind-mounted — for a lazy
+        // layer, ferry's FUSE mount, which is nosuid,nodev. A bind mount inherits those
+        // flags, but the runtime makes it read-only with a remount, and a remount sets a
+        // bind mount's flags to exactly the ones it is given: without nosuid,nodev here it
+        // would turn an image's setuid programs and device nodes on again, wherever the
+        // view is mounted (issue 11). So views say them explicitly (the cost: a container
+        // run read-only on a one-layer image gets a nosuid,nodev root, where overlay views
+        // of several layers do not).
+        const VIEW: &[&str] = &["ro", "rbind", "nosuid", "nodev"];
         let mount = match (record.kind, lowers.len()) {
-            (Kind::Active, 0) => bind(own, "rw"),
-            (Kind::View, 0) => bind(own, "ro"),
-            (Kind::View, 1) => bind(lowers.remove(0), "ro"),
+            (Kind::Active, 0) => bind(own, &["rw", "rbind"]),
+            (Kind::View, 0) => bind(own, VIEW),
+            (Kind::View, 1) => bind(lowers.remove(0), VIEW),
             (Kind::View, _) => Mount {
                 fs_type: "overlay".to_owned(),
                 source: "overlay".to_owned(),

@@ -227,7 +227,7 @@ async fn lifecycle_mounts_and_parent_chain() {
     );
 
     // Views: several layers → read-only overlay; one layer → ro bind; none → ro bind of
-    // its own empty dir.
+    // its own empty dir. Binds of views say nosuid,nodev (a remount to ro keeps them).
     let m = view(&svc, NS, "view-2", "layer2").await.unwrap();
     assert_eq!(
         m,
@@ -240,12 +240,20 @@ async fn lifecycle_mounts_and_parent_chain() {
     let m = view(&svc, NS, "view-1", "layer1").await.unwrap();
     assert_eq!(
         m,
-        vec![mount("bind", &fs(root, 1), &strings(&["ro", "rbind"]))]
+        vec![mount(
+            "bind",
+            &fs(root, 1),
+            &strings(&["ro", "rbind", "nosuid", "nodev"])
+        )]
     );
     let m = view(&svc, NS, "view-0", "").await.unwrap();
     assert_eq!(
         m,
-        vec![mount("bind", &fs(root, 6), &strings(&["ro", "rbind"]))]
+        vec![mount(
+            "bind",
+            &fs(root, 6),
+            &strings(&["ro", "rbind", "nosuid", "nodev"])
+        )]
     );
     assert_eq!(
         stat(&svc, NS, "view-0").await.unwrap().kind,
@@ -665,6 +673,30 @@ async fn remote_layer_already_exists_protocol() {
         vec![mount("bind", &fs(root, 3), &strings(&["rw", "rbind"]))]
     );
     assert_eq!(std::fs::read_dir(fs(root, 3)).unwrap().count(), 0);
+
+    // A read-only view of the lazy layer alone is a bind mount of the lazy mount itself:
+    // it must say ro,nosuid,nodev, since the runtime's ro remount of a bind mount keeps
+    // only the flags it is given (issue 11).
+    let m = view(&svc, NS, "view-lazy", "chain1").await.unwrap();
+    assert_eq!(m.len(), 1);
+    assert_eq!(
+        (m[0].r#type.as_str(), m[0].source.as_str()),
+        ("bind", fs(root, 1).as_str())
+    );
+    for flag in ["ro", "nosuid", "nodev"] {
+        assert!(
+            m[0].options.iter().any(|o| o == flag),
+            "{flag}: {:?}",
+            m[0].options
+        );
+    }
+    assert!(
+        !m[0]
+            .options
+            .iter()
+            .any(|o| o == "rw" || o == "suid" || o == "dev")
+    );
+    remove(&svc, NS, "view-lazy").await.unwrap();
 
     // Restart restores the lazy mount; Remove releases it.
     drop(svc);

@@ -168,14 +168,15 @@ fn gc(args: GcArgs) -> Result<()> {
             .context("garbage collection")?;
         let verb = if opts.dry_run { "would remove" } else { "removed" };
         println!(
-            "{} repositories: {verb} {} manifests, {} blob links, {} blobs ({} bytes), {} stale uploads; kept {} young items",
+            "{} repositories: {verb} {} manifests, {} blob links, {} blobs ({} bytes), {} stale uploads; kept {} young items, {} pinned by pushes",
             r.repositories,
             r.manifests_deleted.len(),
             r.blob_links_removed,
             r.blobs_deleted,
             r.bytes_freed,
             r.uploads_removed,
-            r.kept_young
+            r.kept_young,
+            r.kept_pinned
         );
         for (repo, digest) in &r.manifests_deleted {
             println!("  manifest {repo}@{digest}");

@@ -412,6 +412,16 @@ pub(super) async fn push(
             .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
     }
 
+    // What the tag pointed at, to put back if a collection undercuts this push.
+    let tag = (!by_digest).then_some(reference);
+    let prev_tag = match tag {
+        Some(tag) => st
+            .storage
+            .tag_get(name, tag)
+            .await
+            .map_err(|e| super::storage_failure("reading a tag", e))?,
+        None => None,
+    };
     let stored = StoredManifest {
         digest: digest.clone(),
         media_type: v.media_type,
@@ -427,12 +437,26 @@ pub(super) async fn push(
             .await
             .map_err(|e| ApiError::from_storage(e, "recording a referrer"))?;
     }
-    if !by_digest {
+    if let Some(tag) = tag {
         st.storage
-            .tag_set(name, reference, &digest)
+            .tag_set(name, tag, &digest)
             .await
             .map_err(|e| ApiError::from_storage(e, "setting a tag"))?;
-        st.tags.insert(name, reference, digest.as_str().into(), 0);
+    }
+    // Committed. A collection that decided to remove something this manifest reaches
+    // before the checks above refreshed it may still be about to: tell it, and check
+    // again once it cannot (storage::gc, "Collections and manifest pushes agree").
+    if let Some(missing) = settle(st, name, &digest).await? {
+        undo(st, name, tag, &digest, prev_tag).await?;
+        return Err(ApiError::new(
+            ErrorCode::ManifestBlobUnknown,
+            "garbage collection removed content this manifest references while it was pushed; push it again",
+        )
+        .with_detail(serde_json::json!({ "digest": missing }))
+        .into());
+    }
+    if let Some(tag) = tag {
+        st.tags.insert(name, tag, digest.as_str().into(), 0);
     }
     let weight = stored.bytes.len() as u64;
     st.manifests.insert(name, &digest, Arc::new(stored), weight);
@@ -448,6 +472,120 @@ pub(super) async fn push(
         h.insert(OCI_SUBJECT, header_value(subject)?);
     }
     Ok(resp)
+}
+
+/// Most manifests [`settle`] follows from one (index children, recursively).
+const MAX_SETTLE_MANIFESTS: usize = 4096;
+
+/// Pins everything manifest `digest` of `repo` reaches (itself, index children, their
+/// configs and layers) against running collections, waits out removals of them in
+/// progress, and then checks in storage that all of it is still there. The first digest
+/// that is not, if any.
+async fn settle(st: &StateInner, repo: &str, digest: &str) -> Result<Option<String>, ApiError> {
+    let failure = |e| super::storage_failure("checking a pushed manifest", e);
+    let mut manifests = vec![digest.to_string()];
+    let mut blobs: Vec<String> = Vec::new();
+    let mut i = 0;
+    while let Some(d) = manifests.get(i).cloned() {
+        i += 1;
+        let Some(m) = st.storage.manifest_get(repo, &d).await.map_err(failure)? else {
+            return Ok(Some(d));
+        };
+        // Stored manifests passed validation when pushed; one that no longer does (older
+        // rules) references nothing this can check.
+        let Ok(v) = validate_document(&m.bytes, &m.media_type) else {
+            continue;
+        };
+        for (b, _) in v.blobs {
+            if !blobs.contains(&b) {
+                blobs.push(b);
+            }
+        }
+        for (c, _) in v.children {
+            if manifests.len() < MAX_SETTLE_MANIFESTS && !manifests.contains(&c) {
+                manifests.push(c);
+            }
+        }
+    }
+    let reached: Vec<String> = manifests.iter().chain(&blobs).cloned().collect();
+    if let Some(d) = crate::storage::gc::pin_referenced(&*st.storage, &reached)
+        .await
+        .map_err(failure)?
+    {
+        return Ok(Some(d));
+    }
+    for d in &manifests {
+        if st
+            .storage
+            .manifest_get(repo, d)
+            .await
+            .map_err(failure)?
+            .is_none()
+        {
+            return Ok(Some(d.clone()));
+        }
+    }
+    for b in &blobs {
+        let there = st.storage.blob_linked(repo, b).await.map_err(failure)?
+            && st.storage.blob_size(b).await.map_err(failure)?.is_some();
+        if !there {
+            st.links.remove(repo, b);
+            return Ok(Some(b.clone()));
+        }
+    }
+    Ok(None)
+}
+
+/// Undoes the commit of manifest `digest` whose content a collection removed: the tag
+/// goes back to `prev` (if that still settles, else it goes) and the manifest, which
+/// references something gone, is unlinked.
+async fn undo(
+    st: &StateInner,
+    repo: &str,
+    tag: Option<&str>,
+    digest: &str,
+    prev: Option<String>,
+) -> Result<(), ApiError> {
+    let failure = |e| ApiError::from_storage(e, "undoing a manifest push");
+    if let Some(tag) = tag {
+        st.tags.remove(repo, tag);
+        if st
+            .storage
+            .tag_get(repo, tag)
+            .await
+            .map_err(failure)?
+            .as_deref()
+            == Some(digest)
+        {
+            match prev.filter(|p| p != digest) {
+                Some(p) => {
+                    st.storage.tag_set(repo, tag, &p).await.map_err(failure)?;
+                    if Box::pin(settle(st, repo, &p)).await?.is_some()
+                        && st
+                            .storage
+                            .tag_get(repo, tag)
+                            .await
+                            .map_err(failure)?
+                            .as_deref()
+                            == Some(p.as_str())
+                    {
+                        st.storage.tag_delete(repo, tag).await.map_err(failure)?;
+                    }
+                }
+                None => {
+                    st.storage.tag_delete(repo, tag).await.map_err(failure)?;
+                }
+            }
+        }
+    }
+    st.storage
+        .manifest_delete(repo, digest)
+        .await
+        .map_err(failure)?;
+    st.manifests.remove(repo, digest);
+    st.tags.remove_where(|r, _, d| r == repo && &**d == digest);
+    tracing::warn!(%repo, %digest, "manifest push undone: garbage collection removed what it references");
+    Ok(())
 }
 
 /// `DELETE /v2/<name>/manifests/<reference>`: by digest removes the manifest (and its

@@ -2037,3 +2037,302 @@ async fn an_open_registry_takes_traces_as_it_takes_pushes() {
     .await;
     assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
 }
+
+// ---------------------------------------------------------------- GC racing manifest pushes
+//
+// Each test holds a garbage collection (grace 0, so everything unreferenced is garbage)
+// or a push at one step on a gated in-memory store and lets the other side run through
+// that moment, forcing one interleaving of storage::gc's protocol. Whatever the order, a
+// tag must never point at an image that cannot be pulled.
+
+use crate::storage::gated::Gated;
+use crate::storage::gc::{self, GcOptions, GcReport};
+
+fn gated_app() -> (TestApp, Arc<Gated>) {
+    let gated = Arc::new(Gated::default());
+    let storage: Arc<dyn Storage> = gated.clone();
+    let auth = Arc::new(Authenticator::new(&AuthConfig::default()).unwrap());
+    let cache = MemoryCacheConfig::default();
+    let state = AppState::new(
+        storage,
+        auth,
+        None,
+        Metrics::new(),
+        Limits::default(),
+        &cache,
+    );
+    let app = TestApp {
+        router: router(state.clone()),
+        state,
+    };
+    (app, gated)
+}
+
+fn collect_now(s: &Arc<Gated>) -> tokio::task::JoinHandle<GcReport> {
+    let s = s.clone();
+    tokio::spawn(async move {
+        let opts = GcOptions {
+            grace: Duration::ZERO,
+            delete_untagged: true,
+            dry_run: false,
+        };
+        gc::collect(s.as_ref(), &opts).await.unwrap()
+    })
+}
+
+const RACE_CONFIG: &[u8] = br#"{"architecture":"amd64","os":"linux","race":1}"#;
+const RACE_LAYER: &[u8] = b"race layer bytes";
+
+fn race_manifest(cd: &str, ld: &str) -> Vec<u8> {
+    image_manifest(
+        media::OCI_CONFIG,
+        cd,
+        RACE_CONFIG.len(),
+        &[(ld, RACE_LAYER.len())],
+        None,
+        None,
+    )
+}
+
+/// Whether `repo:tag` pulls whole: the manifest and every blob it names.
+async fn pulls(app: &TestApp, repo: &str, tag: &str) -> bool {
+    let m = app.get(&format!("/v2/{repo}/manifests/{tag}")).await;
+    if m.status != StatusCode::OK {
+        return false;
+    }
+    let doc = m.json();
+    let mut digests = vec![doc["config"]["digest"].as_str().unwrap().to_string()];
+    for l in doc["layers"].as_array().unwrap() {
+        digests.push(l["digest"].as_str().unwrap().to_string());
+    }
+    for d in digests {
+        if app.get(&format!("/v2/{repo}/blobs/{d}")).await.status != StatusCode::OK {
+            return false;
+        }
+    }
+    true
+}
+
+async fn records_left(s: &Gated) -> usize {
+    let mut n = 0;
+    for dir in gc::RECORD_DIRS {
+        n += s.inner.gc_record_list(dir).await.unwrap().len();
+    }
+    n
+}
+
+/// The residual of issue 11: a collection decided to remove the (then unreferenced)
+/// config and layer, and only then did the push refresh them and commit its manifest.
+/// The collection's removal comes after the commit; it must spare them.
+#[tokio::test]
+async fn gc_that_decided_before_a_push_spares_what_it_committed() {
+    let (app, s) = gated_app();
+    let cd = app.push_blob("race/app", RACE_CONFIG).await;
+    let ld = app.push_blob("race/app", RACE_LAYER).await;
+    // The collection's first step after deciding: its removal record (or, without the
+    // protocol, the removal itself).
+    let decided = s.arm_any(&["gc_record_put deleting", "unlink_blob", "blob_delete"]);
+    let collection = collect_now(&s);
+    decided.reached().await;
+    let r = app
+        .put_manifest(
+            "race/app",
+            "v1",
+            media::OCI_MANIFEST,
+            &race_manifest(&cd, &ld),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    decided.release();
+    let report = collection.await.unwrap();
+    assert!(report.kept_pinned >= 2, "{report:?}");
+    assert_eq!(
+        report.blob_links_removed + report.blobs_deleted,
+        0,
+        "{report:?}"
+    );
+    app.state.clear_caches();
+    assert!(
+        pulls(&app, "race/app", "v1").await,
+        "the tag pulls after the collection"
+    );
+    // The next collection sees the manifest and keeps everything; no records are left.
+    collect_now(&s).await.unwrap();
+    app.state.clear_caches();
+    assert!(pulls(&app, "race/app", "v1").await);
+    assert_eq!(records_left(&s).await, 0);
+}
+
+/// A collection already removing the layer when the push commits: the push waits for
+/// that removal, sees it, and undoes its commit instead of leaving a tag that cannot be
+/// pulled; the tag goes back to its previous image. Two interleavings: the collection
+/// held past its pin check before the removal (the push checks and commits meanwhile),
+/// and held after the removal before its record goes (the push, held after its checks,
+/// commits then).
+#[tokio::test]
+async fn a_push_that_loses_to_a_removal_in_progress_undoes_its_commit() {
+    for held in ["unlink_blob", "gc_record_delete deleting"] {
+        let (app, s) = gated_app();
+        let cd = app.push_blob("race/app", RACE_CONFIG).await;
+        let ld = app.push_blob("race/app", RACE_LAYER).await;
+        // The tag's previous image, which the undo must put back.
+        let (old, _) = app.push_image("race/app", "v1", b"the old layer").await;
+        let push_gate = (held != "unlink_blob").then(|| s.arm("manifest_put"));
+        let spawn_push = || {
+            let router = app.router.clone();
+            let doc = race_manifest(&cd, &ld);
+            tokio::spawn(async move {
+                let req = Request::builder()
+                    .method(Method::PUT)
+                    .uri("/v2/race/app/manifests/v1")
+                    .header("content-type", media::OCI_MANIFEST)
+                    .body(Body::from(doc))
+                    .unwrap();
+                let resp = router.oneshot(req).await.unwrap();
+                let status = resp.status();
+                let body = resp.into_body().collect().await.unwrap().to_bytes();
+                (status, body)
+            })
+        };
+        let removing = s.arm(held);
+        let (collection, push) = match &push_gate {
+            None => {
+                let collection = collect_now(&s);
+                removing.reached().await;
+                (collection, spawn_push())
+            }
+            Some(committing) => {
+                let push = spawn_push();
+                committing.reached().await;
+                let collection = collect_now(&s);
+                removing.reached().await;
+                committing.release();
+                (collection, push)
+            }
+        };
+        // The push has committed and pinned; it now waits for the removal.
+        for _ in 0..1000 {
+            if !s.inner.gc_record_list("pins").await.unwrap().is_empty() || push.is_finished() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !push.is_finished(),
+            "{held}: the push waits for the removal"
+        );
+        removing.release();
+        let (status, body) = push.await.unwrap();
+        let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert!(
+            status.is_client_error() && err["errors"][0]["code"] == "MANIFEST_BLOB_UNKNOWN",
+            "{held}: {status} {err}"
+        );
+        collection.await.unwrap();
+        app.state.clear_caches();
+        let tagged = app.get("/v2/race/app/manifests/v1").await;
+        assert_eq!(
+            tagged.header("docker-content-digest"),
+            old,
+            "{held}: tag put back"
+        );
+        assert!(pulls(&app, "race/app", "v1").await, "{held}");
+        let lost = digest_of(&race_manifest(&cd, &ld));
+        let by_digest = app.get(&format!("/v2/race/app/manifests/{lost}")).await;
+        assert_eq!(by_digest.status, StatusCode::NOT_FOUND, "{held}: undone");
+        // Pushed again, it sticks.
+        app.push_blob("race/app", RACE_CONFIG).await;
+        app.push_blob("race/app", RACE_LAYER).await;
+        let r = app
+            .put_manifest(
+                "race/app",
+                "v2",
+                media::OCI_MANIFEST,
+                &race_manifest(&cd, &ld),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{held}");
+        assert!(pulls(&app, "race/app", "v2").await, "{held}");
+        assert_eq!(records_left(&s).await, 0, "{held}");
+    }
+}
+
+/// The push is held after its checks refreshed the blobs and before it commits; a whole
+/// collection runs in between and removes them (grace 0: nothing protects them). The
+/// push notices after committing and undoes it.
+#[tokio::test]
+async fn a_whole_collection_between_refresh_and_commit_is_noticed() {
+    let (app, s) = gated_app();
+    let cd = app.push_blob("race/app", RACE_CONFIG).await;
+    let ld = app.push_blob("race/app", RACE_LAYER).await;
+    let committing = s.arm("manifest_put");
+    let push = {
+        let router = app.router.clone();
+        let doc = race_manifest(&cd, &ld);
+        tokio::spawn(async move {
+            let req = Request::builder()
+                .method(Method::PUT)
+                .uri("/v2/race/app/manifests/v1")
+                .header("content-type", media::OCI_MANIFEST)
+                .body(Body::from(doc))
+                .unwrap();
+            let resp = router.oneshot(req).await.unwrap();
+            let status = resp.status();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, body)
+        })
+    };
+    committing.reached().await;
+    let report = collect_now(&s).await.unwrap();
+    assert_eq!(report.blobs_deleted, 2, "{report:?}");
+    committing.release();
+    let (status, body) = push.await.unwrap();
+    let err: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert!(
+        status.is_client_error() && err["errors"][0]["code"] == "MANIFEST_BLOB_UNKNOWN",
+        "{status} {err}"
+    );
+    app.state.clear_caches();
+    assert_eq!(
+        app.get("/v2/race/app/manifests/v1").await.status,
+        StatusCode::NOT_FOUND
+    );
+}
+
+/// The blob phase: a collection decided to delete a stored blob no repository linked;
+/// then a client pushed that blob again, linked it and committed a manifest naming it.
+#[tokio::test]
+async fn gc_that_decided_to_delete_an_unlinked_blob_spares_it_once_pushed() {
+    let (app, s) = gated_app();
+    let ld = digest_of(RACE_LAYER);
+    s.inner
+        .blob_put(
+            &ld,
+            Box::pin(futures_util::stream::iter([Ok(Bytes::from_static(
+                RACE_LAYER,
+            ))])),
+            1 << 20,
+        )
+        .await
+        .unwrap();
+    let decided = s.arm_any(&["gc_record_put deleting", "blob_delete"]);
+    let collection = collect_now(&s);
+    decided.reached().await;
+    let cd = app.push_blob("race/app", RACE_CONFIG).await;
+    app.push_blob("race/app", RACE_LAYER).await;
+    let r = app
+        .put_manifest(
+            "race/app",
+            "v1",
+            media::OCI_MANIFEST,
+            &race_manifest(&cd, &ld),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    decided.release();
+    let report = collection.await.unwrap();
+    assert_eq!(report.blobs_deleted, 0, "{report:?}");
+    app.state.clear_caches();
+    assert!(pulls(&app, "race/app", "v1").await);
+}

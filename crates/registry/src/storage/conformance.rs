@@ -91,6 +91,89 @@ pub async fn run(s: &dyn Storage) {
     referrers(s).await;
     listing(s).await;
     invalid_names(s).await;
+    gc_records(s).await;
+}
+
+/// Garbage collection's coordination records: written, seen, listed with a time that a
+/// rewrite refreshes, removed; nothing outside the three directories or with a name that
+/// could be a path.
+async fn gc_records(s: &dyn Storage) {
+    let id = "0123456789abcdef0123456789abcdef";
+    let pin = format!("{id}-{}", "ab".repeat(32));
+    for dir in super::gc::RECORD_DIRS {
+        assert!(s.gc_record_list(dir).await.unwrap().is_empty(), "{dir}");
+    }
+    assert!(!s.gc_record_exists("pins", &pin).await.unwrap());
+    s.gc_record_put("running", id).await.unwrap();
+    s.gc_record_put("pins", &pin).await.unwrap();
+    assert!(s.gc_record_exists("pins", &pin).await.unwrap());
+    assert!(
+        !s.gc_record_exists("deleting", &pin).await.unwrap(),
+        "dirs are apart"
+    );
+    let listed = s.gc_record_list("running").await.unwrap();
+    assert_eq!(
+        listed.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        [id]
+    );
+    let first = listed[0].1;
+    let age = std::time::SystemTime::now()
+        .duration_since(first)
+        .unwrap_or_default();
+    assert!(
+        age < Duration::from_secs(300),
+        "a fresh record's time: {age:?}"
+    );
+    // A rewrite refreshes the time (S3 stamps to the second).
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    s.gc_record_put("running", id).await.unwrap();
+    let again = s.gc_record_list("running").await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert!(again[0].1 > first, "{:?} then {:?}", first, again[0].1);
+    // Sorted by name.
+    s.gc_record_put("pins", "0-a").await.unwrap();
+    let pins: Vec<String> = s
+        .gc_record_list("pins")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(pins, ["0-a".to_string(), pin.clone()]);
+    assert!(s.gc_record_delete("pins", &pin).await.unwrap());
+    assert!(!s.gc_record_delete("pins", &pin).await.unwrap());
+    assert!(!s.gc_record_exists("pins", &pin).await.unwrap());
+    assert!(s.gc_record_delete("pins", "0-a").await.unwrap());
+    assert!(s.gc_record_delete("running", id).await.unwrap());
+    for dir in super::gc::RECORD_DIRS {
+        assert!(s.gc_record_list(dir).await.unwrap().is_empty(), "{dir}");
+    }
+    for (dir, name) in [
+        ("other", "x"),
+        ("../running", "x"),
+        ("pins", ""),
+        ("pins", "../x"),
+        ("pins", "a/b"),
+        ("pins", "UPPER"),
+        ("pins", &"a".repeat(161)),
+    ] {
+        let err = s.gc_record_put(dir, name).await.unwrap_err();
+        assert!(
+            matches!(err, StorageError::Invalid(_)),
+            "{dir}/{name}: {err:?}"
+        );
+        assert!(s.gc_record_exists(dir, name).await.is_err(), "{dir}/{name}");
+        assert!(s.gc_record_delete(dir, name).await.is_err(), "{dir}/{name}");
+    }
+    assert!(s.gc_record_list("../pins").await.is_err());
+    // Records are not repositories.
+    assert!(
+        !s.repo_list()
+            .await
+            .unwrap()
+            .iter()
+            .any(|r| r.starts_with("gc")),
+    );
 }
 
 async fn blobs(s: &dyn Storage) {

@@ -9,7 +9,8 @@
 //! repositories/<name>/_manifests/revisions/sha256/<hex>  manifest link; holds its media type
 //! repositories/<name>/_manifests/tags/<tag>         the tag's manifest digest
 //! repositories/<name>/_referrers/sha256/<subject>/sha256/<referrer>   empty file
-//! tmp/<random>                                      files being written (emptied on open)
+//! tmp/<random>                                      files being written (stale ones removed on open)
+//! gc/{running,deleting,pins}/<name>                 empty files: collections' coordination
 //! ```
 //!
 //! Why it survives crashes: every file whose *content* matters (blobs, manifest links,
@@ -18,7 +19,8 @@
 //! `uploads/`; `upload_finish` hashes them, fsyncs, and renames the data file into
 //! `blobs/` — so a blob path exists only with verified, complete content, and a crash
 //! mid-upload leaves at worst an upload directory (garbage collection removes stale ones)
-//! or a temp file (removed when the root is next opened). Empty link files are created in
+//! or a temp file (removed when the root is opened an hour or more later: younger ones may
+//! be another process's writes). Empty link files are created in
 //! place: creating a file is atomic and there is no content to tear.
 //!
 //! The media type of a manifest lives in its revision link rather than beside the blob:
@@ -30,7 +32,7 @@
 //! batches off the async threads, hashing as they go, and the hash state is kept in
 //! memory between chunks so finishing does not re-read the data (after a restart it is
 //! re-read once). One server process per root: upload chunk ordering is serialised in
-//! process, and opening the root empties `tmp/`.
+//! process; opening the root removes temp files untouched for an hour.
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -50,7 +52,8 @@ use tokio_util::io::ReaderStream;
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
+    valid_upload_id,
 };
 
 /// Upload bytes are written in batches of this size (one blocking task each).
@@ -61,6 +64,9 @@ const READ_CHUNK: usize = 256 * 1024;
 const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 /// Largest media type kept in a manifest link.
 const MAX_MEDIA_TYPE_BYTES: usize = 1024;
+/// Temp files untouched this long belong to no write in progress (every write finishes
+/// or fails long before: client bodies that stall are cut off within minutes).
+pub const TMP_STALE: Duration = Duration::from_secs(60 * 60);
 
 /// A [`Storage`] in a directory tree (see the module documentation for the layout).
 #[derive(Debug)]
@@ -79,15 +85,26 @@ struct RunningHash {
 
 impl FsStorage {
     /// Opens (creating if needed) a store rooted at `root`, and removes temp files a
-    /// previous process left behind.
+    /// previous process left behind: those untouched for [`TMP_STALE`]. Younger ones may
+    /// be another process's writes in progress (the server's, while `ferry registry gc`
+    /// opens the same root), which must not fail under it.
     pub fn open(root: &Path) -> Result<FsStorage> {
         fs::create_dir_all(root)?;
         for dir in ["blobs/sha256", "uploads", "repositories", "tmp"] {
             create_dirs_durable(&root.join(dir))?;
         }
         let tmp = root.join("tmp");
+        let now = SystemTime::now();
         for entry in fs::read_dir(&tmp)? {
-            let path = entry?.path();
+            let entry = entry?;
+            let Some(meta) = optional(entry.metadata())? else {
+                continue;
+            };
+            let age = now.duration_since(meta.modified()?).unwrap_or_default();
+            if age < TMP_STALE {
+                continue;
+            }
+            let path = entry.path();
             match fs::remove_file(&path) {
                 Err(e) if e.kind() == io::ErrorKind::IsADirectory => fs::remove_dir_all(&path)?,
                 Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e.into()),
@@ -168,6 +185,15 @@ impl FsStorage {
         p.push(hex);
         p.push("sha256");
         Ok(p)
+    }
+
+    fn gc_record_path(&self, dir: &str, name: Option<&str>) -> Result<PathBuf> {
+        check_gc_record(dir, name)?;
+        let dir = self.root.join("gc").join(dir);
+        Ok(match name {
+            Some(name) => dir.join(name),
+            None => dir,
+        })
     }
 
     fn temp_path(&self) -> PathBuf {
@@ -951,6 +977,44 @@ impl Storage for FsStorage {
         })
         .await
     }
+
+    async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(touch_link(&path)?)).await
+    }
+
+    async fn gc_record_exists(&self, dir: &str, name: &str) -> Result<bool> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(optional(fs::symlink_metadata(&path))?.is_some())).await
+    }
+
+    async fn gc_record_list(&self, dir: &str) -> Result<Vec<(String, SystemTime)>> {
+        let dir = self.gc_record_path(dir, None)?;
+        blocking(move || {
+            let Some(entries) = optional(fs::read_dir(&dir))? else {
+                return Ok(Vec::new());
+            };
+            let mut out = Vec::new();
+            for entry in entries {
+                let entry = entry?;
+                let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+                    continue;
+                };
+                match optional(entry.metadata())? {
+                    Some(meta) if meta.is_file() => out.push((name, meta.modified()?)),
+                    _ => {} // removed while listing, or not a record
+                }
+            }
+            out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool> {
+        let path = self.gc_record_path(dir, Some(name))?;
+        blocking(move || Ok(remove_optional(&path)?)).await
+    }
 }
 
 /// Whether `dir` is a repository (holds any of the `_`-prefixed bookkeeping directories).
@@ -1126,15 +1190,28 @@ mod tests {
         let other = digest(b"other");
         let other_hex = other.strip_prefix("sha256:").unwrap();
         std::fs::write(root.join("tmp").join("0123456789ab"), b"oth").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(root.join("tmp").join("0123456789ab"))
+            .unwrap()
+            .set_modified(SystemTime::now() - TMP_STALE - Duration::from_secs(60))
+            .unwrap();
+        // A write in progress in another process (the server, while `ferry registry gc`
+        // opens the root) stays.
+        std::fs::write(root.join("tmp").join("in-progress"), b"writing").unwrap();
         let shard = root.join("blobs/sha256").join(&hex[..2]);
         std::fs::write(shard.join(format!("{hex}.tmp")), b"junk").unwrap();
         std::fs::write(shard.join(other_hex), b"wrong shard").unwrap();
 
         let s = FsStorage::open(root).unwrap();
+        let left: Vec<_> = std::fs::read_dir(root.join("tmp"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(
-            std::fs::read_dir(root.join("tmp")).unwrap().count(),
-            0,
-            "temp files removed"
+            left,
+            ["in-progress"],
+            "stale temp files removed, fresh ones kept"
         );
         let list = s.blob_list().await.unwrap();
         assert_eq!(list.len(), 1, "{list:?}");

@@ -18,13 +18,79 @@
 //!
 //! A manifest that cannot be parsed is reported, and nothing its repository links is
 //! removed, since what it references is unknown.
+//!
+//! # Collections and manifest pushes agree through storage
+//!
+//! The grace period protects a push whose manifest arrives while a collection runs; it
+//! cannot protect one whose blob a collection *already decided* to remove, a moment
+//! before the push re-checked and refreshed that blob and committed the manifest. So the
+//! two sides also meet in storage, through empty records in three places
+//! ([`RECORD_DIRS`]), which every backend (and every process on one store) shares:
+//!
+//! * A collection writes `running/<id>` before it reads anything, refreshes it while it
+//!   works and removes it (with its other records) when done.
+//! * Before each removal (a manifest link, a blob link, a blob) of digest `d`, the
+//!   collection writes `deleting/<id>-<d>`, then reads `pins/<id>-<d>`: if that exists
+//!   it spares `d`; otherwise it removes `d`, then its `deleting` record.
+//! * After committing a manifest (and its tag), a push lists `running/`, writes
+//!   `pins/<id>-<d>` for every running collection and every digest `d` the manifest
+//!   reaches (itself, config, layers, index children and what they reach), waits until no
+//!   `deleting/<id>-<d>` of those exists, and only then checks in storage that every one
+//!   of them is still there. If one is gone it undoes its commit (the tag goes back to
+//!   what it was, a manifest it created is unlinked) and answers `MANIFEST_BLOB_UNKNOWN`
+//!   ([`pin_referenced`]).
+//!
+//! Why no committed manifest then references a removed blob, in every interleaving
+//! (storage operations are atomic and each is seen by every later one): take a removal of
+//! `d` by collection G and a push P whose final check found `d`.
+//! - G wrote `running` after P listed `running/`: G's reads all come after P's commit,
+//!   so G reaches `d` from P's manifest and does not remove it.
+//! - G's `running` was listed by P, so P pinned `d` under G. If G read the pin after P
+//!   wrote it, G spared `d`. Otherwise G wrote `deleting` before reading the pin, so
+//!   before P's pin and before P's wait: P either saw that record and waited until G
+//!   removed it — after removing `d` — or G had already removed it, and `d` with it. In
+//!   both cases the removal came before P's final check, which would have found `d`
+//!   missing: contradiction.
+//! - G had already ended (removed `running`) when P listed: every removal of G came
+//!   before P's check, which would have noticed it.
+//!
+//! So a push that succeeds is never undercut by a collection, and one that loses the
+//! race says so instead of leaving a tag that cannot be pulled. Costs: one listing per
+//! manifest push while no collection runs; two small writes and a read per deletion.
+//!
+//! Liveness: a collection that crashes leaves its records; a collection record not
+//! refreshed for [`LEASE`] is ignored by pushes and removed by the next collection. A
+//! collection that finds it has not refreshed its record for half the lease (a process
+//! stopped for minutes) stops instead of removing anything, so the one assumption left is
+//! that a collection is not suspended for more than half the lease between refreshing
+//! its record and the removal that follows, and that the clocks of the hosts involved
+//! (the store's, for S3) agree to within minutes. Until a dead collection's records are
+//! reaped, a push referencing the one digest it was removing waits [`DELETION_WAIT`] and
+//! fails rather than risk it.
 
 use std::collections::HashSet;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::Deserialize;
 
-use super::{LinkInfo, Result, Storage};
+use super::{LinkInfo, Result, Storage, StorageError, new_upload_id, sha256_hex};
+
+/// Where collections and pushes leave their coordination records (see the module
+/// documentation): running collections, removals in progress, and digests pushes pinned.
+pub const RECORD_DIRS: &[&str] = &[RUNNING, DELETING, PINS];
+const RUNNING: &str = "running";
+const DELETING: &str = "deleting";
+const PINS: &str = "pins";
+
+/// A collection whose `running` record was not refreshed for this long is taken for dead:
+/// pushes ignore it and the next collection removes its records.
+pub const LEASE: Duration = Duration::from_secs(10 * 60);
+/// A running collection refreshes its record at least this often (before a removal).
+const HEARTBEAT: Duration = Duration::from_secs(30);
+/// How long a push waits for a collection to finish removing something it references.
+pub const DELETION_WAIT: Duration = Duration::from_secs(30);
+/// How often a waiting push looks again.
+const DELETION_POLL: Duration = Duration::from_millis(10);
 
 /// Upload sessions untouched this long are abandoned.
 pub const UPLOAD_MAX_AGE: Duration = Duration::from_secs(24 * 60 * 60);
@@ -62,6 +128,8 @@ pub struct GcReport {
     pub uploads_removed: usize,
     /// Unreachable manifests, links and blobs spared only because they are young.
     pub kept_young: usize,
+    /// Removals decided and then skipped because a manifest push pinned the digest.
+    pub kept_pinned: usize,
     /// `repository@digest: problem` for manifests that could not be read or parsed.
     pub problems: Vec<String>,
 }
@@ -101,6 +169,178 @@ struct Schema1Layer {
 
 /// Runs one collection over every repository of `storage`.
 pub async fn collect(storage: &dyn Storage, opts: &GcOptions) -> Result<GcReport> {
+    if opts.dry_run {
+        return collect_with(storage, opts, None).await;
+    }
+    let mut run = Running::begin(storage).await?;
+    let result = collect_with(storage, opts, Some(&mut run)).await;
+    let ended = run.end().await;
+    let report = result?;
+    ended?;
+    Ok(report)
+}
+
+/// What a collection removes, one digest at a time.
+enum Removal<'a> {
+    Manifest(&'a str),
+    BlobLink(&'a str),
+    Blob,
+}
+
+/// A collection's presence in storage (its `running` record) and its removals.
+struct Running<'a> {
+    storage: &'a dyn Storage,
+    id: String,
+    beat: Instant,
+}
+
+impl<'a> Running<'a> {
+    /// Reaps the records of dead collections, then announces this one.
+    async fn begin(storage: &'a dyn Storage) -> Result<Running<'a>> {
+        reap_dead(storage).await?;
+        let id = new_upload_id();
+        storage.gc_record_put(RUNNING, &id).await?;
+        Ok(Running {
+            storage,
+            id,
+            beat: Instant::now(),
+        })
+    }
+
+    /// Refreshes the `running` record if due; stops the collection if it has been away
+    /// so long that pushes may have taken it for dead, or another collection reaped it.
+    async fn beat(&mut self) -> Result<()> {
+        let since = self.beat.elapsed();
+        if since < HEARTBEAT {
+            return Ok(());
+        }
+        if since >= LEASE / 2 || !self.storage.gc_record_exists(RUNNING, &self.id).await? {
+            return Err(StorageError::Io(std::io::Error::other(
+                "garbage collection stalled past its lease; stopping before removing anything more",
+            )));
+        }
+        self.storage.gc_record_put(RUNNING, &self.id).await?;
+        self.beat = Instant::now();
+        Ok(())
+    }
+
+    /// Removes `digest` as `what` says unless a push pinned it: `None` if spared,
+    /// else whether it existed.
+    async fn remove(&mut self, digest: &str, what: Removal<'_>) -> Result<Option<bool>> {
+        self.beat().await?;
+        let name = record_name(&self.id, digest)?;
+        self.storage.gc_record_put(DELETING, &name).await?;
+        let result = if self.storage.gc_record_exists(PINS, &name).await? {
+            Ok(None)
+        } else {
+            match what {
+                Removal::Manifest(repo) => self.storage.manifest_delete(repo, digest).await,
+                Removal::BlobLink(repo) => self.storage.unlink_blob(repo, digest).await,
+                Removal::Blob => self.storage.blob_delete(digest).await,
+            }
+            .map(Some)
+        };
+        self.storage.gc_record_delete(DELETING, &name).await?;
+        result
+    }
+
+    /// Removes this collection's records, `running` last.
+    async fn end(self) -> Result<()> {
+        let prefix = format!("{}-", self.id);
+        for dir in [PINS, DELETING] {
+            for (name, _) in self.storage.gc_record_list(dir).await? {
+                if name.starts_with(&prefix) {
+                    self.storage.gc_record_delete(dir, &name).await?;
+                }
+            }
+        }
+        self.storage.gc_record_delete(RUNNING, &self.id).await?;
+        Ok(())
+    }
+}
+
+/// `<collection id>-<hex of digest>`.
+fn record_name(id: &str, digest: &str) -> Result<String> {
+    Ok(format!("{id}-{}", sha256_hex(digest)?))
+}
+
+fn older_than(t: SystemTime, age: Duration, now: SystemTime) -> bool {
+    now.duration_since(t).is_ok_and(|a| a >= age)
+}
+
+/// Removes the records of collections that stopped refreshing theirs for [`LEASE`], and
+/// `pins`/`deleting` records older than that of collections no longer running.
+async fn reap_dead(storage: &dyn Storage) -> Result<()> {
+    let now = SystemTime::now();
+    let mut live = HashSet::new();
+    for (id, t) in storage.gc_record_list(RUNNING).await? {
+        if older_than(t, LEASE, now) {
+            tracing::warn!(collection = %id, "removing the records of a dead garbage collection");
+            storage.gc_record_delete(RUNNING, &id).await?;
+        } else {
+            live.insert(id);
+        }
+    }
+    for dir in [PINS, DELETING] {
+        for (name, t) in storage.gc_record_list(dir).await? {
+            let owner = name.split('-').next().unwrap_or_default();
+            if !live.contains(owner) && older_than(t, LEASE, now) {
+                storage.gc_record_delete(dir, &name).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The push's side of the protocol (module documentation), called after a manifest that
+/// reaches `digests` was committed: pins every digest under every running collection and
+/// waits until none of them is being removed. The caller must then check in storage that
+/// each digest is still there, and undo its commit if not. Returns the first digest a
+/// collection was still removing after [`DELETION_WAIT`] (treat it as gone), else `None`.
+pub async fn pin_referenced(storage: &dyn Storage, digests: &[String]) -> Result<Option<String>> {
+    let now = SystemTime::now();
+    let running: Vec<String> = storage
+        .gc_record_list(RUNNING)
+        .await?
+        .into_iter()
+        .filter(|(_, t)| !older_than(*t, LEASE, now))
+        .map(|(id, _)| id)
+        .collect();
+    let mut names = Vec::with_capacity(running.len() * digests.len());
+    for id in &running {
+        for d in digests {
+            let name = record_name(id, d)?;
+            storage.gc_record_put(PINS, &name).await?;
+            names.push((name, d));
+        }
+    }
+    let deadline = Instant::now() + DELETION_WAIT;
+    for (name, d) in &names {
+        while storage.gc_record_exists(DELETING, name).await? {
+            if Instant::now() >= deadline {
+                return Ok(Some((*d).clone()));
+            }
+            tokio::time::sleep(DELETION_POLL).await;
+        }
+    }
+    // Pins under a collection that has ended since protect nothing (it removes nothing
+    // more), and it may have cleared its pins before these were written: remove them.
+    for id in &running {
+        if storage.gc_record_exists(RUNNING, id).await? {
+            continue;
+        }
+        for (name, _) in names.iter().filter(|(n, _)| n.starts_with(id.as_str())) {
+            storage.gc_record_delete(PINS, name).await?;
+        }
+    }
+    Ok(None)
+}
+
+async fn collect_with(
+    storage: &dyn Storage,
+    opts: &GcOptions,
+    mut run: Option<&mut Running<'_>>,
+) -> Result<GcReport> {
     let now = SystemTime::now();
     let young = |modified: Option<SystemTime>| match modified {
         // Unknown age: treat as young rather than risk removing something in use.
@@ -115,7 +355,16 @@ pub async fn collect(storage: &dyn Storage, opts: &GcOptions) -> Result<GcReport
     let repos = storage.repo_list().await?;
     report.repositories = repos.len();
     for repo in &repos {
-        sweep_repository(storage, repo, opts, &young, &mut report, &mut still_linked).await?;
+        sweep_repository(
+            storage,
+            repo,
+            opts,
+            &young,
+            &mut report,
+            &mut still_linked,
+            run.as_deref_mut(),
+        )
+        .await?;
     }
 
     // Blobs first, then links: a link made after this listing belongs to a blob that was
@@ -143,9 +392,17 @@ pub async fn collect(storage: &dyn Storage, opts: &GcOptions) -> Result<GcReport
             report.kept_young += 1;
             continue;
         }
-        if opts.dry_run || storage.blob_delete(&blob.digest).await? {
-            report.blobs_deleted += 1;
-            report.bytes_freed += blob.size;
+        let removed = match run.as_deref_mut() {
+            None => Some(true),
+            Some(run) => run.remove(&blob.digest, Removal::Blob).await?,
+        };
+        match removed {
+            None => report.kept_pinned += 1,
+            Some(true) => {
+                report.blobs_deleted += 1;
+                report.bytes_freed += blob.size;
+            }
+            Some(false) => {}
         }
     }
 
@@ -170,6 +427,7 @@ async fn sweep_repository(
     young: &impl Fn(Option<SystemTime>) -> bool,
     report: &mut GcReport,
     still_linked: &mut HashSet<String>,
+    mut run: Option<&mut Running<'_>>,
 ) -> Result<()> {
     let manifests: Vec<LinkInfo> = storage.manifest_links(repo).await?;
     let linked_manifests: HashSet<&str> = manifests.iter().map(|m| m.digest.as_str()).collect();
@@ -242,10 +500,22 @@ async fn sweep_repository(
             still_linked.insert(manifest.digest.clone());
             continue;
         }
-        if opts.dry_run || storage.manifest_delete(repo, &manifest.digest).await? {
-            report
+        let removed = match run.as_deref_mut() {
+            None => Some(true),
+            Some(run) => {
+                run.remove(&manifest.digest, Removal::Manifest(repo))
+                    .await?
+            }
+        };
+        match removed {
+            None => {
+                report.kept_pinned += 1;
+                still_linked.insert(manifest.digest.clone());
+            }
+            Some(true) => report
                 .manifests_deleted
-                .push((repo.to_string(), manifest.digest.clone()));
+                .push((repo.to_string(), manifest.digest.clone())),
+            Some(false) => {}
         }
     }
 
@@ -259,8 +529,17 @@ async fn sweep_repository(
             still_linked.insert(link.digest);
             continue;
         }
-        if opts.dry_run || storage.unlink_blob(repo, &link.digest).await? {
-            report.blob_links_removed += 1;
+        let removed = match run.as_deref_mut() {
+            None => Some(true),
+            Some(run) => run.remove(&link.digest, Removal::BlobLink(repo)).await?,
+        };
+        match removed {
+            None => {
+                report.kept_pinned += 1;
+                still_linked.insert(link.digest);
+            }
+            Some(true) => report.blob_links_removed += 1,
+            Some(false) => {}
         }
     }
     Ok(())
@@ -578,6 +857,62 @@ mod tests {
         assert!(exists(&s, &fresh).await && s.blob_linked("app", &fresh).await.unwrap());
         assert_eq!(s.upload_size(&abandoned).await.unwrap(), None);
         assert_eq!(s.upload_size(&active).await.unwrap(), Some(0));
+    }
+
+    /// A collection that died leaves its records: pushes ignore it once its lease ran out,
+    /// and the next collection removes them; a collection leaves none of its own.
+    #[tokio::test]
+    async fn a_dead_collections_records_are_ignored_then_reaped() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = FsStorage::open(dir.path()).unwrap();
+        let dead = "0123456789abcdef0123456789abcdef";
+        let d = digest(b"some layer");
+        let stale_pin = record_name(dead, &d).unwrap();
+        s.gc_record_put(RUNNING, dead).await.unwrap();
+        s.gc_record_put(DELETING, &stale_pin).await.unwrap();
+        let long_ago = SystemTime::now() - LEASE - Duration::from_secs(60);
+        for rel in [
+            format!("gc/running/{dead}"),
+            format!("gc/deleting/{stale_pin}"),
+        ] {
+            std::fs::File::options()
+                .write(true)
+                .open(dir.path().join(rel))
+                .unwrap()
+                .set_modified(long_ago)
+                .unwrap();
+        }
+        // A push neither pins under the dead collection nor waits for its removal.
+        let t0 = Instant::now();
+        assert_eq!(
+            pin_referenced(&s, std::slice::from_ref(&d)).await.unwrap(),
+            None
+        );
+        assert!(t0.elapsed() < DELETION_WAIT / 2);
+        assert!(s.gc_record_list(PINS).await.unwrap().is_empty());
+        // A live collection's record counts: the push pins under it.
+        let live = "fedcba9876543210fedcba9876543210";
+        s.gc_record_put(RUNNING, live).await.unwrap();
+        assert_eq!(
+            pin_referenced(&s, std::slice::from_ref(&d)).await.unwrap(),
+            None
+        );
+        assert!(
+            s.gc_record_exists(PINS, &record_name(live, &d).unwrap())
+                .await
+                .unwrap()
+        );
+        s.gc_record_delete(RUNNING, live).await.unwrap();
+
+        collect(&s, &now_opts(false)).await.unwrap();
+        for dir in [RUNNING, DELETING] {
+            assert!(s.gc_record_list(dir).await.unwrap().is_empty(), "{dir}");
+        }
+        // The live collection's young pin stays until it is older than the lease (its
+        // owner may just have started); nothing of the collection that ran is left.
+        let pins = s.gc_record_list(PINS).await.unwrap();
+        assert_eq!(pins.len(), 1, "{pins:?}");
+        assert!(pins[0].0.starts_with(live));
     }
 
     #[tokio::test]

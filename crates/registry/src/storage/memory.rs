@@ -17,7 +17,8 @@ use sha2::{Digest as _, Sha256};
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
+    valid_upload_id,
 };
 
 /// A [`Storage`] held in memory.
@@ -31,6 +32,8 @@ struct State {
     blobs: HashMap<String, Blob>,
     uploads: HashMap<String, Upload>,
     repos: BTreeMap<String, Repo>,
+    /// Garbage collection's coordination records: (dir, name) → when written.
+    records: BTreeMap<(String, String), SystemTime>,
 }
 
 #[derive(Debug)]
@@ -479,6 +482,42 @@ impl Storage for MemoryStorage {
                     .collect()
             })
             .unwrap_or_default())
+    }
+
+    async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()> {
+        check_gc_record(dir, Some(name))?;
+        self.lock()
+            .records
+            .insert((dir.to_string(), name.to_string()), SystemTime::now());
+        Ok(())
+    }
+
+    async fn gc_record_exists(&self, dir: &str, name: &str) -> Result<bool> {
+        check_gc_record(dir, Some(name))?;
+        Ok(self
+            .lock()
+            .records
+            .contains_key(&(dir.to_string(), name.to_string())))
+    }
+
+    async fn gc_record_list(&self, dir: &str) -> Result<Vec<(String, SystemTime)>> {
+        check_gc_record(dir, None)?;
+        Ok(self
+            .lock()
+            .records
+            .iter()
+            .filter(|((d, _), _)| d == dir)
+            .map(|((_, n), t)| (n.clone(), *t))
+            .collect())
+    }
+
+    async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool> {
+        check_gc_record(dir, Some(name))?;
+        Ok(self
+            .lock()
+            .records
+            .remove(&(dir.to_string(), name.to_string()))
+            .is_some())
     }
 }
 

@@ -27,6 +27,8 @@ pub mod s3;
 
 #[cfg(test)]
 pub(crate) mod conformance;
+#[cfg(test)]
+pub(crate) mod gated;
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -380,4 +382,38 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// Manifests in `repo` whose subject is `subject` (digests; the server reads each to
     /// build descriptors). Referrers whose manifest was deleted are skipped.
     async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>>;
+
+    // ---- garbage collection's coordination records (see [`gc`]) ----
+
+    /// Writes the empty record `name` in `dir` (one of [`gc::RECORD_DIRS`]), or refreshes
+    /// its time if it exists. Once this returns, every process using the store sees it:
+    /// collections and manifest pushes agree through these records, never through memory.
+    async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()>;
+
+    /// Whether record `name` exists in `dir`.
+    async fn gc_record_exists(&self, dir: &str, name: &str) -> Result<bool>;
+
+    /// Every record in `dir` with when it was last written, sorted by name.
+    async fn gc_record_list(&self, dir: &str) -> Result<Vec<(String, SystemTime)>>;
+
+    /// Removes record `name` from `dir`; whether it existed.
+    async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool>;
+}
+
+/// Refuses a coordination record outside [`gc::RECORD_DIRS`] or whose name is not 1-160
+/// characters of `[a-z0-9-]` (so it is one safe path component or key segment).
+pub(crate) fn check_gc_record(dir: &str, name: Option<&str>) -> Result<()> {
+    let dir_ok = gc::RECORD_DIRS.contains(&dir);
+    let name_ok = name.is_none_or(|n| {
+        (1..=160).contains(&n.len())
+            && n.bytes()
+                .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-')
+    });
+    if dir_ok && name_ok {
+        Ok(())
+    } else {
+        Err(StorageError::Invalid(format!(
+            "garbage collection record {dir:?}/{name:?}"
+        )))
+    }
 }

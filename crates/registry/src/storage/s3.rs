@@ -6,7 +6,8 @@
 //! `repositories/<name>/_manifests/revisions/sha256/<hex>` (holds the media type),
 //! `repositories/<name>/_manifests/tags/<tag>` (holds the digest),
 //! `repositories/<name>/_referrers/sha256/<subject>/sha256/<referrer>` (empty), and
-//! `uploads/<id>/started` plus one object per chunk, `uploads/<id>/part-<offset>`.
+//! `uploads/<id>/started` plus one object per chunk, `uploads/<id>/part-<offset>`, and
+//! garbage collection's coordination records, `gc/{running,deleting,pins}/<name>` (empty).
 //!
 //! Why uploads look like that: a replica keeps no session state, so each PATCH chunk
 //! becomes its own object named by its offset, and the session's size is where the
@@ -42,7 +43,8 @@ use sha2::{Digest as _, Sha256};
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
+    valid_upload_id,
 };
 
 /// Blobs up to this size are buffered and written with one put; larger ones go through a
@@ -263,6 +265,11 @@ impl S3Storage {
             "{}/_referrers/sha256/{hex}/sha256",
             self.repo_rel(repo)?
         ))
+    }
+
+    fn gc_record_key(&self, dir: &str, name: &str) -> Result<Path> {
+        check_gc_record(dir, Some(name))?;
+        Ok(self.key(&format!("gc/{dir}/{name}")))
     }
 
     fn upload_rel(&self, id: &str) -> Option<String> {
@@ -917,6 +924,41 @@ impl Storage for S3Storage {
             }
         }
         Ok(out)
+    }
+
+    async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()> {
+        let key = self.gc_record_key(dir, name)?;
+        self.store
+            .put(&key, PutPayload::default())
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn gc_record_exists(&self, dir: &str, name: &str) -> Result<bool> {
+        let key = self.gc_record_key(dir, name)?;
+        self.exists(&key).await
+    }
+
+    async fn gc_record_list(&self, dir: &str) -> Result<Vec<(String, SystemTime)>> {
+        check_gc_record(dir, None)?;
+        let mut out: Vec<(String, SystemTime)> = self
+            .list(&format!("gc/{dir}"))
+            .await?
+            .into_iter()
+            .filter_map(|meta| {
+                let name = meta.location.filename()?.to_string();
+                check_gc_record(dir, Some(&name)).ok()?;
+                Some((name, SystemTime::from(meta.last_modified)))
+            })
+            .collect();
+        out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool> {
+        let key = self.gc_record_key(dir, name)?;
+        self.delete_existing(&key).await
     }
 }
 
