@@ -703,20 +703,8 @@ impl LayerSource {
             if first >= last {
                 return Ok(0);
             }
-            // In pieces of at most `max_request_bytes`, so that warming a large file
-            // never holds more than one request's bytes.
             let mut fetched = Fetched::default();
-            let mut k = first;
-            while k < last {
-                let mut l = k + 1;
-                while l < last
-                    && spans.ranges[l].end - spans.ranges[k].start <= self.config.max_request_bytes
-                {
-                    l += 1;
-                }
-                self.spans_and_windows(spans, k..l, &mut fetched)?;
-                k = l;
-            }
+            self.spans_and_windows_in_pieces(spans, first..last, &mut fetched)?;
             if guess {
                 self.note_guessed(&fetched);
             }
@@ -778,19 +766,8 @@ impl LayerSource {
             lock(&self.readahead).plan(demand.clone(), true, self.config.readahead_bytes, &map);
         let end = plan.sync_end.max(demand.end);
         let mut fetched = Fetched::default();
-        // In pieces of at most `max_request_bytes`, as `warm_range`: a file is at most
-        // `whole_file_bytes`, so this is one request (and its windows) in practice.
-        let mut k = demand.start;
-        while k < end {
-            let mut l = k + 1;
-            while l < end
-                && spans.ranges[l].end - spans.ranges[k].start <= self.config.max_request_bytes
-            {
-                l += 1;
-            }
-            self.spans_and_windows(spans, k..l, &mut fetched)?;
-            k = l;
-        }
+        // A file is at most `whole_file_bytes`: one request (and its windows) in practice.
+        self.spans_and_windows_in_pieces(spans, demand.start..end, &mut fetched)?;
         let ahead: u64 = (demand.end..end).map(|k| span_len(&spans.ranges[k])).sum();
         MountStats::add(&self.stats.bytes_readahead, ahead);
         if fetched.waited {
@@ -1244,6 +1221,29 @@ impl LayerSource {
             fetched.bytes += windows_outcome?.bytes;
             Ok(spans)
         })
+    }
+
+    /// [`Self::spans_and_windows`] for spans `ks`, in pieces of at most
+    /// `max_request_bytes`, so that warming a large file never holds more than one
+    /// request's bytes.
+    fn spans_and_windows_in_pieces(
+        &self,
+        spans: &Spans,
+        ks: Range<usize>,
+        fetched: &mut Fetched,
+    ) -> io::Result<()> {
+        let mut k = ks.start;
+        while k < ks.end {
+            let mut l = k + 1;
+            while l < ks.end
+                && spans.ranges[l].end - spans.ranges[k].start <= self.config.max_request_bytes
+            {
+                l += 1;
+            }
+            self.spans_and_windows(spans, k..l, fetched)?;
+            k = l;
+        }
+        Ok(())
     }
 
     /// Span `k` did not verify (`err`): fetch it once more from the fallback source, if
