@@ -22,7 +22,8 @@
 //!
 //! Each file and directory asks once per mount; only reads that miss ask, so a start
 //! served from its trace's prefetch adds nothing; and a mount stops guessing neighbours
-//! while it has fetched more than 1.4x what its reads used ([`Nearby::within_budget`]).
+//! while the guesses its reads have not used exceed 2/5 of what they were served, or
+//! 4 MiB ([`Nearby::within_budget`]).
 //!
 //! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
 //! data or keep any.
