@@ -30,7 +30,17 @@ struct MountLabels {
     layer: String,
 }
 
+/// Labels of the per-mount series split by kind of guess ([`ferry_fs::Guess`]).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GuessLabels {
+    mountpoint: String,
+    image: String,
+    layer: String,
+    guess: &'static str,
+}
+
 type Counters = Family<MountLabels, Counter<u64>>;
+type GuessCounters = Family<GuessLabels, Counter<u64>>;
 type Gauges = Family<MountLabels, Gauge<i64>>;
 
 fn gauge_value(v: u64) -> i64 {
@@ -51,8 +61,8 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let read_waits = Counters::default();
     let readahead = Counters::default();
     let nearby = Counters::default();
-    let guessed = Counters::default();
-    let guessed_used = Counters::default();
+    let guessed = GuessCounters::default();
+    let guessed_used = GuessCounters::default();
     let prefetch_done = Gauges::default();
     let fill_done = Gauges::default();
     for m in backend.list() {
@@ -73,10 +83,17 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         read_waits.get_or_create(&labels).inc_by(s.read_waits);
         readahead.get_or_create(&labels).inc_by(s.bytes_readahead);
         nearby.get_or_create(&labels).inc_by(s.bytes_nearby);
-        guessed.get_or_create(&labels).inc_by(s.bytes_guessed);
-        guessed_used
-            .get_or_create(&labels)
-            .inc_by(s.bytes_guessed_used);
+        for kind in ferry_fs::Guess::ALL {
+            let by_kind = GuessLabels {
+                mountpoint: labels.mountpoint.clone(),
+                image: labels.image.clone(),
+                layer: labels.layer.clone(),
+                guess: kind.name(),
+            };
+            let bytes = s.guesses.of(kind);
+            guessed.get_or_create(&by_kind).inc_by(bytes.fetched);
+            guessed_used.get_or_create(&by_kind).inc_by(bytes.used);
+        }
         prefetch_done
             .get_or_create(&labels)
             .set(i64::from(s.prefetch_done));
@@ -131,12 +148,12 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     );
     registry.register(
         "mount_guessed_bytes",
-        "Compressed bytes of spans fetched as guesses (readahead, a file's rest, its neighbours)",
+        "Compressed bytes of spans fetched as guesses, by kind (readahead, a file's rest, its neighbours)",
         guessed,
     );
     registry.register(
         "mount_guessed_used_bytes",
-        "Of the guessed bytes, those of spans a read has used since",
+        "Of the guessed bytes, those of spans a read has used since, by kind",
         guessed_used,
     );
     registry.register(
@@ -228,6 +245,13 @@ mod tests {
                 cache_hits: 4,
                 fetch_errors: 2,
                 prefetch_done: true,
+                guesses: ferry_fs::Guesses {
+                    rest: ferry_fs::GuessBytes {
+                        fetched: 70,
+                        used: 50,
+                    },
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         );
@@ -241,6 +265,9 @@ mod tests {
             format!("ferry_mount_prefetch_done{labels} 1"),
             format!("ferry_mount_fill_done{labels} 0"),
             "ferry_mounts 1".to_owned(),
+            r#"ferry_mount_guessed_bytes_total{mountpoint="/mnt/x",image="reg/app:v1",layer="sha256:l",guess="rest"} 70"#.to_owned(),
+            r#"ferry_mount_guessed_used_bytes_total{mountpoint="/mnt/x",image="reg/app:v1",layer="sha256:l",guess="rest"} 50"#.to_owned(),
+            r#"ferry_mount_guessed_bytes_total{mountpoint="/mnt/x",image="reg/app:v1",layer="sha256:l",guess="neighbours"} 0"#.to_owned(),
         ] {
             assert!(text.contains(&line), "missing {line} in\n{text}");
         }

@@ -45,7 +45,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -57,7 +57,7 @@ use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
 use crate::readahead::{Readahead, SpanMap};
-use crate::stats::MountStats;
+use crate::stats::{Guess, MountStats};
 
 /// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
 /// so service resumes promptly when the registry is back. Each further failure of the
@@ -472,9 +472,10 @@ pub struct LayerSource {
     readahead: Mutex<Readahead>,
     /// A background readahead is running (at most one per layer).
     readahead_running: AtomicBool,
-    /// Per span of an indexed layer: fetched as a guess and not read since
+    /// Per span of an indexed layer: the [`Guess`] it was fetched as
+    /// ([`Guess::flag`]), until a read uses it; 0 when no guess is pending
     /// ([`MountStats::bytes_guessed`]). Empty for other layers.
-    guessed: Vec<AtomicBool>,
+    guessed: Vec<AtomicU8>,
     /// This source, once shared ([`LayerSource::into_shared`]): background readahead
     /// holds it while it runs. Empty for a source never shared that way (no background
     /// readahead then).
@@ -538,7 +539,7 @@ impl LayerSource {
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
             readahead_running: AtomicBool::new(false),
-            guessed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            guessed: (0..n).map(|_| AtomicU8::new(0)).collect(),
             me: Weak::new(),
         }
     }
@@ -676,6 +677,18 @@ impl LayerSource {
         spans.covering(&range).any(|k| map.is_missing(k))
     }
 
+    /// Whether every span of `range` of an indexed layer is in the store (true for layers
+    /// without spans or without a store: a read of them never waits on a span fetch that
+    /// an ask could widen). A span being fetched is not local: a read of it waits.
+    pub fn range_local(&self, range: Range<u64>) -> bool {
+        let (Some(spans), Some(store)) = (&self.spans, self.store.as_deref()) else {
+            return true;
+        };
+        spans
+            .covering(&range)
+            .all(|k| store.contains(&ChunkKey::from_raw(spans.digests[k])))
+    }
+
     /// Makes `range` of the blob local ahead of the reads that will want it: for an
     /// indexed layer the spans covering it go into the store (shared with concurrent
     /// readers); for a passthrough layer the range is fetched and held in memory, up to
@@ -706,7 +719,7 @@ impl LayerSource {
             let mut fetched = Fetched::default();
             self.spans_and_windows_in_pieces(spans, first..last, &mut fetched)?;
             if guess {
-                self.note_guessed(&fetched);
+                self.note_guessed(Guess::Neighbours, &fetched.led);
             }
             return Ok(fetched.bytes);
         }
@@ -774,7 +787,10 @@ impl LayerSource {
             self.stats.read_waited();
         }
         // All of it a guess until read: the read that asked uses its own spans at once.
-        self.note_guessed(&fetched);
+        let (rest, ahead): (Vec<usize>, Vec<usize>) =
+            fetched.led.iter().copied().partition(|&k| k < demand.end);
+        self.note_guessed(Guess::Rest, &rest);
+        self.note_guessed(Guess::Readahead, &ahead);
         if let Some(ks) = plan.background {
             self.read_ahead_in_background(ks);
         }
@@ -1428,16 +1444,13 @@ impl LayerSource {
             // (`ferry_index::inflated`), so readahead costs one request, not two.
             let mut bytes = self.spans_bytes(spans, demand.start..plan.sync_end, &mut fetched)?;
             MountStats::add(&self.stats.bytes_readahead, ahead);
-            let ahead_led = Fetched {
-                led: fetched
-                    .led
-                    .iter()
-                    .copied()
-                    .filter(|&k| k >= demand.end)
-                    .collect(),
-                ..Fetched::default()
-            };
-            self.note_guessed(&ahead_led);
+            let ahead_led: Vec<usize> = fetched
+                .led
+                .iter()
+                .copied()
+                .filter(|&k| k >= demand.end)
+                .collect();
+            self.note_guessed(Guess::Readahead, &ahead_led);
             bytes.truncate(demand.len());
             bytes
         } else {
@@ -1452,26 +1465,35 @@ impl LayerSource {
         Ok(bytes)
     }
 
-    /// Notes the spans `fetched` brought as guesses: no read asked for them (yet).
-    fn note_guessed(&self, fetched: &Fetched) {
-        for &k in &fetched.led {
+    /// Notes spans `ks`, fetched by this source itself, as guesses of `kind`: no read
+    /// asked for them (yet).
+    fn note_guessed(&self, kind: Guess, ks: &[usize]) {
+        for &k in ks {
             if let Some(flag) = self.guessed.get(k)
-                && !flag.swap(true, Ordering::AcqRel)
+                && flag
+                    .compare_exchange(0, kind.flag(), Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
                 && let Some(r) = self.spans.as_ref().and_then(|s| s.ranges.get(k))
             {
-                MountStats::add(&self.stats.bytes_guessed, span_len(r));
+                MountStats::add(&self.stats.bytes_guessed[kind.index()], span_len(r));
             }
         }
     }
 
-    /// A read wants spans `ks`: the guesses among them were worth their bytes.
+    /// A read wants spans `ks`: the guesses among them were worth their bytes. (A load
+    /// first: this runs on every read, and most spans are no pending guess.)
     fn note_used(&self, ks: Range<usize>) {
         for k in ks {
-            if let Some(flag) = self.guessed.get(k)
-                && flag.swap(false, Ordering::AcqRel)
+            let Some(flag) = self.guessed.get(k) else {
+                continue;
+            };
+            if flag.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            if let Some(kind) = Guess::of_flag(flag.swap(0, Ordering::AcqRel))
                 && let Some(r) = self.spans.as_ref().and_then(|s| s.ranges.get(k))
             {
-                MountStats::add(&self.stats.bytes_guessed_used, span_len(r));
+                MountStats::add(&self.stats.bytes_guessed_used[kind.index()], span_len(r));
             }
         }
     }
@@ -1493,7 +1515,7 @@ impl LayerSource {
                     match me.spans_bytes(spans, ks.clone(), &mut fetched) {
                         Ok(_) => {
                             MountStats::add(&me.stats.bytes_readahead, fetched.bytes);
-                            me.note_guessed(&fetched);
+                            me.note_guessed(Guess::Readahead, &fetched.led);
                         }
                         Err(e) => tracing::debug!(
                             start = ks.start,

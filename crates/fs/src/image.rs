@@ -611,7 +611,8 @@ impl MountedImage {
                 neighbours = asks.neighbours.iter().map(|r| r.end - r.start).sum::<u64>(),
                 fetched = spent.fetched,
                 served = spent.served,
-                guessed_unused = spent.guessed_unused,
+                rest_unused = spent.rest_unused,
+                neighbours_unused = spent.neighbours_unused,
                 "nearby: asked"
             );
         }

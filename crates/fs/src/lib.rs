@@ -48,6 +48,6 @@ pub use image::{
     inflated_spans, registry_manifest, release_idle_inflated_spans,
 };
 pub use range_source::HttpRangeSource;
-pub use stats::{MountStats, StatsSnapshot};
+pub use stats::{Guess, GuessBytes, Guesses, MountStats, StatsSnapshot};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
 pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};

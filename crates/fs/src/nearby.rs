@@ -7,9 +7,10 @@
 //!   opens a module or a library reads nearly all of it, the loader by page faults at
 //!   scattered offsets (nine misses in one 4.7 MB `libcrypto` at a pandas start), and
 //!   each of those would wait a round trip. Fetched on the pool instead, the faults came
-//!   before it and waited anyway; and this is no guess, so it is not held back by the
-//!   budget below (a looser one, [`WHOLE_FILE_NUM`], bounds a program that opens many
-//!   files and reads little of each);
+//!   before it and waited anyway. Its rest is a guess all the same (a loader faults in
+//!   only part of a library), bounded by its own budget ([`Nearby::within_rest_budget`]:
+//!   a program that opens many files and reads a header of each soon stops pulling them
+//!   whole);
 //! * the first miss in a directory brings the **small files around it** (each at most
 //!   [`MAX_NEARBY_FILE`]) in the directory's subtree (a `__pycache__`'s package),
 //!   nearest in the stream first, up to [`FetchConfig::nearby_bytes`] compressed: a
@@ -21,9 +22,12 @@
 //!   ([`LayerSource::warm_range`]), without the file's own ranges.
 //!
 //! Each file and directory asks once per mount; only reads that miss ask, so a start
-//! served from its trace's prefetch adds nothing; and a mount stops guessing neighbours
-//! while the guesses its reads have not used exceed 2/5 of what they were served, or
-//! 4 MiB ([`Nearby::within_budget`]).
+//! served from its trace's prefetch adds nothing. Each kind of guess has its own budget,
+//! in the bytes its guesses fetched that no read has used yet ([`crate::stats::Guess`]):
+//! neighbours stop while theirs exceed 2/5 of what the reads were served, or 4 MiB
+//! ([`Nearby::within_budget`]); whole files while their unused rests exceed half of it,
+//! or 16 MiB. (One budget for both let the unfaulted pages of a start's libraries hold
+//! back every neighbour for most of a pandas start.)
 //!
 //! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
 //! data or keep any.
@@ -38,7 +42,7 @@ use ferry_index::entry::{Entry, EntryKind};
 use ferry_index::merged::{Location, MergedImage};
 
 use crate::device::{FetchConfig, LayerSource};
-use crate::stats::MountStats;
+use crate::stats::{Guess, MountStats};
 use crate::tree::{Ino, Node};
 use crate::warm::{merge_ranges, subtract_ranges};
 
@@ -61,12 +65,19 @@ pub const SPECULATION_DEN: u64 = 5;
 /// instead, the bound let a pandas start guess 15 MB of neighbours, half of them
 /// unused, for one wait fewer.)
 pub const GUESS_FLOOR: u64 = 4 << 20;
-/// A mount fetches the files its reads start on whole while its fetched bytes are at
-/// most this many times the bytes its reads were served: far looser than the
-/// neighbours' budget (the file is being read), but a program that opens thousands of
-/// files and reads a header of each stops pulling them whole. At a pandas + scipy start
-/// the ratio stays under 1.5 (measured by `bench/cold-start.sh`).
-pub const WHOLE_FILE_NUM: u64 = 3;
+/// A mount fetches the files its reads start on whole while the rests of such files that
+/// no read has used yet are at most NUM/DEN of the bytes its reads were served, or
+/// [`WHOLE_FILE_FLOOR`]: looser than the neighbours' budget (the file is being read), but
+/// a program that opens thousands of files and reads a header of each stops pulling them
+/// whole.
+pub const WHOLE_FILE_NUM: u64 = 1;
+/// See [`WHOLE_FILE_NUM`].
+pub const WHOLE_FILE_DEN: u64 = 2;
+/// Unused rests a mount may always have. A start's first reads are a shell, the loader
+/// and a dozen libraries and the interpreter, each read in a few pages at first: the
+/// bound used to be 3x fetched per byte served, which that phase exceeds at once, so
+/// the interpreter and libc came in ten and four round trips instead of one each.
+pub const WHOLE_FILE_FLOOR: u64 = 16 << 20;
 /// Entries looked at, at most, around a miss for its neighbours.
 const MAX_NEARBY_SCAN: usize = 20_000;
 /// Threads of the process-wide pool that fetches nearby files.
@@ -98,8 +109,10 @@ pub(crate) struct Spent {
     pub fetched: u64,
     /// Bytes served to reads.
     pub served: u64,
-    /// Compressed bytes fetched as guesses that no read has used yet.
-    pub guessed_unused: u64,
+    /// Compressed bytes fetched as files' rests that no read has used yet.
+    pub rest_unused: u64,
+    /// Compressed bytes fetched as neighbours that no read has used yet.
+    pub neighbours_unused: u64,
 }
 
 impl Spent {
@@ -108,7 +121,8 @@ impl Spent {
         Spent {
             fetched: stats.bytes_fetched.load(Relaxed),
             served: stats.bytes_served.load(Relaxed),
-            guessed_unused: stats.guessed_unused(),
+            rest_unused: stats.guessed_unused(Guess::Rest),
+            neighbours_unused: stats.guessed_unused(Guess::Neighbours),
         }
     }
 }
@@ -141,6 +155,8 @@ pub(crate) trait Layers {
     fn entry(&self, layer: usize, idx: usize) -> Option<&Entry>;
     /// Whether some of `range` of layer `layer` is missing.
     fn missing(&self, layer: usize, range: &Range<u64>) -> bool;
+    /// Whether all of `range` of layer `layer` is local (not missing, not being fetched).
+    fn local(&self, layer: usize, range: &Range<u64>) -> bool;
 }
 
 impl Nearby {
@@ -152,8 +168,9 @@ impl Nearby {
         }
     }
 
-    /// Whether a mount whose unused guesses are `unused` compressed bytes, having served
-    /// `served` bytes to reads, may still guess ([`SPECULATION_NUM`], [`GUESS_FLOOR`]).
+    /// Whether a mount whose unused neighbours are `unused` compressed bytes, having
+    /// served `served` bytes to reads, may still guess neighbours ([`SPECULATION_NUM`],
+    /// [`GUESS_FLOOR`]).
     pub(crate) fn within_budget(&self, unused: u64, served: u64) -> bool {
         let bound = served
             .saturating_mul(SPECULATION_NUM)
@@ -163,32 +180,36 @@ impl Nearby {
         unused <= bound
     }
 
-    /// Whether a mount that has fetched `fetched` and served `served` bytes may still
-    /// fetch the files its reads start on whole ([`WHOLE_FILE_NUM`]; its first miss
-    /// always may).
-    pub(crate) fn within_whole_file_budget(&self, fetched: u64, served: u64) -> bool {
-        fetched <= served.saturating_mul(WHOLE_FILE_NUM)
+    /// Whether a mount whose unused rests of files are `unused` compressed bytes, having
+    /// served `served` bytes to reads, may still fetch the files its reads start on whole
+    /// ([`WHOLE_FILE_NUM`], [`WHOLE_FILE_FLOOR`]).
+    pub(crate) fn within_rest_budget(&self, unused: u64, served: u64) -> bool {
+        let bound = served
+            .saturating_mul(WHOLE_FILE_NUM)
+            .checked_div(WHOLE_FILE_DEN)
+            .unwrap_or(u64::MAX)
+            .max(WHOLE_FILE_FLOOR);
+        unused <= bound
     }
 
     /// The fetches a read asks for besides its own, all in the read's layer. Nothing
     /// unless the read misses and its file or its directory has not asked yet (checked
-    /// first: most reads stop there). `spent` is what the mount has fetched and served
-    /// so far: the neighbours are guesses, asked within [`Self::within_budget`]; the
-    /// read's own file is not, it comes whole within the looser
-    /// [`Self::within_whole_file_budget`].
+    /// first: most reads stop there). `spent` is what the mount has fetched, served and
+    /// guessed so far: the neighbours are asked within [`Self::within_budget`], the
+    /// read's own file whole within the looser [`Self::within_rest_budget`].
     pub(crate) fn plan(&self, layers: &dyn Layers, read: &Read<'_>, spent: Spent) -> Asks {
         let none = Asks::default();
         let Some(loc) = read.node.data else {
             return none;
         };
-        let (fetched, served) = (spent.fetched, spent.served);
-        let guess = self.within_budget(spent.guessed_unused, served);
+        let served = spent.served;
+        let guess = self.within_budget(spent.neighbours_unused, served);
         let (whole, dir) = {
             let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
             (
                 self.whole_file_bytes > 0
                     && read.node.size <= self.whole_file_bytes
-                    && self.within_whole_file_budget(fetched, served)
+                    && self.within_rest_budget(spent.rest_unused, served)
                     && !seen.files.contains(&read.ino),
                 guess && self.nearby_bytes > 0 && !seen.dirs.contains(&read.node.parent),
             )
@@ -196,8 +217,11 @@ impl Nearby {
         if !whole && !dir {
             return none;
         }
+        // A read that will wait asks: for its own spans missing, or in flight as some
+        // other fetch's (a neighbour's, a readahead's), which brings only those spans; a
+        // file whose first read joined one used to come in a round trip per later fault.
         let own = layers.ranges(loc, read.offset, read.len);
-        if !own.iter().any(|r| layers.missing(loc.layer, r)) {
+        if own.iter().all(|r| layers.local(loc.layer, r)) {
             return none;
         }
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
@@ -364,6 +388,13 @@ impl Layers for MountLayers<'_> {
             .get(layer)
             .and_then(Option::as_ref)
             .is_some_and(|s| s.range_missing(range.clone()))
+    }
+
+    fn local(&self, layer: usize, range: &Range<u64>) -> bool {
+        self.sources
+            .get(layer)
+            .and_then(Option::as_ref)
+            .is_none_or(|s| s.range_local(range.clone()))
     }
 }
 

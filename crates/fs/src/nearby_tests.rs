@@ -18,6 +18,7 @@ use super::*;
 use crate::device::FetchConfig;
 use crate::device::tests::{indexed_gzip_layer, noise, open_store};
 use crate::image::{ImageSource, LayerSpec, MountedImage, View};
+use crate::stats::GuessBytes;
 
 #[derive(Default)]
 struct LogBackend {
@@ -308,18 +309,38 @@ fn off_is_off() {
 }
 
 #[test]
-fn guesses_count_until_a_read_uses_them() {
+fn guesses_count_by_kind_until_a_read_uses_them() {
     let rig = rig(0, 4 << 20);
     rig.read("app/pkg/m3", 0, 100);
     let s = rig.image.stats.snapshot();
     assert!(s.bytes_guessed > 0, "{s:?}");
     assert_eq!(s.bytes_guessed_used, 0, "{s:?}");
+    // Readahead and whole files are off: every guess is a neighbour.
+    assert_eq!(s.guesses.neighbours.fetched, s.bytes_guessed, "{s:?}");
+    assert_eq!(s.guesses.rest, GuessBytes::default(), "{s:?}");
     // A neighbour that came is read: its spans were worth it.
     rig.read("app/pkg/m0", 0, 100);
     let t = rig.image.stats.snapshot();
     assert!(t.bytes_guessed_used > 0, "{t:?}");
+    assert_eq!(t.guesses.neighbours.used, t.bytes_guessed_used, "{t:?}");
     assert_eq!(t.bytes_guessed, s.bytes_guessed, "a hit is no new guess");
     assert!(t.bytes_guessed_used <= t.bytes_guessed);
+}
+
+#[test]
+fn a_files_rest_is_a_guess_of_its_own_kind() {
+    let rig = rig(1 << 20, 0);
+    rig.read("lib.so", 0, 4096);
+    let s = rig.image.stats.snapshot();
+    assert!(s.guesses.rest.fetched > 0, "{s:?}");
+    assert_eq!(s.guesses.neighbours, GuessBytes::default(), "{s:?}");
+    // The read's own span was used at once; a fault at the far end uses another.
+    let used = s.guesses.rest.used;
+    assert!(used > 0 && used < s.guesses.rest.fetched, "{s:?}");
+    rig.read("lib.so", 590 << 10, 4096);
+    let t = rig.image.stats.snapshot();
+    assert!(t.guesses.rest.used > used, "{t:?}");
+    assert_eq!(t.guesses.rest.fetched, s.guesses.rest.fetched, "{t:?}");
 }
 
 #[test]
@@ -332,61 +353,58 @@ fn a_mount_whose_guesses_go_unread_stops_guessing() {
     // Beyond the floor: unused guesses up to 2/5 of what the reads were served.
     assert!(nearby.within_budget(40 << 20, 100 << 20));
     assert!(!nearby.within_budget((40 << 20) + 1, 100 << 20));
+    // Whole files: unused rests up to the larger floor, then half of what was served.
+    assert!(nearby.within_rest_budget(WHOLE_FILE_FLOOR, 0));
+    assert!(!nearby.within_rest_budget(WHOLE_FILE_FLOOR + 1, 0));
+    assert!(nearby.within_rest_budget(50 << 20, 100 << 20));
+    assert!(!nearby.within_rest_budget((50 << 20) + 1, 100 << 20));
 
     let rig = rig(1 << 20, 4 << 20);
     let over = Spent {
         fetched: 10 << 20,
         served: 1 << 20,
-        guessed_unused: GUESS_FLOOR + 1,
+        rest_unused: 0,
+        neighbours_unused: GUESS_FLOOR + 1,
     };
     let asks = rig.plan("app/pkg/m3", 0, 100, over);
     assert!(asks.neighbours.is_empty(), "{asks:?}");
-    // Its own file (within the looser bound) still comes whole.
-    let asks = rig.plan(
-        "app/pkg/m4",
-        0,
-        100,
-        Spent {
-            fetched: 2 << 20,
-            ..over
-        },
-    );
-    assert!(
-        asks.whole.is_some() && asks.neighbours.is_empty(),
-        "{asks:?}"
-    );
+    // Its own file (within its own bound) still comes whole.
+    assert!(asks.whole.is_some(), "{asks:?}");
 }
 
 #[test]
-fn a_reads_own_file_comes_whole_past_the_guessing_budget() {
+fn unread_rests_of_files_do_not_hold_back_neighbours() {
     let rig = rig(1 << 20, 4 << 20);
-    let spent = |fetched: u64, served: u64, guessed_unused: u64| Spent {
-        fetched,
-        served,
-        guessed_unused,
+    let spent = |rest_unused: u64, neighbours_unused: u64| Spent {
+        // Far more fetched than served, as at a start's first reads: no bound on that.
+        fetched: 100 << 20,
+        served: 1 << 20,
+        rest_unused,
+        neighbours_unused,
     };
-    // Guesses unused past the bound: no neighbours, the file still whole.
-    let asks = rig.plan("lib.so", 0, 100, spent(150, 100, GUESS_FLOOR + 1));
-    assert!(asks.whole.is_some(), "{asks:?}");
-    assert!(asks.neighbours.is_empty(), "{asks:?}");
+    // Rests unused past their floor: no file whole, but its neighbours still.
+    let asks = rig.plan("app/pkg/m3", 0, 100, spent(WHOLE_FILE_FLOOR + 1, 0));
+    assert!(asks.whole.is_none(), "{asks:?}");
+    assert!(!asks.neighbours.is_empty(), "{asks:?}");
     // Within both: the file, and its neighbours without the file's own ranges.
-    let asks = rig.plan("app/pkg/m3", 0, 100, spent(100, 100, 0));
+    let asks = rig.plan("app/lib/__pycache__/c0", 0, 100, spent(0, 0));
     let whole = asks.whole.clone().unwrap();
-    assert!(!asks.neighbours.is_empty());
+    assert!(!asks.neighbours.is_empty(), "{asks:?}");
     assert!(
         asks.neighbours
             .iter()
             .all(|r| r.end <= whole.start || r.start >= whole.end),
         "{asks:?}"
     );
-    // Past both (fetched over 3x served): nothing, and the file may still ask later.
-    let asks = rig.plan("app/pkg/m0", 0, 100, spent(400, 100, GUESS_FLOOR + 1));
-    assert_eq!(asks, Asks::default());
-    assert!(
-        rig.plan("app/pkg/m0", 0, 100, spent(100, 100, 0))
-            .whole
-            .is_some()
+    // Past both: nothing, and the file may still ask later.
+    let asks = rig.plan(
+        "app/pkg/m0",
+        0,
+        100,
+        spent(WHOLE_FILE_FLOOR + 1, GUESS_FLOOR + 1),
     );
+    assert_eq!(asks, Asks::default());
+    assert!(rig.plan("app/pkg/m0", 0, 100, spent(0, 0)).whole.is_some());
 }
 
 #[test]
@@ -409,4 +427,64 @@ fn a_files_first_miss_fetches_it_whole_in_the_reads_own_request() {
     }
     assert_eq!(rig.calls(), after_first);
     assert_eq!(rig.image.stats.snapshot().read_waits, 1);
+}
+
+/// The rig's layers, with every range reported as being fetched by someone else: neither
+/// missing (no new fetch would start for it) nor local (a read of it waits).
+struct AllInFlight<'a>(MountLayers<'a>);
+
+impl Layers for AllInFlight<'_> {
+    fn ranges(&self, loc: Location, off: u64, len: u64) -> Vec<Range<u64>> {
+        self.0.ranges(loc, off, len)
+    }
+    fn entry(&self, layer: usize, idx: usize) -> Option<&Entry> {
+        self.0.entry(layer, idx)
+    }
+    fn missing(&self, _layer: usize, _range: &Range<u64>) -> bool {
+        false
+    }
+    fn local(&self, _layer: usize, _range: &Range<u64>) -> bool {
+        false
+    }
+}
+
+#[test]
+fn a_read_that_joins_another_fetch_still_asks_for_its_whole_file() {
+    let rig = rig(1 << 20, 4 << 20);
+    let ino = rig.image.tree.resolve("lib.so").unwrap();
+    let node = rig.image.tree.get(ino).unwrap();
+    let layers = AllInFlight(MountLayers {
+        image: &rig.image.image,
+        sources: &rig.image.sources,
+    });
+    let read = Read {
+        ino,
+        node,
+        offset: 0,
+        len: 4096,
+    };
+    // Its first span is on its way as a neighbour's: the read waits for it, so the
+    // file comes whole in that wait instead of a round trip per later fault.
+    let asks = rig.image.nearby.plan(&layers, &read, Spent::default());
+    assert!(asks.whole.is_some(), "{asks:?}");
+    // A read of local bytes asks for nothing, though its file has not asked yet: m6
+    // came as m5's neighbour.
+    rig.read("app/pkg/m5", 0, 100);
+    assert!(!rig.missing("app/pkg/m6"));
+    let ino = rig.image.tree.resolve("app/pkg/m6").unwrap();
+    let node = rig.image.tree.get(ino).unwrap();
+    let layers = MountLayers {
+        image: &rig.image.image,
+        sources: &rig.image.sources,
+    };
+    let read = Read {
+        ino,
+        node,
+        offset: 0,
+        len: 100,
+    };
+    assert_eq!(
+        rig.image.nearby.plan(&layers, &read, Spent::default()),
+        Asks::default()
+    );
 }

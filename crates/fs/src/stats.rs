@@ -36,13 +36,13 @@ pub struct MountStats {
     /// Compressed bytes fetched as the rest of a file or the small files beside it, at a
     /// miss ([`crate::nearby`]).
     pub bytes_nearby: AtomicU64,
-    /// Compressed bytes of spans fetched as guesses (readahead, a file's rest, its
-    /// neighbours) rather than for a read that wanted them.
-    pub bytes_guessed: AtomicU64,
-    /// Of [`Self::bytes_guessed`], the bytes of spans a read has used since: what the
-    /// guesses were worth. Their difference is what guessing has cost so far, and bounds
-    /// further guesses ([`crate::nearby`]).
-    pub bytes_guessed_used: AtomicU64,
+    /// Compressed bytes of spans fetched as guesses rather than for a read that wanted
+    /// them, by [`Guess`] kind (its index in [`Guess::ALL`]).
+    pub bytes_guessed: [AtomicU64; Guess::KINDS],
+    /// Of [`Self::bytes_guessed`], the bytes of spans a read has used since: what each
+    /// kind of guess was worth. Their difference is what guessing has cost so far, and
+    /// bounds further guesses of that kind ([`crate::nearby`]).
+    pub bytes_guessed_used: [AtomicU64; Guess::KINDS],
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
     pub hot_bytes: AtomicU64,
@@ -50,6 +50,79 @@ pub struct MountStats {
     pub prefetch_done: AtomicBool,
     /// Background fill has finished: every byte of the mount's layers is local.
     pub fill_done: AtomicBool,
+}
+
+/// Why spans were fetched before a read asked for them. Each kind is accounted apart,
+/// because each has its own bound: a library's rest that its loader never faults in
+/// must not hold back the neighbours of the next package's first miss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Guess {
+    /// Along the layer's stream past a miss ([`crate::readahead`]).
+    Readahead,
+    /// The rest of a file a read started on ([`crate::nearby`]).
+    Rest,
+    /// The small files around a directory's first miss ([`crate::nearby`]).
+    Neighbours,
+}
+
+impl Guess {
+    /// How many kinds there are.
+    pub const KINDS: usize = 3;
+    /// Every kind, in the order of [`MountStats::bytes_guessed`].
+    pub const ALL: [Guess; Guess::KINDS] = [Guess::Readahead, Guess::Rest, Guess::Neighbours];
+
+    /// The kind's name in status and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Guess::Readahead => "readahead",
+            Guess::Rest => "rest",
+            Guess::Neighbours => "neighbours",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The per-span flag of this kind (0 is "no guess").
+    pub(crate) fn flag(self) -> u8 {
+        self as u8 + 1
+    }
+
+    pub(crate) fn of_flag(flag: u8) -> Option<Guess> {
+        Guess::ALL.get(usize::from(flag).checked_sub(1)?).copied()
+    }
+}
+
+/// Bytes fetched as guesses of one kind, and how many a read has used since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct GuessBytes {
+    /// Compressed bytes fetched as this kind of guess.
+    pub fetched: u64,
+    /// Of them, the bytes of spans a read has used since.
+    pub used: u64,
+}
+
+/// [`GuessBytes`] by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Guesses {
+    /// See [`Guess::Readahead`].
+    pub readahead: GuessBytes,
+    /// See [`Guess::Rest`].
+    pub rest: GuessBytes,
+    /// See [`Guess::Neighbours`].
+    pub neighbours: GuessBytes,
+}
+
+impl Guesses {
+    /// The bytes of `kind`.
+    pub fn of(&self, kind: Guess) -> GuessBytes {
+        match kind {
+            Guess::Readahead => self.readahead,
+            Guess::Rest => self.rest,
+            Guess::Neighbours => self.neighbours,
+        }
+    }
 }
 
 /// A copy of [`MountStats`] at one moment.
@@ -92,6 +165,10 @@ pub struct StatsSnapshot {
     /// See [`MountStats::bytes_guessed_used`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub bytes_guessed_used: u64,
+    /// The guesses by kind: [`Self::bytes_guessed`] and [`Self::bytes_guessed_used`]
+    /// are their sums (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub guesses: Guesses,
     /// See [`MountStats::hot_bytes`] (absent from an older daemon's answer: 0).
     #[serde(default)]
     pub hot_bytes: u64,
@@ -120,8 +197,19 @@ impl MountStats {
             read_waits: l(&self.read_waits),
             bytes_readahead: l(&self.bytes_readahead),
             bytes_nearby: l(&self.bytes_nearby),
-            bytes_guessed: l(&self.bytes_guessed),
-            bytes_guessed_used: l(&self.bytes_guessed_used),
+            bytes_guessed: self.bytes_guessed.iter().map(l).sum(),
+            bytes_guessed_used: self.bytes_guessed_used.iter().map(l).sum(),
+            guesses: {
+                let bytes = |kind: Guess| GuessBytes {
+                    fetched: l(&self.bytes_guessed[kind.index()]),
+                    used: l(&self.bytes_guessed_used[kind.index()]),
+                };
+                Guesses {
+                    readahead: bytes(Guess::Readahead),
+                    rest: bytes(Guess::Rest),
+                    neighbours: bytes(Guess::Neighbours),
+                }
+            },
             hot_bytes: l(&self.hot_bytes),
             prefetch_done: self.prefetch_done.load(Ordering::Relaxed),
             fill_done: self.fill_done.load(Ordering::Relaxed),
@@ -135,10 +223,10 @@ impl MountStats {
         NODE_READ_WAITS.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Compressed bytes fetched as guesses that no read has used yet.
-    pub(crate) fn guessed_unused(&self) -> u64 {
-        let used = self.bytes_guessed_used.load(Ordering::Relaxed);
-        self.bytes_guessed
+    /// Compressed bytes fetched as guesses of `kind` that no read has used yet.
+    pub(crate) fn guessed_unused(&self, kind: Guess) -> u64 {
+        let used = self.bytes_guessed_used[kind.index()].load(Ordering::Relaxed);
+        self.bytes_guessed[kind.index()]
             .load(Ordering::Relaxed)
             .saturating_sub(used)
     }
