@@ -222,6 +222,7 @@ impl Rig {
     fn content(&self, path: &str) -> &[u8] {
         &self.files.iter().find(|(p, _)| p == path).unwrap().1
     }
+
 }
 
 #[test]
@@ -681,6 +682,22 @@ impl WindowRig {
     fn content(&self, path: &str) -> &[u8] {
         &self.files.iter().find(|(p, _)| p == path).unwrap().1
     }
+
+    /// Puts every window but checkpoint `k`'s into `store`, so that a read needing `k`'s
+    /// fetches it alone (its block has no other window missing).
+    fn store_windows_but(&self, store: &Store, k: usize) {
+        for (j, c) in self.index.checkpoints.iter().enumerate() {
+            if let Some(w) = c.window.as_ref().filter(|_| j != k) {
+                let r = w.range();
+                store
+                    .put(
+                        &ChunkKey::from_raw(w.sha256),
+                        &self.windows.blob[r.start as usize..r.end as usize],
+                    )
+                    .unwrap();
+            }
+        }
+    }
 }
 
 #[test]
@@ -693,12 +710,24 @@ fn windows_are_fetched_verified_stored_and_counted() {
     assert_eq!(got, &rig.content("a")[150_000..154_096]);
     let span_bytes = rig.spans.bytes.load(Ordering::SeqCst);
     let window_bytes = rig.windows.bytes.load(Ordering::SeqCst);
-    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1, "one window");
+    // One request, for the read's window and the missing ones of its block: this
+    // layer's windows are fewer than a block, so all of them.
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1, "one request");
     let k = rig.index.span_for(512 + 150_000).unwrap();
+    let refs: Vec<&WindowRef> = rig
+        .index
+        .checkpoints
+        .iter()
+        .filter_map(|c| c.window.as_ref())
+        .collect();
+    assert!(refs.len() <= WINDOW_BLOCK);
     assert_eq!(
         window_bytes,
-        u64::from(rig.index.window_ref(k).unwrap().len)
+        refs.iter().map(|w| u64::from(w.len)).sum::<u64>()
     );
+    for w in &refs {
+        assert!(store.contains(&ChunkKey::from_raw(w.sha256)));
+    }
     assert_eq!(
         rig.stats.snapshot().bytes_fetched,
         span_bytes + window_bytes,
@@ -714,6 +743,35 @@ fn windows_are_fetched_verified_stored_and_counted() {
     assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
     // Whole files read back exactly, across many checkpoints.
     assert_eq!(rig.read("b", 0, 200 << 10).unwrap(), rig.content("b"));
+}
+
+#[test]
+fn a_window_fetch_brings_its_blocks_missing_windows_in_the_same_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store.clone()), None);
+    assert_eq!(
+        rig.read("a", 150_000, 4096).unwrap(),
+        &rig.content("a")[150_000..154_096]
+    );
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    // A read elsewhere in the layer, at another checkpoint whose span is not local,
+    // finds its window local: no second window request.
+    let far = rig
+        .index
+        .span_for(512 + (300 << 10) + 512 + 150_000)
+        .unwrap();
+    assert_ne!(far, rig.index.span_for(512 + 150_000).unwrap());
+    assert!(
+        rig.index.window_ref(far).is_some(),
+        "the test needs a window there"
+    );
+    assert_eq!(
+        rig.read("b", 150_000, 4096).unwrap(),
+        &rig.content("b")[150_000..154_096]
+    );
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 2);
 }
 
 #[test]
@@ -753,11 +811,12 @@ fn a_corrupt_window_fails_the_read_or_is_fetched_again_from_the_fallback() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(dir.path());
     let rig = WindowRig::new(Some(store.clone()), None);
+    let k = rig.index.span_for(512 + 250_000).unwrap();
+    rig.store_windows_but(&store, k);
     rig.windows.corrupt.store(true, Ordering::SeqCst);
     let err = rig.read("a", 250_000, 1000).unwrap_err();
     assert!(err.to_string().contains("window"), "{err}");
     assert_eq!(rig.stats.snapshot().verify_failures, 1);
-    let k = rig.index.span_for(512 + 250_000).unwrap();
     assert!(
         rig.index.window_ref(k).is_some(),
         "the read must need a window"
@@ -767,10 +826,10 @@ fn a_corrupt_window_fails_the_read_or_is_fetched_again_from_the_fallback() {
     // With an origin to fall back on, the read succeeds with the right bytes.
     let (_, _, windows, _) = windowed_layer();
     let origin = TestBackend::new(windows);
-    let rig = WindowRig::new(
-        Some(open_store(tempfile::tempdir().unwrap().path())),
-        Some(origin.clone()),
-    );
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let rig = WindowRig::new(Some(store.clone()), Some(origin.clone()));
+    rig.store_windows_but(&store, k);
     rig.windows.corrupt.store(true, Ordering::SeqCst);
     assert_eq!(
         rig.read("a", 250_000, 1000).unwrap(),
