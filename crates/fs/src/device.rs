@@ -723,16 +723,16 @@ impl LayerSource {
     /// [`MAX_HELD_BYTES`] (beyond that it is skipped). Returns the compressed bytes
     /// fetched from the backend.
     pub fn warm_range(&self, range: Range<u64>) -> io::Result<u64> {
-        self.warm(range, false)
+        self.warm(range, None)
     }
 
-    /// [`Self::warm_range`] for a guess ([`crate::nearby`]): the spans it fetches count
-    /// in [`MountStats::bytes_guessed`] until a read uses them.
-    pub(crate) fn warm_guessed(&self, range: Range<u64>) -> io::Result<u64> {
-        self.warm(range, true)
+    /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::nearby`]): the spans
+    /// it fetches count in [`MountStats::bytes_guessed`] until a read uses them.
+    pub(crate) fn warm_guessed(&self, range: Range<u64>, guess: Guess) -> io::Result<u64> {
+        self.warm(range, Some(guess))
     }
 
-    fn warm(&self, range: Range<u64>, guess: bool) -> io::Result<u64> {
+    fn warm(&self, range: Range<u64>, guess: Option<Guess>) -> io::Result<u64> {
         if range.start >= range.end || range.end > self.backend.len() {
             return Ok(0);
         }
@@ -746,8 +746,8 @@ impl LayerSource {
             }
             let mut fetched = Fetched::default();
             self.spans_and_windows_in_pieces(spans, first..last, &mut fetched)?;
-            if guess {
-                self.note_guessed(Guess::Neighbours, &fetched.led);
+            if let Some(kind) = guess {
+                self.note_guessed(kind, &fetched.led);
             }
             return Ok(fetched.bytes);
         }

@@ -222,7 +222,6 @@ impl Rig {
     fn content(&self, path: &str) -> &[u8] {
         &self.files.iter().find(|(p, _)| p == path).unwrap().1
     }
-
 }
 
 #[test]

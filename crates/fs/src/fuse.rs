@@ -193,6 +193,7 @@ impl FerryFs {
             Ok(n) => {
                 buf.truncate(n);
                 MountStats::add(&self.image.stats.bytes_served, n as u64);
+                self.image.read_landed(ino, node, offset, &buf);
                 Ok(buf)
             }
             Err(e) => {

@@ -582,6 +582,39 @@ impl MountedImage {
         &self.recorder
     }
 
+    /// After a read of file `ino` at `offset` returned `data`: what its bytes tell of
+    /// reads to come. An ELF header of a file too large to come whole: its loader's
+    /// segments go to the background ([`crate::nearby::Nearby::plan_loader`]).
+    pub(crate) fn read_landed(&self, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
+        if offset != 0 || !data.starts_with(b"\x7fELF") {
+            return;
+        }
+        let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
+            return;
+        };
+        let layers = crate::nearby::MountLayers {
+            image: &self.image,
+            sources: &self.sources,
+        };
+        let read = crate::nearby::Read {
+            ino,
+            node,
+            offset,
+            len: data.len() as u64,
+        };
+        let spent = crate::nearby::Spent::of(&self.stats);
+        let ranges = self.nearby.plan_loader(&layers, &read, data, spent);
+        if ranges.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            path = self.tree.path_of(ino).unwrap_or_default(),
+            bytes = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
+            "nearby: loader segments asked"
+        );
+        crate::nearby::submit(source, &self.stats, ranges, crate::stats::Guess::Rest);
+    }
+
     /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
     /// file `ino` (nothing unless the read misses): its neighbours go to the background,
     /// its whole file is fetched here, as the read's own request, before it reads.
@@ -617,7 +650,12 @@ impl MountedImage {
             );
         }
         // The neighbours first, so they travel while the read waits for its file.
-        crate::nearby::submit(source, &self.stats, asks.neighbours);
+        crate::nearby::submit(
+            source,
+            &self.stats,
+            asks.neighbours,
+            crate::stats::Guess::Neighbours,
+        );
         if let Some(range) = asks.whole {
             match source.fetch_for_read(range.clone()) {
                 Ok(n) => MountStats::add(&self.stats.bytes_nearby, n),

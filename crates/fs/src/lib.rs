@@ -24,6 +24,7 @@
 //! small, idle-released cache of inflated spans, [`image::inflated_spans`]).
 
 pub mod device;
+pub mod elf;
 pub mod error;
 pub mod filecache;
 pub mod fuse;

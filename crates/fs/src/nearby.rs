@@ -100,6 +100,8 @@ struct Seen {
     files: HashSet<Ino>,
     /// Directories whose small files were asked for.
     dirs: HashSet<Ino>,
+    /// Large ELF files whose loader segments were asked for.
+    loaders: HashSet<Ino>,
 }
 
 /// What a mount has spent when a read asks ([`Nearby::plan`]), from its counters.
@@ -255,6 +257,66 @@ impl Nearby {
         Asks { whole, neighbours }
     }
 
+    /// For a read at the start of a file too large to come whole that shows an ELF
+    /// header (`head`: the bytes it read), the missing compressed ranges of what the
+    /// loader will fault in as it maps and relocates it: the file's segments that are
+    /// not code ([`crate::elf::loader_ranges`]). A 36 MB BLAS library took nine round
+    /// trips at a numpy import, five of them in those segments. They are its rest, a
+    /// guess within [`Self::within_rest_budget`]; once per file per mount.
+    pub(crate) fn plan_loader(
+        &self,
+        layers: &dyn Layers,
+        read: &Read<'_>,
+        head: &[u8],
+        spent: Spent,
+    ) -> Vec<Range<u64>> {
+        let Some(loc) = read.node.data else {
+            return Vec::new();
+        };
+        if self.whole_file_bytes == 0
+            || read.offset != 0
+            || read.node.size <= self.whole_file_bytes
+            || !head.starts_with(b"\x7fELF")
+            || !self.within_rest_budget(spent.rest_unused, spent.served)
+        {
+            return Vec::new();
+        }
+        // Parsed before it counts as the file's ask: a short first read (a `file` probe
+        // of 64 bytes) does not use up the loader's.
+        let segments = match crate::elf::loader_ranges(head, read.node.size) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "an ELF header without usable segments");
+                return Vec::new();
+            }
+        };
+        let first = {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            seen.loaders.insert(read.ino)
+        };
+        if !first {
+            return Vec::new();
+        }
+        // At most a whole file's worth, smallest segments first: the data segment and
+        // the tables the loader relocates with before the bulk of read-only data.
+        let mut segments = segments;
+        segments.sort_by_key(|s| s.end - s.start);
+        let mut left = self.whole_file_bytes;
+        let mut ranges = Vec::new();
+        for s in segments {
+            let len = (s.end - s.start).min(left);
+            if len == 0 {
+                break;
+            }
+            left -= len;
+            ranges.extend(layers.ranges(loc, s.start, len));
+        }
+        merge_ranges(ranges)
+            .into_iter()
+            .filter(|r| layers.missing(loc.layer, r))
+            .collect()
+    }
+
     /// The small files around the read's in its layer's stream, nearest first, inside
     /// its [`neighbourhood`] (a directory and its subdirectories, a compiled module's
     /// package), whose missing ranges fit in [`Self::nearby_bytes`].
@@ -402,6 +464,7 @@ impl Layers for MountLayers<'_> {
 struct Job {
     source: Weak<LayerSource>,
     range: Range<u64>,
+    guess: Guess,
     stats: Weak<MountStats>,
 }
 
@@ -457,7 +520,7 @@ fn work(jobs: &Mutex<Receiver<Job>>) {
         };
         let Ok(job) = job else { return };
         if let Some(source) = job.source.upgrade() {
-            match source.warm_guessed(job.range.clone()) {
+            match source.warm_guessed(job.range.clone(), job.guess) {
                 Ok(n) => {
                     if let Some(stats) = job.stats.upgrade() {
                         MountStats::add(&stats.bytes_nearby, n);
@@ -477,8 +540,14 @@ fn work(jobs: &Mutex<Receiver<Job>>) {
     }
 }
 
-/// Queues `ranges` of `source`'s layer for the pool (dropped when it is full).
-pub(crate) fn submit(source: &Arc<LayerSource>, stats: &Arc<MountStats>, ranges: Vec<Range<u64>>) {
+/// Queues `ranges` of `source`'s layer for the pool, as guesses of kind `guess`
+/// (dropped when it is full).
+pub(crate) fn submit(
+    source: &Arc<LayerSource>,
+    stats: &Arc<MountStats>,
+    ranges: Vec<Range<u64>>,
+    guess: Guess,
+) {
     if ranges.is_empty() {
         return;
     }
@@ -488,6 +557,7 @@ pub(crate) fn submit(source: &Arc<LayerSource>, stats: &Arc<MountStats>, ranges:
         let job = Job {
             source: Arc::downgrade(source),
             range,
+            guess,
             stats: Arc::downgrade(stats),
         };
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = pool.queue.try_send(job)

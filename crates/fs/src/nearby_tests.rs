@@ -488,3 +488,106 @@ fn a_read_that_joins_another_fetch_still_asks_for_its_whole_file() {
         Asks::default()
     );
 }
+
+/// A 64-bit little-endian ELF header whose loadable segments are `(flags, offset,
+/// filesz)`.
+fn elf_head(segments: &[(u32, u64, u64)]) -> Vec<u8> {
+    let mut b = vec![0u8; 64];
+    b[..4].copy_from_slice(b"\x7fELF");
+    b[4] = 2;
+    b[5] = 1;
+    b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+    b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+    b[0x38..0x3a].copy_from_slice(&(segments.len() as u16).to_le_bytes());
+    for &(flags, offset, filesz) in segments {
+        let mut p = [0u8; 56];
+        p[..4].copy_from_slice(&1u32.to_le_bytes());
+        p[4..8].copy_from_slice(&flags.to_le_bytes());
+        p[8..16].copy_from_slice(&offset.to_le_bytes());
+        p[32..40].copy_from_slice(&filesz.to_le_bytes());
+        b.extend_from_slice(&p);
+    }
+    b
+}
+
+#[test]
+fn a_large_librarys_header_asks_for_its_loader_segments_but_not_its_code() {
+    // lib.so (600 KiB) is over this rig's whole-file size: it never comes whole.
+    let rig = rig(256 << 10, 0);
+    let ino = rig.image.tree.resolve("lib.so").unwrap();
+    let node = rig.image.tree.get(ino).unwrap();
+    let loc = node.data.unwrap();
+    let layer = &rig.image.image.layers()[loc.layer];
+    let layers = MountLayers {
+        image: &rig.image.image,
+        sources: &rig.image.sources,
+    };
+    let read = Read {
+        ino,
+        node,
+        offset: 0,
+        len: 16 << 10,
+    };
+    let head = elf_head(&[
+        (4, 0, 64 << 10),
+        (5, 64 << 10, 336 << 10),
+        (6, 400 << 10, 200 << 10),
+    ]);
+    let asked = rig
+        .image
+        .nearby
+        .plan_loader(&layers, &read, &head, Spent::default());
+    let covers = |r: &Range<u64>| asked.iter().any(|a| a.start <= r.start && r.end <= a.end);
+    for r in layer
+        .ranges_for(loc.entry, 0, 64 << 10)
+        .iter()
+        .chain(&layer.ranges_for(loc.entry, 480 << 10, 120 << 10))
+    {
+        assert!(covers(r), "{r:?} not in {asked:?}");
+    }
+    // The middle of the code segment is left to its page faults.
+    let code = layer.ranges_for(loc.entry, 230 << 10, 4 << 10);
+    assert!(code.iter().all(|r| !covers(r)), "{code:?} in {asked:?}");
+    // Once per file.
+    assert!(
+        rig.image
+            .nearby
+            .plan_loader(&layers, &read, &head, Spent::default())
+            .is_empty()
+    );
+}
+
+#[test]
+fn only_a_large_files_elf_header_at_its_start_within_budget_asks() {
+    let rig = rig(64 << 10, 0);
+    let layers = MountLayers {
+        image: &rig.image.image,
+        sources: &rig.image.sources,
+    };
+    let head = elf_head(&[(6, 0, 600 << 10)]);
+    let ask = |path: &str, offset: u64, head: &[u8], spent: Spent| {
+        let ino = rig.image.tree.resolve(path).unwrap();
+        let node = rig.image.tree.get(ino).unwrap();
+        let read = Read {
+            ino,
+            node,
+            offset,
+            len: 4096,
+        };
+        rig.image.nearby.plan_loader(&layers, &read, head, spent)
+    };
+    // A small file comes whole instead; a read elsewhere is no header; text is no ELF;
+    // unused rests past their budget stop it; a hostile header asks for nothing.
+    assert!(ask("app/pkg/m0", 0, &head, Spent::default()).is_empty());
+    assert!(ask("lib.so", 4096, &head, Spent::default()).is_empty());
+    assert!(ask("lib.so", 0, b"#!/bin/sh\n", Spent::default()).is_empty());
+    let over = Spent {
+        rest_unused: WHOLE_FILE_FLOOR + 1,
+        ..Spent::default()
+    };
+    assert!(ask("lib.so", 0, &head, over).is_empty());
+    assert!(ask("lib.so", 0, &head[..70], Spent::default()).is_empty());
+    // None of those used the file's one ask.
+    assert!(!ask("lib.so", 0, &head, Spent::default()).is_empty());
+    assert!(ask("lib.so", 0, &head, Spent::default()).is_empty());
+}
