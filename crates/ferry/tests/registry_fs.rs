@@ -79,7 +79,7 @@ fn range_source_reads_from_plain_threads() {
     let rt = RangeRuntime::new().unwrap();
     let registry = Registry::start(&rt);
     let client = Client::new(ClientConfig::default()).unwrap();
-    let repo = Repo::new(registry.addr.to_string(), "team/app");
+    let repo = Repo::parse(registry.addr.to_string(), "team/app").unwrap();
     let data = pattern(100_000);
     let d = push_blob(&rt, &client, &repo, &data);
     let src = HttpRangeSource::open(client.clone(), repo.clone(), &d, &rt).unwrap();
@@ -115,7 +115,7 @@ fn registry_trace_is_published_as_a_referrer_and_found_again() {
     let registry = Registry::start(&rt);
     let addr = registry.addr;
     let client = Client::new(ClientConfig::default()).unwrap();
-    let repo = Repo::new(addr.to_string(), "lib/app");
+    let repo = Repo::parse(addr.to_string(), "lib/app").unwrap();
     // An image manifest to refer to (its blobs need not exist for this test).
     let manifest = serde_json::json!({
         "schemaVersion": 2,
