@@ -1318,6 +1318,10 @@ mod tests {
             format!("oci:/tmp/img@{d}")
         );
         assert!(pin_image("", &d).is_err());
+        // The digest comes from a snapshot label: a malformed one is refused, not pinned.
+        let bad = format!("sha256:{}", "m".repeat(64));
+        assert!(pin_image("reg.local:5000/a/b:v1", &bad).is_err());
+        assert!(pin_image("reg.local:5000/a/b:v1", &d.to_uppercase()).is_err());
     }
 
     fn kept(mountpoint: &str, layer: Option<String>) -> KeptMount {
