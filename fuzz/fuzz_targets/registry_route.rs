@@ -1,18 +1,18 @@
 //! Fuzzes the registry's `/v2/` router and name checks. Any raw request path must route or
 //! not without panicking; every repository name the server then accepts
-//! (`validate_name`) must satisfy the OCI grammar (`ferry_oci`'s check, and the auth
-//! scope check, which must agree exactly) and can never traverse: no `..`, `.`, empty
+//! (`parse_name`) must satisfy the OCI grammar (`ferry_oci`'s one rule, which the auth
+//! scope check must agree with exactly) and can never traverse: no `..`, `.`, empty
 //! or `%`-escaped segment, no backslash, NUL or leading slash. Accepted references and
 //! digests are checked the same way, and a route built from accepted parts parses back
 //! to the same route.
 #![no_main]
 
 use ferry_registry::auth::scope::valid_repository_name;
-use ferry_registry::server::routes::{Route, validate_digest, validate_name, validate_tag};
+use ferry_registry::server::routes::{Route, parse_digest, parse_name, parse_tag};
 use libfuzzer_sys::fuzz_target;
 
 fn check_name(name: &str) {
-    let accepted = validate_name(name).is_ok();
+    let accepted = parse_name(name).is_ok();
     assert_eq!(
         accepted,
         valid_repository_name(name),
@@ -22,7 +22,7 @@ fn check_name(name: &str) {
         return;
     }
     assert!(
-        ferry_oci::reference::validate_repository(name).is_ok(),
+        ferry_oci::RepositoryName::parse(name).is_ok(),
         "accepted {name:?} that ferry_oci refuses"
     );
     assert!(name.len() <= 255);
@@ -40,12 +40,12 @@ fn check_name(name: &str) {
 }
 
 fn check_reference(reference: &str) {
-    if validate_tag(reference).is_ok() {
+    if parse_tag(reference).is_ok() {
         assert!(!reference.is_empty() && reference.len() <= 128);
         assert!(!reference.contains(['/', ':', '%', '\\']), "{reference:?}");
         assert!(!reference.starts_with('.'), "{reference:?}");
     }
-    if validate_digest(reference).is_ok() {
+    if parse_digest(reference).is_ok() {
         let hex = reference.strip_prefix("sha256:").unwrap_or("");
         assert_eq!(hex.len(), 64, "{reference:?}");
         assert!(hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
@@ -77,7 +77,7 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(name) = route.name() {
         check_name(name);
-        if validate_name(name).is_ok() {
+        if parse_name(name).is_ok() {
             // Rebuild the canonical path: it must route to the same thing.
             let rebuilt = match route {
                 Route::Tags { name } => format!("/v2/{name}/tags/list"),

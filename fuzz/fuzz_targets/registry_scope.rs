@@ -8,7 +8,7 @@
 use ferry_registry::auth::scope::{
     Actions, MAX_SCOPE_LEN, RequestedScope, Scope, parse_scope, parse_scopes,
 };
-use ferry_registry::server::routes::validate_name;
+use ferry_registry::server::routes::parse_name;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
         assert!(scopes.len() <= text.len());
         for scope in scopes {
             if let RequestedScope::Repository { name, .. } = &scope {
-                assert!(validate_name(name).is_ok(), "scope names {name:?}");
+                assert!(parse_name(name).is_ok(), "scope names {name:?}");
                 assert!(!name.contains(".."));
             }
         }
@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     match parse_scope(text) {
         Ok(RequestedScope::Repository { name, actions }) => {
             assert!(text.len() <= MAX_SCOPE_LEN);
-            assert!(validate_name(&name).is_ok(), "scope names {name:?}");
+            assert!(parse_name(&name).is_ok(), "scope names {name:?}");
             assert!(text.contains(&name));
             // What a challenge would say for this grant parses back to it.
             let written = Scope::repository(name.clone(), actions).to_string();

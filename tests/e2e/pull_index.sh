@@ -104,6 +104,18 @@ content_labels() { ctr_ content ls | awk -v d="$1" '$1 == d {print $NF}'; }
 has_content() { ctr_ content ls -q | grep -xF "$1" >/dev/null; }
 
 # ---------------------------------------------------------------- 2. ferry pull
+# A platform the index does not have is refused before anything is written, and the
+# error names the platforms it has (ferry-oci's one chooser; never "the first manifest").
+set +e
+MISSING_OUT=$(timeout 120 "$FERRY" pull --address "$CONTAINERD_SOCK" --namespace "$CTR_NAMESPACE" \
+    --snapshotter ferry --snapshotter-root "$SNAP_ROOT" --plain-http --platform linux/s390x "$REF" 2>&1)
+MISSING_RC=$?
+set -e
+if [[ $MISSING_RC != 0 && $MISSING_OUT == *"no manifest for linux/s390x in the index; it has linux/$OTHER_ARCH"*"linux/$HOST_ARCH"* ]]; then
+    pass "ferry pull --platform linux/s390x is refused, naming the index's platforms"
+else
+    fail "ferry pull --platform linux/s390x: exit $MISSING_RC"; sed 's/^/    | /' <<<"$MISSING_OUT" | tail -6
+fi
 set +e
 PULL_OUT=$(timeout 300 "$FERRY" pull --address "$CONTAINERD_SOCK" --namespace "$CTR_NAMESPACE" \
     --snapshotter ferry --snapshotter-root "$SNAP_ROOT" --plain-http \

@@ -148,7 +148,7 @@ impl IndexRegistry for FakeRegistry {
 }
 
 fn repo() -> Repo {
-    Repo::new("reg.local:5000", "app")
+    Repo::parse("reg.local:5000", "app").unwrap()
 }
 
 /// How the fake records a request: by its kind, with the repository when it is not
@@ -245,7 +245,7 @@ async fn another_repository_is_not_answered_from_this_ones_cache() {
         .await
         .unwrap();
     eventually("every index fetched", || registry.index_fetches() == n).await;
-    let other = Repo::new("reg.local:5000", "private");
+    let other = Repo::parse("reg.local:5000", "private").unwrap();
     for layer in &layers {
         let denied = indexes.resolve(&other, &manifest, layer, &[]).await;
         assert!(

@@ -413,26 +413,21 @@ pub fn canonical_mountpoint(path: &Path) -> Result<PathBuf> {
 
 /// Checks a layer digest's shape before it goes anywhere.
 fn check_layer_digest(layer: &str) -> Result<()> {
-    let ok = layer
-        .strip_prefix("sha256:")
-        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::InvalidRequest(format!(
-            "{layer:?} is not a layer digest (sha256:<64 hex digits>)"
-        )))
-    }
+    ferry_oci::digest::parse_sha256(layer)
+        .map(|_| ())
+        .map_err(|e| Error::InvalidRequest(format!("not a layer digest: {e}")))
 }
 
 /// `image` pinned to `manifest_digest` (so a moved tag cannot change a restored layer).
 pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
+    let digest = ferry_oci::digest::parse_sha256(manifest_digest)
+        .map_err(|e| Error::InvalidRequest(format!("manifest digest: {e}")))?;
     let pinned = match ImageRef::parse(image)
         .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?
     {
         ImageRef::Layout { dir, .. } => ImageRef::Layout {
             dir,
-            reference: manifest_digest.to_owned(),
+            reference: ferry_oci::Reference::Digest(digest),
         },
         ImageRef::Registry {
             registry,
@@ -443,7 +438,7 @@ pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
             registry,
             repository,
             tag,
-            digest: Some(manifest_digest.to_owned()),
+            digest: Some(digest),
         },
     };
     Ok(pinned.to_string())
@@ -914,22 +909,23 @@ impl MountManager {
         layer: &str,
         ahead: &[String],
     ) -> Result<Option<(Repo, ResolvedLayer)>> {
+        let parsed = ImageRef::parse(image)
+            .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?;
         let ferry_oci::ImageRef::Registry {
             registry,
             repository,
-            tag,
-            digest,
-        } = ImageRef::parse(image)
-            .map_err(|e| Error::InvalidRequest(format!("image {image:?}: {e}")))?
+            ..
+        } = &parsed
         else {
             return Ok(None);
         };
-        let repo = Repo::new(registry, repository);
-        let reference = digest.or(tag).unwrap_or_else(|| "latest".to_owned());
-        let resolved = self
-            .runtime
-            .handle()
-            .block_on(self.indexes.resolve(&repo, &reference, layer, ahead))?;
+        let repo = Repo::new(registry.clone(), repository.clone());
+        let resolved = self.runtime.handle().block_on(self.indexes.resolve(
+            &repo,
+            parsed.reference(),
+            layer,
+            ahead,
+        ))?;
         Ok(Some((repo, resolved)))
     }
 
@@ -1322,6 +1318,10 @@ mod tests {
             format!("oci:/tmp/img@{d}")
         );
         assert!(pin_image("", &d).is_err());
+        // The digest comes from a snapshot label: a malformed one is refused, not pinned.
+        let bad = format!("sha256:{}", "m".repeat(64));
+        assert!(pin_image("reg.local:5000/a/b:v1", &bad).is_err());
+        assert!(pin_image("reg.local:5000/a/b:v1", &d.to_uppercase()).is_err());
     }
 
     fn kept(mountpoint: &str, layer: Option<String>) -> KeptMount {

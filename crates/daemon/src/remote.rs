@@ -187,7 +187,7 @@ mod tests {
 
     fn setup() -> (Arc<MemoryBackend>, LazyLayers, tempfile::TempDir) {
         let backend = Arc::new(MemoryBackend::new());
-        let manifest = digest('m');
+        let manifest = digest('e');
         backend.add_image(
             "reg.local/app:v1",
             &manifest,
@@ -229,10 +229,10 @@ mod tests {
             assert_eq!(mount.provider, PROVIDER);
             assert_eq!(
                 mount.state[STATE_IMAGE],
-                format!("reg.local/app:v1@{}", digest('m'))
+                format!("reg.local/app:v1@{}", digest('e'))
             );
             assert_eq!(mount.state[STATE_LAYER], layer);
-            assert_eq!(mount.state[STATE_MANIFEST], digest('m'));
+            assert_eq!(mount.state[STATE_MANIFEST], digest('e'));
         }
         let list = backend.list();
         assert_eq!(list.len(), 2);
@@ -303,14 +303,14 @@ mod tests {
             (LABEL_TARGET, "chain"),
             (LABEL_FERRY_IMAGE_REF, "reg.local/app:v1"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
-            (LABEL_FERRY_MANIFEST_DIGEST, &digest('m')),
+            (LABEL_FERRY_MANIFEST_DIGEST, &digest('e')),
         ]);
         lazy.prepare_remote(&l, &dir.path().join("p"))
             .unwrap()
             .unwrap();
         assert_eq!(
             backend.list()[0].info.image,
-            format!("reg.local/app:v1@{}", digest('m'))
+            format!("reg.local/app:v1@{}", digest('e'))
         );
     }
 

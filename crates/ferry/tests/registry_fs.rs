@@ -79,7 +79,7 @@ fn range_source_reads_from_plain_threads() {
     let rt = RangeRuntime::new().unwrap();
     let registry = Registry::start(&rt);
     let client = Client::new(ClientConfig::default()).unwrap();
-    let repo = Repo::new(registry.addr.to_string(), "team/app");
+    let repo = Repo::parse(registry.addr.to_string(), "team/app").unwrap();
     let data = pattern(100_000);
     let d = push_blob(&rt, &client, &repo, &data);
     let src = HttpRangeSource::open(client.clone(), repo.clone(), &d, &rt).unwrap();
@@ -115,7 +115,7 @@ fn registry_trace_is_published_as_a_referrer_and_found_again() {
     let registry = Registry::start(&rt);
     let addr = registry.addr;
     let client = Client::new(ClientConfig::default()).unwrap();
-    let repo = Repo::new(addr.to_string(), "lib/app");
+    let repo = Repo::parse(addr.to_string(), "lib/app").unwrap();
     // An image manifest to refer to (its blobs need not exist for this test).
     let manifest = serde_json::json!({
         "schemaVersion": 2,
@@ -157,5 +157,90 @@ fn registry_trace_is_published_as_a_referrer_and_found_again() {
     let image = format!("{addr}/lib/app:v1");
     let found = ferry_fs::image::find_trace(&image, &digest, &client, &rt).unwrap();
     assert_eq!(found, Some(sample()));
+    registry.stop(&rt);
+}
+
+/// The lazy filesystem's manifest lookup takes this machine's platform from an index and
+/// never falls back to the first entry (that would mount another architecture): an
+/// index without it is an error naming what it has.
+#[test]
+fn registry_manifest_chooses_this_platform_or_names_what_the_index_has() {
+    use ferry_oci::media::OCI_INDEX;
+    let rt = RangeRuntime::new().unwrap();
+    let h = rt.handle();
+    let registry = Registry::start(&rt);
+    let client = Client::new(ClientConfig::default()).unwrap();
+    let repo = Repo::parse(registry.addr.to_string(), "lib/multi").unwrap();
+    let host = ferry_oci::Platform::host();
+    let other = if host.architecture() == "s390x" {
+        "riscv64"
+    } else {
+        "s390x"
+    };
+    // One manifest per platform, told apart by an annotation; their blobs need not exist.
+    let push = |name: &str| {
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                       "digest": ferry_oci::sha256_digest(b"{}").to_string(), "size": 2},
+            "layers": [],
+            "annotations": {"which": name},
+        });
+        let bytes = serde_json::to_vec(&manifest).unwrap();
+        let digest = ferry_oci::sha256_digest(&bytes).to_string();
+        h.block_on(client.put_manifest(&repo, &digest, OCI_MANIFEST, bytes.clone().into()))
+            .unwrap();
+        (digest, bytes.len())
+    };
+    let d = ferry_oci::sha256_digest(b"{}").to_string();
+    let body = Box::pin(futures_util::stream::once(async {
+        Ok(b"{}".to_vec().into())
+    }));
+    h.block_on(client.push_blob(&repo, &d, 2, body)).unwrap();
+    let (other_digest, other_size) = push("other");
+    let (host_digest, host_size) = push("host");
+    let entry = |digest: &str, size: usize, arch: &str, variant: Option<&str>| {
+        let mut p = serde_json::json!({"os": "linux", "architecture": arch});
+        if let Some(v) = variant {
+            p["variant"] = serde_json::json!(v);
+        }
+        serde_json::json!({"mediaType": OCI_MANIFEST, "digest": digest, "size": size, "platform": p})
+    };
+    let put_index = |tag: &str, entries: Vec<serde_json::Value>| {
+        let index =
+            serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries});
+        h.block_on(client.put_manifest(
+            &repo,
+            tag,
+            OCI_INDEX,
+            serde_json::to_vec(&index).unwrap().into(),
+        ))
+        .unwrap();
+    };
+    // The other platform first: a first-entry fallback would pick it.
+    put_index(
+        "both",
+        vec![
+            entry(&other_digest, other_size, other, None),
+            entry(&host_digest, host_size, host.architecture(), host.variant()),
+        ],
+    );
+    put_index(
+        "foreign",
+        vec![entry(&other_digest, other_size, other, None)],
+    );
+    let (chosen, _) = ferry_fs::image::registry_manifest(&client, &repo, "both", &rt).unwrap();
+    assert_eq!(chosen.digest().to_string(), host_digest);
+    let err = ferry_fs::image::registry_manifest(&client, &repo, "foreign", &rt)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "no manifest for {host} in the index; it has linux/{other}"
+        )),
+        "{err}"
+    );
     registry.stop(&rt);
 }

@@ -28,7 +28,7 @@ use ferry_index::source::{FileSource, RangeSource};
 use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX, layer_compression,
 };
-use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout};
+use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout, Platform};
 use ferry_registry_client::{Client, DownloadOptions, RangeRuntime, Repo};
 use ferry_store::{ChunkKey, Store};
 
@@ -200,22 +200,19 @@ impl ImageSource {
     /// Opens `image` (`oci:DIR[:TAG]` or a registry reference) with `client` for
     /// registries.
     pub fn open(image: &str, client: &Client, runtime: &RangeRuntime) -> Result<ImageSource> {
-        match ImageRef::parse(image)? {
-            ImageRef::Layout { dir, reference } => Self::from_layout(&dir, &reference),
+        let image = ImageRef::parse(image)?;
+        match &image {
+            ImageRef::Layout { dir, reference } => Self::from_layout(dir, reference.as_str()),
             ImageRef::Registry {
                 registry,
                 repository,
-                tag,
-                digest,
-            } => {
-                let reference = digest.or(tag).unwrap_or_else(|| "latest".to_string());
-                Self::from_registry(
-                    client,
-                    &Repo::new(registry, repository),
-                    &reference,
-                    runtime,
-                )
-            }
+                ..
+            } => Self::from_registry(
+                client,
+                &Repo::new(registry.clone(), repository.clone()),
+                image.reference(),
+                runtime,
+            ),
         }
     }
 }
@@ -245,13 +242,12 @@ pub async fn fetch_registry_manifest(
     if is_index(&doc.bytes) {
         let index: ImageIndex = serde_json::from_slice(&doc.bytes)
             .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
-        let pick = pick_platform(&index).ok_or_else(|| {
-            Error::Invalid(format!(
-                "image index {} has no manifest for linux/{}",
-                doc.digest,
-                oci_arch()
-            ))
-        })?;
+        // Never "the first manifest": a mount of another architecture would fail later
+        // and obscurely; the error names the platforms the index has.
+        let pick = ferry_oci::choose_manifest(&index, &Platform::host())
+            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?
+            .digest()
+            .to_string();
         doc = client.get_manifest(repo, &pick, &[]).await?;
     }
     let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
@@ -328,28 +324,6 @@ fn is_index(bytes: &[u8]) -> bool {
         manifests: Option<serde_json::Value>,
     }
     serde_json::from_slice::<Probe>(bytes).is_ok_and(|p| p.manifests.is_some())
-}
-
-fn oci_arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
-    }
-}
-
-fn pick_platform(index: &ImageIndex) -> Option<String> {
-    let arch = oci_arch();
-    index
-        .manifests()
-        .iter()
-        .find(|m| {
-            m.platform().as_ref().is_some_and(|p| {
-                p.os().to_string() == "linux" && p.architecture().to_string() == arch
-            })
-        })
-        .or_else(|| index.manifests().first())
-        .map(|m| m.digest().to_string())
 }
 
 /// Most index blobs [`registry_indexes`] fetches at once.

@@ -744,21 +744,10 @@ async fn run_node(shared: Arc<Shared>, plan: Arc<Plan>) {
     }
 }
 
-/// Checks a digest from a manifest before it goes into a URL path:
-/// `algorithm:encoded` with the spec's character sets.
+/// Checks a digest from a manifest before it goes into a URL path (ferry-oci's one
+/// digest rule: any registered algorithm, sha256/sha512 of the right length).
 fn valid_digest(d: &str) -> bool {
-    let Some((alg, enc)) = d.split_once(':') else {
-        return false;
-    };
-    d.len() <= 256
-        && !alg.is_empty()
-        && !enc.is_empty()
-        && alg
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+._-".contains(&b))
-        && enc
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"=_-".contains(&b))
+    ferry_oci::digest::parse(d).is_ok()
 }
 
 /// What a manifest GET during discovery found.
@@ -779,22 +768,13 @@ fn parse_manifest(body: &[u8], platform: &str) -> Result<Found, String> {
             other => Err(format!("invalid descriptor digest {other:?}")),
         }
     };
-    if let Some(manifests) = v.get("manifests").and_then(|m| m.as_array()) {
-        let (os, arch) = platform.split_once('/').unwrap_or((platform, ""));
-        let matches = |m: &&serde_json::Value| {
-            let p = m.get("platform");
-            p.and_then(|p| p.get("os")).and_then(|x| x.as_str()) == Some(os)
-                && p.and_then(|p| p.get("architecture"))
-                    .and_then(|x| x.as_str())
-                    == Some(arch)
-        };
-        let chosen = manifests
-            .iter()
-            .find(matches)
-            .or_else(|| manifests.iter().find(|m| m.get("platform").is_none()))
-            .ok_or_else(|| format!("index has no manifest for {platform}"))?;
+    if v.get("manifests").is_some() {
+        let index: ferry_oci::ImageIndex =
+            serde_json::from_value(v).map_err(|e| format!("image index: {e}"))?;
+        let want = ferry_oci::Platform::parse(platform).map_err(|e| e.to_string())?;
+        let chosen = ferry_oci::choose_manifest(&index, &want).map_err(|e| e.to_string())?;
         return Ok(Found::Index {
-            manifest: digest_of(chosen)?,
+            manifest: chosen.digest().to_string(),
         });
     }
     let config = v
@@ -973,8 +953,10 @@ mod tests {
         let index = serde_json::json!({
             "schemaVersion": 2,
             "manifests": [
-                {"digest": d('a'), "platform": {"os": "linux", "architecture": "arm64"}},
-                {"digest": d('b'), "platform": {"os": "linux", "architecture": "amd64"}},
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "size": 9,
+                 "digest": d('a'), "platform": {"os": "linux", "architecture": "arm64"}},
+                {"mediaType": "application/vnd.oci.image.manifest.v1+json", "size": 9,
+                 "digest": d('b'), "platform": {"os": "linux", "architecture": "amd64"}},
             ],
         });
         assert_eq!(

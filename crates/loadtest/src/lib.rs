@@ -192,16 +192,9 @@ impl Default for LoadTestConfig {
     }
 }
 
-/// `linux/<this machine's architecture in OCI spelling>`.
+/// This machine's platform (`linux/amd64`, `linux/arm64/v8`), as ferry-oci names it.
 pub fn default_platform() -> String {
-    let arch = match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        "x86" => "386",
-        "powerpc64" => "ppc64le",
-        other => other,
-    };
-    format!("linux/{arch}")
+    ferry_oci::Platform::host().to_string()
 }
 
 impl LoadTestConfig {
@@ -211,15 +204,17 @@ impl LoadTestConfig {
         if let Err(e) = split_authority(&self.registry) {
             return bad(e);
         }
-        if let Err(e) = ferry_oci::reference::validate_repository(&self.repository) {
-            return bad(e);
+        if let Err(e) = ferry_oci::RepositoryName::parse(&self.repository) {
+            return bad(e.to_string());
         }
-        if self.reference.starts_with("sha256:") {
-            if ferry_oci::digest::parse_sha256(&self.reference).is_err() {
-                return bad(format!("invalid digest {:?}", self.reference));
+        match ferry_oci::Reference::parse(&self.reference) {
+            Ok(ferry_oci::Reference::Tag(_)) => {}
+            Ok(ferry_oci::Reference::Digest(_)) => {
+                if let Err(e) = ferry_oci::digest::parse_sha256(&self.reference) {
+                    return bad(e.to_string());
+                }
             }
-        } else if let Err(e) = ferry_oci::reference::validate_tag(&self.reference) {
-            return bad(e);
+            Err(e) => return bad(e.to_string()),
         }
         if self.connections == 0 || self.connections > MAX_CONNECTIONS {
             return bad(format!(
@@ -260,9 +255,8 @@ impl LoadTestConfig {
         {
             return bad("allowed hosts must be at most 64 plain host names".to_string());
         }
-        let (os, arch) = self.platform.split_once('/').unwrap_or(("", ""));
-        if os.is_empty() || arch.is_empty() || self.platform.len() > 64 {
-            return bad(format!("platform must be OS/ARCH, not {:?}", self.platform));
+        if let Err(e) = ferry_oci::Platform::parse(&self.platform) {
+            return bad(e.to_string());
         }
         Ok(())
     }

@@ -27,20 +27,42 @@ fn unreachable_digest() -> Digest {
     panic!("oci-spec rejected a canonical sha256 digest")
 }
 
-/// Parses and validates a `sha256:<64 lowercase hex>` digest (the only algorithm ferry
-/// stores content under).
-pub fn parse_sha256(s: &str) -> Result<Digest> {
-    let hex_part = s
-        .strip_prefix("sha256:")
-        .ok_or_else(|| Error::BadDigest(s.to_string()))?;
-    if hex_part.len() != 64
-        || !hex_part
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
-        return Err(Error::BadDigest(s.to_string()));
+/// Longest digest string accepted (a sha512 digest is 135 characters; this leaves room
+/// for the other registered algorithms without letting a peer hand over megabytes).
+pub const MAX_DIGEST_LEN: usize = 256;
+
+/// Parses a digest in the OCI grammar: `algorithm:encoded`, the algorithm lowercase
+/// components joined by `+._-`, the encoded part `[a-zA-Z0-9=_-]+`; sha256 and sha512
+/// must be 64 and 128 lowercase hex (oci-spec's rules, which ferry does not repeat).
+/// This is ferry's one digest validator: every digest that arrives from a URL, a CLI
+/// argument or a document field goes through it (or through [`parse_sha256`]).
+pub fn parse(s: &str) -> Result<Digest> {
+    if s.len() > MAX_DIGEST_LEN {
+        return Err(bad_digest(s, "longer than 256 characters"));
     }
-    Digest::from_str(s).map_err(|_| Error::BadDigest(s.to_string()))
+    Digest::from_str(s).map_err(|e| bad_digest(s, &e.to_string()))
+}
+
+/// [`parse`], restricted to sha256: the only algorithm ferry stores content under (its
+/// stores, layouts and caches are keyed by the 64 hex digits).
+pub fn parse_sha256(s: &str) -> Result<Digest> {
+    let d = parse(s)?;
+    if !is_sha256(&d) {
+        return Err(bad_digest(s, "unsupported algorithm (only sha256)"));
+    }
+    Ok(d)
+}
+
+/// Whether `d` is a sha256 digest (and so, being parsed, 64 lowercase hex digits).
+pub fn is_sha256(d: &Digest) -> bool {
+    *d.algorithm() == oci_spec::image::DigestAlgorithm::Sha256
+}
+
+fn bad_digest(s: &str, reason: &str) -> Error {
+    Error::BadDigest {
+        input: crate::shown(s),
+        reason: reason.to_string(),
+    }
 }
 
 /// The hex part of a sha256 digest.
@@ -125,6 +147,19 @@ mod tests {
         assert!(
             parse_sha256("sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
                 .is_ok()
+        );
+        let sha512 = format!("sha512:{}", "a".repeat(128));
+        assert!(parse(&sha512).is_ok());
+        assert!(parse_sha256(&sha512).is_err(), "parses, but is not sha256");
+        assert!(parse("sha512:abc").is_err(), "sha512 is 128 hex digits");
+        assert!(parse(&format!("sha512:{}", "A".repeat(128))).is_err());
+        assert!(parse("multihash+base58:QmRZxt2b1FVZPNqd8hsiykDL3TdBDeTSPX9Kv46HmX4Gx8").is_ok());
+        assert!(parse("nocolon").is_err());
+        assert!(parse(":abc").is_err());
+        assert!(parse("sha256:").is_err());
+        assert!(
+            parse(&format!("x:{}", "a".repeat(300))).is_err(),
+            "length bound"
         );
     }
 

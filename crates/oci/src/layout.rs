@@ -13,12 +13,12 @@ use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
 use oci_spec::image::{Descriptor, Digest, ImageIndex, ImageManifest, MediaType};
 
 use crate::digest::{Sha256Writer, parse_sha256, sha256_digest};
 use crate::media::{ANNOTATION_REF_NAME, OCI_INDEX};
+use crate::platform::{Platform, choose_manifest};
 use crate::{Error, MAX_MANIFEST_BYTES, Result};
 
 /// An OCI image layout directory.
@@ -181,9 +181,18 @@ impl OciLayout {
         self.read_blob(desc.digest(), MAX_MANIFEST_BYTES)
     }
 
-    /// Resolves a reference to a single image manifest; for an image index picks the
-    /// linux/amd64 entry (or the only entry).
+    /// Resolves a reference to a single image manifest; for an image index picks this
+    /// machine's platform ([`crate::platform::choose_manifest`]).
     pub fn image_manifest(&self, reference: &str) -> Result<(Descriptor, ImageManifest)> {
+        self.image_manifest_for(reference, &Platform::host())
+    }
+
+    /// [`OciLayout::image_manifest`] for the platform `want`.
+    pub fn image_manifest_for(
+        &self,
+        reference: &str,
+        want: &Platform,
+    ) -> Result<(Descriptor, ImageManifest)> {
         let mut desc = self.resolve(reference)?;
         for _ in 0..4 {
             let bytes = self.read_document(&desc)?;
@@ -192,7 +201,7 @@ impl OciLayout {
             if value.get("manifests").is_some() {
                 let index: ImageIndex =
                     serde_json::from_value(value).map_err(|e| invalid("image index", e))?;
-                desc = pick_platform(&index)?;
+                desc = choose_manifest(&index, want)?.clone();
                 continue;
             }
             let manifest: ImageManifest =
@@ -204,7 +213,7 @@ impl OciLayout {
 
     /// Adds or replaces `tag` in `index.json` to point at `desc`.
     pub fn set_tag(&self, tag: &str, desc: &Descriptor) -> Result<()> {
-        crate::reference::validate_tag(tag).map_err(|r| invalid("tag", r))?;
+        crate::reference::Tag::parse(tag)?;
         let mut index = self.index()?;
         let mut manifests: Vec<Descriptor> = index
             .manifests()
@@ -263,24 +272,6 @@ impl OciLayout {
 pub fn fallback_tag(subject: &Digest) -> Result<String> {
     let d = parse_sha256(subject.as_ref())?;
     Ok(format!("sha256-{}", d.digest()))
-}
-
-fn pick_platform(index: &ImageIndex) -> Result<Descriptor> {
-    let manifests = index.manifests();
-    if manifests.len() == 1 {
-        return Ok(manifests[0].clone());
-    }
-    manifests
-        .iter()
-        .find(|d| {
-            d.platform().as_ref().is_some_and(|p| {
-                p.os().to_string() == "linux"
-                    && p.architecture().to_string()
-                        == std::env::consts::ARCH.replace("x86_64", "amd64")
-            })
-        })
-        .cloned()
-        .ok_or_else(|| Error::NotFound("a manifest for this platform in the image index".into()))
 }
 
 fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
@@ -415,11 +406,9 @@ pub fn media_type(s: &str) -> MediaType {
     MediaType::from(s)
 }
 
-/// Parses a digest that must be sha256.
+/// Parses a digest that must be sha256 (what a layout stores blobs under).
 pub fn digest(s: &str) -> Result<Digest> {
-    Digest::from_str(s)
-        .map_err(|_| Error::BadDigest(s.to_string()))
-        .and_then(|d| parse_sha256(d.as_ref()))
+    parse_sha256(s)
 }
 
 #[cfg(test)]

@@ -1,10 +1,16 @@
 //! # ferry-oci: the OCI model
 //!
 //! This crate owns what ferry knows about OCI images as data: digests ([`digest`]), media
-//! types ([`media`]), image references in skopeo's spelling ([`reference`]), and OCI image
-//! layout directories on disk ([`layout`]), including the referrers tag fallback that
-//! ferry uses to keep its index artifacts beside an image. Manifest, index and descriptor
-//! types are oci-spec's, re-exported here.
+//! types ([`media`]), image references in skopeo's spelling and the typed identifiers they
+//! are made of — [`RepositoryName`], [`Tag`], [`Reference`] ([`reference`]) —, platforms
+//! and the one rule for choosing a platform's manifest from an image index ([`platform`]),
+//! and OCI image layout directories on disk ([`layout`]), including the referrers tag
+//! fallback that ferry uses to keep its index artifacts beside an image. Manifest, index,
+//! descriptor and digest types are oci-spec's, re-exported here.
+//!
+//! Each identifier has exactly one validator, here; the registry, its client, the pull
+//! path and the CLI parse names, tags and digests with it where they arrive and pass the
+//! typed values inward.
 //!
 //! It must not talk to the network or know about layer formats: registries live in the
 //! registry crate, tar/gzip in the index crate. Everything it parses (JSON documents,
@@ -14,6 +20,7 @@
 pub mod digest;
 pub mod layout;
 pub mod media;
+pub mod platform;
 pub mod reference;
 
 pub use digest::{Sha256Writer, sha256_digest};
@@ -21,7 +28,8 @@ pub use layout::OciLayout;
 pub use oci_spec::image::{
     Descriptor, Digest, ImageConfiguration, ImageIndex, ImageManifest, MediaType,
 };
-pub use reference::ImageRef;
+pub use platform::{Platform, choose_manifest};
+pub use reference::{ImageRef, Reference, RepositoryName, Tag};
 
 /// Largest manifest or index document ferry will read (the distribution spec suggests
 /// registries accept at least 4 MiB).
@@ -47,8 +55,39 @@ pub enum Error {
         reason: String,
     },
     /// A digest string is malformed or uses an unsupported algorithm.
-    #[error("invalid digest {0:?}: expected sha256:<64 lowercase hex>")]
-    BadDigest(String),
+    #[error("invalid digest {input:?}: {reason}")]
+    BadDigest {
+        /// The string (cut to 100 characters).
+        input: String,
+        /// Why it is not a digest ferry accepts.
+        reason: String,
+    },
+    /// A repository name or tag does not follow the distribution spec's grammar.
+    #[error("invalid {what} {input:?}: {reason}")]
+    BadName {
+        /// `repository name` or `tag`.
+        what: &'static str,
+        /// The string (cut to 100 characters).
+        input: String,
+        /// Which rule it breaks.
+        reason: &'static str,
+    },
+    /// A platform (`os/arch[/variant]`) could not be parsed.
+    #[error("invalid platform {input:?}: {reason}")]
+    BadPlatform {
+        /// What was given (cut to 100 characters).
+        input: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// An image index has no manifest for the wanted platform.
+    #[error("no manifest for {wanted} in the index; it has {}", platform::list(.available))]
+    NoPlatform {
+        /// The platform asked for.
+        wanted: platform::Platform,
+        /// The platforms of the index's image manifests (attestations left out).
+        available: Vec<platform::Platform>,
+    },
     /// An image reference could not be parsed.
     #[error("invalid image reference {input:?}: {reason}")]
     BadReference {
@@ -68,6 +107,15 @@ pub enum Error {
     /// Something named does not exist.
     #[error("not found: {0}")]
     NotFound(String),
+}
+
+/// `s` as shown in an error: at most 100 characters, so a hostile input is not echoed
+/// whole into logs and responses.
+pub(crate) fn shown(s: &str) -> String {
+    match s.char_indices().nth(100) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
 }
 
 /// Result alias for this crate.

@@ -7,8 +7,9 @@
 
 use std::fmt;
 use std::path::PathBuf;
+use std::str::FromStr;
 
-use crate::{Error, Result};
+use crate::{Digest, Error, Result};
 
 /// Where an image lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,19 +18,19 @@ pub enum ImageRef {
     Layout {
         /// The layout directory.
         dir: PathBuf,
-        /// Tag (`org.opencontainers.image.ref.name`) or `sha256:` digest.
-        reference: String,
+        /// Tag (`org.opencontainers.image.ref.name`) or sha256 digest.
+        reference: Reference,
     },
     /// A repository in a registry.
     Registry {
         /// `host[:port]`.
         registry: String,
         /// Repository path, e.g. `library/debian`.
-        repository: String,
+        repository: RepositoryName,
         /// Tag, when given (`latest` when neither tag nor digest is).
-        tag: Option<String>,
-        /// Manifest digest, when given.
-        digest: Option<String>,
+        tag: Option<Tag>,
+        /// Manifest digest (sha256), when given.
+        digest: Option<Digest>,
     },
 }
 
@@ -39,7 +40,7 @@ impl ImageRef {
     /// Parses a reference.
     pub fn parse(input: &str) -> Result<Self> {
         let bad = |reason: &str| Error::BadReference {
-            input: input.to_string(),
+            input: crate::shown(input),
             reason: reason.to_string(),
         };
         if input.is_empty() || input.len() > MAX_REF_LEN {
@@ -57,10 +58,10 @@ impl ImageRef {
             return Err("oci: needs a directory, as in oci:DIR:TAG".into());
         }
         if let Some((dir, digest)) = rest.rsplit_once('@') {
-            crate::digest::parse_sha256(digest).map_err(|e| e.to_string())?;
+            let digest = crate::digest::parse_sha256(digest).map_err(|e| e.to_string())?;
             return Ok(ImageRef::Layout {
                 dir: PathBuf::from(dir),
-                reference: digest.to_string(),
+                reference: Reference::Digest(digest),
             });
         }
         // The tag is after the last ':' unless that ':' is part of the path (a '/' follows).
@@ -71,28 +72,27 @@ impl ImageRef {
         if tag.is_empty() {
             return Err("empty tag after ':'".into());
         }
-        validate_tag(tag)?;
+        let tag = Tag::parse(tag).map_err(|e| e.to_string())?;
         Ok(ImageRef::Layout {
             dir: PathBuf::from(dir),
-            reference: tag.to_string(),
+            reference: Reference::Tag(tag),
         })
     }
 
     fn parse_registry(rest: &str) -> std::result::Result<Self, String> {
         let (name, digest) = match rest.split_once('@') {
-            Some((name, d)) => {
-                crate::digest::parse_sha256(d).map_err(|e| e.to_string())?;
-                (name, Some(d.to_string()))
-            }
+            Some((name, d)) => (
+                name,
+                Some(crate::digest::parse_sha256(d).map_err(|e| e.to_string())?),
+            ),
             None => (rest, None),
         };
         // A tag follows the last ':' after the last '/'.
         let last_slash = name.rfind('/').map(|i| i + 1).unwrap_or(0);
         let (name, tag) = match name[last_slash..].rfind(':') {
             Some(i) => {
-                let tag = &name[last_slash + i + 1..];
-                validate_tag(tag)?;
-                (&name[..last_slash + i], Some(tag.to_string()))
+                let tag = Tag::parse(&name[last_slash + i + 1..]).map_err(|e| e.to_string())?;
+                (&name[..last_slash + i], Some(tag))
             }
             None => (name, None),
         };
@@ -105,9 +105,9 @@ impl ImageRef {
             Some(_) => ("docker.io".to_string(), name.to_string()),
             None => ("docker.io".to_string(), format!("library/{name}")),
         };
-        validate_repository(&repository)?;
+        let repository = RepositoryName::parse(&repository).map_err(|e| e.to_string())?;
         let tag = if tag.is_none() && digest.is_none() {
-            Some("latest".to_string())
+            Some(Tag::latest())
         } else {
             tag
         };
@@ -119,58 +119,256 @@ impl ImageRef {
         })
     }
 
-    /// The tag or digest a registry reference resolves (`latest` by default).
+    /// The tag or digest a reference resolves (`latest` by default).
     pub fn reference(&self) -> &str {
         match self {
-            ImageRef::Layout { reference, .. } => reference,
-            ImageRef::Registry { tag, digest, .. } => {
-                digest.as_deref().or(tag.as_deref()).unwrap_or("latest")
-            }
+            ImageRef::Layout { reference, .. } => reference.as_str(),
+            ImageRef::Registry { tag, digest, .. } => digest
+                .as_ref()
+                .map(|d| d.as_ref())
+                .or(tag.as_ref().map(Tag::as_str))
+                .unwrap_or("latest"),
         }
     }
 }
 
-/// Checks a tag against the distribution spec's grammar `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
-pub fn validate_tag(tag: &str) -> std::result::Result<(), String> {
-    let ok = !tag.is_empty()
-        && tag.len() <= 128
-        && tag.bytes().enumerate().all(|(i, b)| {
-            b.is_ascii_alphanumeric() || b == b'_' || (i > 0 && (b == b'.' || b == b'-'))
-        });
-    if ok {
-        Ok(())
-    } else {
-        Err(format!("invalid tag {tag:?}"))
+/// Longest repository name accepted: the distribution spec's grammar has no bound of its
+/// own, and 255 is what registries and clients enforce.
+pub const MAX_REPOSITORY_LEN: usize = 255;
+
+/// Longest tag: the grammar's `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
+pub const MAX_TAG_LEN: usize = 128;
+
+/// A repository name in the distribution spec's grammar, checked once where it arrives:
+/// components `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*` separated by `/`, at most
+/// [`MAX_REPOSITORY_LEN`] bytes. A valid name is always a safe relative path (no empty,
+/// `.` or `..` component, nothing but `[a-z0-9._/-]`).
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
+pub struct RepositoryName(String);
+
+impl RepositoryName {
+    /// Parses a repository name (ferry's one validator for them).
+    pub fn parse(s: &str) -> Result<Self> {
+        match repository_rule_broken(s) {
+            None => Ok(RepositoryName(s.to_string())),
+            Some(reason) => Err(Error::BadName {
+                what: "repository name",
+                input: crate::shown(s),
+                reason,
+            }),
+        }
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
     }
 }
 
-/// Checks a repository name against the distribution spec's grammar: lowercase
-/// alphanumeric components separated by `/`, each joined by `.`, `_`, `__` or `-`.
-pub fn validate_repository(repo: &str) -> std::result::Result<(), String> {
-    let component_ok = |c: &str| {
-        !c.is_empty()
-            && c.bytes().all(|b| {
-                b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'_' || b == b'-'
-            })
-            && c.as_bytes()
-                .first()
-                .is_some_and(|b| b.is_ascii_alphanumeric())
-            && c.as_bytes()
-                .last()
-                .is_some_and(|b| b.is_ascii_alphanumeric())
-    };
-    if repo.len() > 255 || !repo.split('/').all(component_ok) {
-        return Err(format!("invalid repository name {repo:?}"));
+/// Which rule of the repository grammar `s` breaks, if any.
+fn repository_rule_broken(s: &str) -> Option<&'static str> {
+    if s.is_empty() {
+        return Some("empty");
     }
-    Ok(())
+    if s.len() > MAX_REPOSITORY_LEN {
+        return Some("longer than 255 characters");
+    }
+    if s.split('/').all(component_ok) {
+        None
+    } else {
+        Some("components must be [a-z0-9]+ joined by '.', '_', '__' or '-'s, separated by '/'")
+    }
+}
+
+/// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*`.
+fn component_ok(c: &str) -> bool {
+    let b = c.as_bytes();
+    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
+    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
+        return false;
+    }
+    let mut i = 0;
+    while i < b.len() {
+        if alnum(b[i]) {
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < b.len() && !alnum(b[i]) {
+            i += 1;
+        }
+        let sep = &b[start..i];
+        if !(sep == b"." || sep == b"_" || sep == b"__" || sep.iter().all(|&x| x == b'-')) {
+            return false;
+        }
+    }
+    true
+}
+
+/// A tag in the distribution spec's grammar `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`, checked
+/// once where it arrives. A valid tag is always one safe path component.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
+pub struct Tag(String);
+
+impl Tag {
+    /// Parses a tag (ferry's one validator for them).
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut bytes = s.bytes();
+        let reason = if s.is_empty() {
+            Some("empty")
+        } else if s.len() > MAX_TAG_LEN {
+            Some("longer than 128 characters")
+        } else if !bytes
+            .next()
+            .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        {
+            Some("must start with a letter, digit or '_'")
+        } else if !bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')) {
+            Some("only letters, digits, '.', '_' and '-' may follow")
+        } else {
+            None
+        };
+        match reason {
+            None => Ok(Tag(s.to_string())),
+            Some(reason) => Err(Error::BadName {
+                what: "tag",
+                input: crate::shown(s),
+                reason,
+            }),
+        }
+    }
+
+    /// The tag as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// `latest`, the tag a reference without tag or digest means.
+    pub fn latest() -> Self {
+        Tag("latest".to_string())
+    }
+}
+
+/// What a manifest is asked for by: a tag or a digest (as in `/v2/NAME/manifests/REF`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Reference {
+    /// A tag.
+    Tag(Tag),
+    /// A digest (any algorithm the grammar allows; stores accept only sha256).
+    Digest(Digest),
+}
+
+impl Reference {
+    /// Parses a tag or a digest: a `:` makes it a digest, since no tag may contain one.
+    pub fn parse(s: &str) -> Result<Self> {
+        if s.contains(':') {
+            crate::digest::parse(s).map(Reference::Digest)
+        } else {
+            Tag::parse(s).map(Reference::Tag)
+        }
+    }
+
+    /// The reference as text.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Reference::Tag(t) => t.as_str(),
+            Reference::Digest(d) => d.as_ref(),
+        }
+    }
+}
+
+macro_rules! text_impls {
+    ($t:ty) => {
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+        impl AsRef<str> for $t {
+            fn as_ref(&self) -> &str {
+                self.as_str()
+            }
+        }
+        impl FromStr for $t {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                Self::parse(s)
+            }
+        }
+        impl PartialEq<str> for $t {
+            fn eq(&self, other: &str) -> bool {
+                self.as_str() == other
+            }
+        }
+        impl PartialEq<&str> for $t {
+            fn eq(&self, other: &&str) -> bool {
+                self.as_str() == *other
+            }
+        }
+    };
+}
+text_impls!(RepositoryName);
+text_impls!(Tag);
+text_impls!(Reference);
+
+// A validated name is a string everywhere a string is read (paths, keys, URLs), so typed
+// values pass through code that only reads them without conversions at every use.
+impl std::ops::Deref for RepositoryName {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for Tag {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for RepositoryName {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        match repository_rule_broken(&s) {
+            None => Ok(RepositoryName(s)),
+            Some(_) => Self::parse(&s),
+        }
+    }
+}
+
+impl From<RepositoryName> for String {
+    fn from(n: RepositoryName) -> String {
+        n.0
+    }
+}
+
+impl TryFrom<String> for Tag {
+    type Error = Error;
+    fn try_from(s: String) -> Result<Self> {
+        Self::parse(&s)
+    }
+}
+
+impl From<Tag> for String {
+    fn from(t: Tag) -> String {
+        t.0
+    }
 }
 
 impl fmt::Display for ImageRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ImageRef::Layout { dir, reference } if reference.starts_with("sha256:") => {
-                write!(f, "oci:{}@{reference}", dir.display())
-            }
+            ImageRef::Layout {
+                dir,
+                reference: Reference::Digest(d),
+            } => write!(f, "oci:{}@{d}", dir.display()),
             ImageRef::Layout { dir, reference } => write!(f, "oci:{}:{reference}", dir.display()),
             ImageRef::Registry {
                 registry,
@@ -198,7 +396,7 @@ mod tests {
     fn layout(dir: &str, r: &str) -> ImageRef {
         ImageRef::Layout {
             dir: PathBuf::from(dir),
-            reference: r.to_string(),
+            reference: Reference::parse(r).expect("test reference"),
         }
     }
 
@@ -224,8 +422,8 @@ mod tests {
             r,
             ImageRef::Registry {
                 registry: "127.0.0.1:5000".into(),
-                repository: "team/app".into(),
-                tag: Some("1.2".into()),
+                repository: RepositoryName::parse("team/app")?,
+                tag: Some(Tag::parse("1.2")?),
                 digest: None
             }
         );
@@ -236,6 +434,72 @@ mod tests {
         assert!(ImageRef::parse("host:5000/UPPER:tag").is_err());
         assert!(ImageRef::parse("host:5000/a/../b").is_err());
         assert!(ImageRef::parse("host:5000/app@sha256:zz").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn repository_names_follow_the_grammar() {
+        for ok in [
+            "a",
+            "library/debian",
+            "a0/b-c/d.e/f_g/h__i/j---k",
+            "x/y/z/0/9",
+            &"a".repeat(255),
+        ] {
+            assert!(RepositoryName::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "A",
+            "a/",
+            "/a",
+            "a//b",
+            "a/../b",
+            "..",
+            ".",
+            "a..b",
+            "a___b",
+            "a_-b",
+            "a.-b",
+            "-a",
+            "a-",
+            "a_",
+            "a%2fb",
+            "a b",
+            "é",
+            &"a".repeat(256),
+        ] {
+            assert!(RepositoryName::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn tags_follow_the_grammar() {
+        for ok in ["latest", "v1.0_rc-1", "_x", "0", "A.B", &"t".repeat(128)] {
+            assert!(Tag::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", ".hidden", "-x", "a:b", "a/b", "a b", &"t".repeat(129)] {
+            assert!(Tag::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn references_are_tags_or_digests() -> Result<()> {
+        assert!(matches!(Reference::parse("v1")?, Reference::Tag(_)));
+        let d = format!("sha256:{}", "a".repeat(64));
+        assert!(matches!(Reference::parse(&d)?, Reference::Digest(_)));
+        assert_eq!(Reference::parse(&d)?.as_str(), d);
+        assert!(Reference::parse("sha256:abc").is_err());
+        assert!(Reference::parse(".x").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn typed_names_round_trip_through_serde() -> std::result::Result<(), serde_json::Error> {
+        let n: RepositoryName = serde_json::from_str("\"a/b\"")?;
+        assert_eq!(serde_json::to_string(&n)?, "\"a/b\"");
+        assert!(serde_json::from_str::<RepositoryName>("\"A/b\"").is_err());
+        assert!(serde_json::from_str::<Tag>("\".x\"").is_err());
         Ok(())
     }
 }

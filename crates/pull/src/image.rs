@@ -1,11 +1,14 @@
-//! The image as `ferry pull` sees it, without I/O: manifest and config parsing (bounded
-//! by the caller), platform selection in an index, chain ids, the snapshot labels of a
+//! The image as `ferry pull` sees it, without I/O: manifest, index and config parsing
+//! (bounded by the caller; manifests, indexes and descriptors are oci-spec's types, whose
+//! digests are validated as they are read, and the platform in an index is chosen by
+//! [`ferry_oci::choose_manifest`]), chain ids, the snapshot labels of a
 //! layer Prepare and the name containerd's image record gets. Pure functions, so the
 //! rules containerd depends on (chain ids, label spellings) are unit-tested exactly.
 
 use std::collections::HashMap;
 
-use ferry_oci::media;
+pub use ferry_oci::{Descriptor, ImageManifest};
+use ferry_oci::{ImageIndex, Platform, media};
 use ferry_snapshotter::remote::{
     LABEL_CRI_IMAGE_LAYERS, LABEL_CRI_IMAGE_REF, LABEL_CRI_LAYER_DIGEST, LABEL_CRI_MANIFEST_DIGEST,
     LABEL_FERRY_IMAGE_REF, LABEL_FERRY_LAYER_DIGEST, LABEL_FERRY_LAYER_MEDIA_TYPE,
@@ -18,52 +21,6 @@ use crate::PullError;
 
 /// containerd caps a label (key + value) at 4 KiB; the image-layers list is cut to fit.
 const MAX_LABEL_LEN: usize = 4096;
-
-/// A content descriptor as manifests carry it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Descriptor {
-    /// Media type.
-    pub media_type: String,
-    /// `sha256:<hex>`.
-    pub digest: String,
-    /// Size in bytes.
-    pub size: u64,
-    /// Platform (index entries only).
-    #[serde(default)]
-    pub platform: Option<Platform>,
-    /// Annotations.
-    #[serde(default)]
-    pub annotations: HashMap<String, String>,
-}
-
-/// An index entry's platform.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct Platform {
-    /// e.g. `amd64`.
-    pub architecture: String,
-    /// e.g. `linux`.
-    pub os: String,
-    /// e.g. `v8`.
-    #[serde(default)]
-    pub variant: Option<String>,
-}
-
-/// An image manifest (OCI or Docker v2 schema 2).
-#[derive(Debug, Clone, Deserialize)]
-pub struct ImageManifest {
-    /// The config blob.
-    pub config: Descriptor,
-    /// Layers, base first.
-    pub layers: Vec<Descriptor>,
-}
-
-/// An image index / manifest list.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ImageIndex {
-    /// One manifest per platform (and possibly attestations).
-    pub manifests: Vec<Descriptor>,
-}
 
 #[derive(Debug, Deserialize)]
 struct ConfigDoc {
@@ -85,76 +42,48 @@ pub fn is_manifest(media_type: &str) -> bool {
     media_type == media::OCI_MANIFEST || media_type == media::DOCKER_MANIFEST
 }
 
-/// This machine's architecture in OCI spelling.
-pub fn host_architecture() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        "x86" => "386",
-        "powerpc64" => "ppc64le",
-        other => other,
+/// The manifest of `index` for `platform` (ferry-oci's one chooser), as the digest to
+/// fetch it by.
+pub fn select_platform(index: &ImageIndex, platform: &Platform) -> Result<String, PullError> {
+    let chosen =
+        ferry_oci::choose_manifest(index, platform).map_err(|e| PullError::Image(e.to_string()))?;
+    if !is_manifest(chosen.media_type().as_ref()) {
+        return Err(PullError::Image(format!(
+            "the index's entry for {platform} ({}) has media type {}, not an image manifest",
+            chosen.digest(),
+            chosen.media_type()
+        )));
     }
-}
-
-/// Picks the manifest for `os`/`arch` from an index: an exact match, else the only
-/// image manifest when there is exactly one without a platform.
-pub fn select_platform<'a>(
-    index: &'a ImageIndex,
-    os: &str,
-    arch: &str,
-) -> Result<&'a Descriptor, PullError> {
-    let manifests: Vec<&Descriptor> = index
-        .manifests
-        .iter()
-        .filter(|d| !is_index(&d.media_type))
-        .collect();
-    if let Some(found) = manifests.iter().find(|d| {
-        d.platform
-            .as_ref()
-            .is_some_and(|p| p.os == os && p.architecture == arch)
-    }) {
-        return Ok(found);
-    }
-    let unplatformed: Vec<&&Descriptor> =
-        manifests.iter().filter(|d| d.platform.is_none()).collect();
-    if let [only] = unplatformed.as_slice() {
-        return Ok(only);
-    }
-    let offered: Vec<String> = manifests
-        .iter()
-        .filter_map(|d| d.platform.as_ref())
-        .map(|p| format!("{}/{}", p.os, p.architecture))
-        .collect();
-    Err(PullError::Image(format!(
-        "the image index has no manifest for {os}/{arch} (it offers: {})",
-        if offered.is_empty() {
-            "none".to_owned()
-        } else {
-            offered.join(", ")
-        }
-    )))
+    Ok(chosen.digest().to_string())
 }
 
 /// Parses a manifest and checks it is one ferry can pull.
 pub fn parse_manifest(bytes: &[u8]) -> Result<ImageManifest, PullError> {
     let manifest: ImageManifest = serde_json::from_slice(bytes)
         .map_err(|e| PullError::Image(format!("image manifest: {e}")))?;
-    for layer in &manifest.layers {
-        ferry_oci::digest::parse_sha256(&layer.digest)
-            .map_err(|e| PullError::Image(format!("layer digest: {e}")))?;
-        if media::layer_compression(&layer.media_type).is_none() {
+    // oci-spec has checked each digest's grammar; ferry stores and verifies sha256 only.
+    let not_sha256 = |what: &str, d: &ferry_oci::Digest| {
+        PullError::Image(format!("{what} digest {d}: only sha256 is supported"))
+    };
+    for layer in manifest.layers() {
+        if !ferry_oci::digest::is_sha256(layer.digest()) {
+            return Err(not_sha256("layer", layer.digest()));
+        }
+        if media::layer_compression(layer.media_type().as_ref()).is_none() {
             return Err(PullError::Image(format!(
                 "layer {} has media type {:?}, which is not a tar layer ferry can unpack",
-                layer.digest, layer.media_type
+                layer.digest(),
+                layer.media_type().to_string()
             )));
         }
     }
-    ferry_oci::digest::parse_sha256(&manifest.config.digest)
-        .map_err(|e| PullError::Image(format!("config digest: {e}")))?;
+    if !ferry_oci::digest::is_sha256(manifest.config().digest()) {
+        return Err(not_sha256("config", manifest.config().digest()));
+    }
     Ok(manifest)
 }
 
-/// Parses an index.
+/// Parses an index (oci-spec's type: its digests are validated as it is read).
 pub fn parse_index(bytes: &[u8]) -> Result<ImageIndex, PullError> {
     serde_json::from_slice(bytes).map_err(|e| PullError::Image(format!("image index: {e}")))
 }
@@ -225,11 +154,19 @@ pub const LABEL_GC_REF_MANIFEST: &str = "containerd.io/gc.ref.content.m.";
 /// them from garbage collection. Other entries (unknown artifact types) get no label.
 pub fn index_labels(index: &ImageIndex) -> HashMap<String, String> {
     index
-        .manifests
+        .manifests()
         .iter()
-        .filter(|d| is_index(&d.media_type) || is_manifest(&d.media_type))
+        .filter(|d| {
+            let media_type = d.media_type().to_string();
+            is_index(&media_type) || is_manifest(&media_type)
+        })
         .enumerate()
-        .map(|(n, d)| (format!("{LABEL_GC_REF_MANIFEST}{n}"), d.digest.clone()))
+        .map(|(n, d)| {
+            (
+                format!("{LABEL_GC_REF_MANIFEST}{n}"),
+                d.digest().to_string(),
+            )
+        })
         .collect()
 }
 
@@ -253,17 +190,21 @@ pub fn layer_labels(ctx: &LayerContext<'_>, i: usize) -> HashMap<String, String>
     let mut labels = HashMap::new();
     labels.insert(LABEL_TARGET.to_owned(), ctx.chain_ids[i].clone());
     labels.insert(LABEL_CRI_IMAGE_REF.to_owned(), ctx.image_ref.to_owned());
-    labels.insert(LABEL_CRI_LAYER_DIGEST.to_owned(), layer.digest.clone());
+    labels.insert(
+        LABEL_CRI_LAYER_DIGEST.to_owned(),
+        layer.digest().to_string(),
+    );
     labels.insert(
         LABEL_CRI_MANIFEST_DIGEST.to_owned(),
         ctx.manifest_digest.to_owned(),
     );
     let mut following = String::new();
     for d in &ctx.layers[i..] {
+        let digest: &str = d.digest().as_ref();
         let add = if following.is_empty() {
-            d.digest.len()
+            digest.len()
         } else {
-            d.digest.len() + 1
+            digest.len() + 1
         };
         if LABEL_CRI_IMAGE_LAYERS.len() + following.len() + add > MAX_LABEL_LEN {
             break;
@@ -271,20 +212,23 @@ pub fn layer_labels(ctx: &LayerContext<'_>, i: usize) -> HashMap<String, String>
         if !following.is_empty() {
             following.push(',');
         }
-        following.push_str(&d.digest);
+        following.push_str(digest);
     }
     labels.insert(LABEL_CRI_IMAGE_LAYERS.to_owned(), following);
     labels.insert(LABEL_FERRY_IMAGE_REF.to_owned(), ctx.image_ref.to_owned());
-    labels.insert(LABEL_FERRY_LAYER_DIGEST.to_owned(), layer.digest.clone());
+    labels.insert(
+        LABEL_FERRY_LAYER_DIGEST.to_owned(),
+        layer.digest().to_string(),
+    );
     labels.insert(
         LABEL_FERRY_MANIFEST_DIGEST.to_owned(),
         ctx.manifest_digest.to_owned(),
     );
     labels.insert(
         LABEL_FERRY_LAYER_MEDIA_TYPE.to_owned(),
-        layer.media_type.clone(),
+        layer.media_type().to_string(),
     );
-    labels.insert(LABEL_FERRY_LAYER_SIZE.to_owned(), layer.size.to_string());
+    labels.insert(LABEL_FERRY_LAYER_SIZE.to_owned(), layer.size().to_string());
     labels
 }
 
@@ -314,83 +258,66 @@ mod tests {
         assert!(chain_ids(&[]).is_empty());
     }
 
-    fn desc(digest: &str, platform: Option<(&str, &str)>) -> Descriptor {
-        Descriptor {
-            media_type: media::OCI_MANIFEST.to_owned(),
-            digest: digest.to_owned(),
-            size: 1,
-            platform: platform.map(|(os, arch)| Platform {
-                os: os.to_owned(),
-                architecture: arch.to_owned(),
-                variant: None,
-            }),
-            annotations: HashMap::new(),
+    fn desc(media_type: &str, digest: &str, size: u64) -> Descriptor {
+        ferry_oci::layout::descriptor(
+            media_type,
+            ferry_oci::layout::digest(digest).unwrap(),
+            size,
+            &[],
+        )
+    }
+
+    fn entry(media_type: &str, digest: &str, platform: Option<&str>) -> serde_json::Value {
+        let mut e = serde_json::json!({"mediaType": media_type, "digest": digest, "size": 7});
+        if let Some(p) = platform {
+            let (os, arch) = p.split_once('/').unwrap();
+            e["platform"] = serde_json::json!({"os": os, "architecture": arch});
         }
+        e
+    }
+
+    fn index_of(entries: Vec<serde_json::Value>) -> ImageIndex {
+        let doc = serde_json::json!({"schemaVersion": 2, "mediaType": media::OCI_INDEX, "manifests": entries});
+        parse_index(doc.to_string().as_bytes()).unwrap()
     }
 
     #[test]
-    fn platform_selection_picks_this_os_and_arch() {
-        let index = ImageIndex {
-            manifests: vec![
-                desc(A, Some(("linux", "arm64"))),
-                desc(B, Some(("linux", "amd64"))),
-                desc(C, Some(("windows", "amd64"))),
-            ],
-        };
-        assert_eq!(select_platform(&index, "linux", "amd64").unwrap().digest, B);
-        assert_eq!(select_platform(&index, "linux", "arm64").unwrap().digest, A);
-        let err = select_platform(&index, "linux", "s390x")
-            .unwrap_err()
-            .to_string();
+    fn platform_selection_uses_the_one_chooser() {
+        let index = index_of(vec![
+            entry(media::OCI_MANIFEST, A, Some("linux/arm64")),
+            entry(media::OCI_MANIFEST, B, Some("linux/amd64")),
+            entry(media::OCI_MANIFEST, C, Some("windows/amd64")),
+        ]);
+        let pick = |p: &str| select_platform(&index, &Platform::parse(p).unwrap());
+        assert_eq!(pick("linux/amd64").unwrap(), B);
+        assert_eq!(pick("linux/arm64/v8").unwrap(), A);
+        let err = pick("linux/s390x").unwrap_err().to_string();
         assert!(
-            err.contains("linux/s390x") && err.contains("linux/arm64"),
+            err.contains("linux/s390x") && err.contains("linux/arm64/v8, linux/amd64"),
             "{err}"
         );
-        let single = ImageIndex {
-            manifests: vec![desc(A, None)],
-        };
-        assert_eq!(
-            select_platform(&single, "linux", "amd64").unwrap().digest,
-            A
-        );
-        let parsed = parse_index(
-            br#"{"schemaVersion":2,"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa","size":7,"platform":{"os":"linux","architecture":"amd64"}}]}"#,
-        )
-        .unwrap();
-        assert_eq!(parsed.manifests[0].platform.as_ref().unwrap().os, "linux");
+        // A platform entry that is itself an index is refused (no nested indexes).
+        let nested = index_of(vec![entry(media::OCI_INDEX, A, Some("linux/amd64"))]);
+        assert!(select_platform(&nested, &Platform::parse("linux/amd64").unwrap()).is_err());
+        // Bad digests in an index are refused as it is parsed.
+        let bad = serde_json::json!({"schemaVersion": 2, "manifests": [entry(media::OCI_MANIFEST, "sha256:abc", None)]});
+        assert!(parse_index(bad.to_string().as_bytes()).is_err());
     }
 
     #[test]
     fn index_labels_name_every_manifest_for_gc() {
-        let mut other = desc(C, None);
-        other.media_type = "application/vnd.example.sbom+json".into();
-        let mut nested = desc(C, None);
-        nested.media_type = media::OCI_INDEX.into();
-        let mut docker = desc(B, Some(("linux", "arm64")));
-        docker.media_type = media::DOCKER_MANIFEST.into();
-        let index = ImageIndex {
-            manifests: vec![desc(A, Some(("linux", "amd64"))), other, docker, nested],
-        };
+        let index = index_of(vec![
+            entry(media::OCI_MANIFEST, A, Some("linux/amd64")),
+            entry("application/vnd.example.sbom+json", C, None),
+            entry(media::DOCKER_MANIFEST, B, Some("linux/arm64")),
+            entry(media::OCI_INDEX, C, None),
+        ]);
         let labels = index_labels(&index);
         assert_eq!(labels.len(), 3, "{labels:?}");
         assert_eq!(labels["containerd.io/gc.ref.content.m.0"], A);
         assert_eq!(labels["containerd.io/gc.ref.content.m.1"], B);
         assert_eq!(labels["containerd.io/gc.ref.content.m.2"], C);
-        assert!(index_labels(&ImageIndex { manifests: vec![] }).is_empty());
-        // Parsed from JSON as a registry serves it.
-        let parsed = parse_index(
-            format!(
-                r#"{{"schemaVersion":2,"mediaType":"{}","manifests":[{{"mediaType":"{}","digest":"{A}","size":7,"platform":{{"os":"linux","architecture":"amd64"}}}},{{"mediaType":"{}","digest":"{B}","size":9,"platform":{{"os":"linux","architecture":"arm64"}}}}]}}"#,
-                media::OCI_INDEX,
-                media::OCI_MANIFEST,
-                media::OCI_MANIFEST
-            )
-            .as_bytes(),
-        )
-        .unwrap();
-        let labels = index_labels(&parsed);
-        assert_eq!(labels["containerd.io/gc.ref.content.m.0"], A);
-        assert_eq!(labels["containerd.io/gc.ref.content.m.1"], B);
+        assert!(index_labels(&index_of(vec![])).is_empty());
     }
 
     #[test]
@@ -401,10 +328,14 @@ mod tests {
             media::LAYER_TAR_GZIP
         );
         let m = parse_manifest(manifest.as_bytes()).unwrap();
-        assert_eq!(m.layers[0].digest, B);
+        assert_eq!(m.layers()[0].digest().as_ref() as &str, B);
         let bad_type = manifest.replace(media::LAYER_TAR_GZIP, "application/x-foo");
         assert!(parse_manifest(bad_type.as_bytes()).is_err());
         assert!(parse_manifest(b"{").is_err());
+        // A digest oci-spec accepts but ferry does not store: refused at the manifest.
+        let sha512 = format!("sha512:{}", "b".repeat(128));
+        assert!(parse_manifest(manifest.replace(B, &sha512).as_bytes()).is_err());
+        assert!(parse_manifest(manifest.replace(B, "sha256:abc").as_bytes()).is_err());
         let config = format!(r#"{{"rootfs":{{"type":"layers","diff_ids":["{C}"]}}}}"#);
         assert_eq!(diff_ids(config.as_bytes(), 1).unwrap(), vec![C.to_string()]);
         assert!(
@@ -433,15 +364,8 @@ mod tests {
     #[test]
     fn layer_labels_carry_target_cri_and_ferry_fields() {
         let layers = vec![
-            Descriptor {
-                media_type: media::LAYER_TAR_GZIP.into(),
-                ..desc(A, None)
-            },
-            Descriptor {
-                media_type: media::LAYER_TAR_GZIP.into(),
-                size: 42,
-                ..desc(B, None)
-            },
+            desc(media::LAYER_TAR_GZIP, A, 7),
+            desc(media::LAYER_TAR_GZIP, B, 42),
         ];
         let chains = chain_ids(&[C.to_string(), A.to_string()]);
         let ctx = LayerContext {
@@ -471,7 +395,7 @@ mod tests {
         assert_eq!(parsed.target, chains[1]);
         assert_eq!(parsed.layer_digest.as_deref(), Some(B));
         // A long image keeps the image-layers label under containerd's 4 KiB.
-        let many: Vec<Descriptor> = (0..100).map(|_| desc(A, None)).collect();
+        let many: Vec<Descriptor> = (0..100).map(|_| desc(media::OCI_MANIFEST, A, 7)).collect();
         let chains: Vec<String> = (0..100).map(|_| A.to_string()).collect();
         let ctx = LayerContext {
             layers: &many,

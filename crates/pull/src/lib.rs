@@ -137,6 +137,8 @@ pub struct PullOptions {
     pub max_buffer: u64,
     /// Bounds on one layer's contents.
     pub limits: UnpackLimits,
+    /// The platform whose manifest is pulled from an index (default: this machine's).
+    pub platform: ferry_oci::Platform,
 }
 
 /// What happened to one layer, for progress display.
@@ -240,10 +242,15 @@ pub async fn pull(
     check_options(opts)?;
     let client = Client::new(opts.registry.clone())?;
     let repo = Repo::new(registry.clone(), repository.clone());
-    let name = image::image_name(&registry, &repository, tag.as_deref(), digest.as_deref());
+    let digest = digest.map(|d| d.to_string());
+    let name = image::image_name(
+        &registry,
+        &repository,
+        tag.as_ref().map(|t| t.as_str()),
+        digest.as_deref(),
+    );
     let reference = digest
-        .clone()
-        .or(tag.clone())
+        .or(tag.map(String::from))
         .unwrap_or_else(|| "latest".into());
 
     // Resolve: manifest (through an index when there is one), config, chain ids.
@@ -251,8 +258,7 @@ pub async fn pull(
     let mut index_doc = None;
     if image::is_index(&top.media_type) {
         let index = image::parse_index(&top.bytes)?;
-        let chosen = image::select_platform(&index, "linux", image::host_architecture())?;
-        let chosen_digest = chosen.digest.clone();
+        let chosen_digest = image::select_platform(&index, &opts.platform)?;
         let platform_manifest = client.get_manifest(&repo, &chosen_digest, &[]).await?;
         index_doc = Some((std::mem::replace(&mut top, platform_manifest), index));
     }
@@ -263,10 +269,10 @@ pub async fn pull(
         )));
     }
     let manifest = image::parse_manifest(&top.bytes)?;
-    let config = fetch_small_blob(&client, &repo, &manifest.config).await?;
-    let diff_ids = image::diff_ids(&config, manifest.layers.len())?;
+    let config = fetch_small_blob(&client, &repo, manifest.config()).await?;
+    let diff_ids = image::diff_ids(&config, manifest.layers().len())?;
     let chain_ids = image::chain_ids(&diff_ids);
-    progress.resolved(&name, &top.digest, &manifest.layers);
+    progress.resolved(&name, &top.digest, manifest.layers());
     let Some(top_chain) = chain_ids.last().cloned() else {
         return Err(PullError::Image("the image has no layers".into()));
     };
@@ -281,12 +287,12 @@ pub async fn pull(
             format!("containerd.io/gc.ref.snapshot.{}", opts.snapshotter),
             top_chain.clone(),
         );
-        cd.write_content(&manifest.config.digest, &config, &config_labels)
+        cd.write_content(manifest.config().digest().as_ref(), &config, &config_labels)
             .await?;
         let mut manifest_labels = std::collections::HashMap::new();
         manifest_labels.insert(
             "containerd.io/gc.ref.content.config".to_owned(),
-            manifest.config.digest.clone(),
+            manifest.config().digest().to_string(),
         );
         cd.write_content(&top.digest, &top.bytes, &manifest_labels)
             .await?;
@@ -297,7 +303,7 @@ pub async fn pull(
         let ctx = LayerContext {
             image_ref: &name,
             manifest_digest: &top.digest,
-            layers: &manifest.layers,
+            layers: manifest.layers(),
             chain_ids: &chain_ids,
         };
         let counts =
@@ -324,7 +330,7 @@ pub async fn pull(
         name,
         manifest_digest: top.digest,
         target_digest,
-        layers: manifest.layers.len(),
+        layers: manifest.layers().len(),
         present: counts.present,
         lazy: counts.lazy,
         unpacked: counts.unpacked,
@@ -362,20 +368,19 @@ async fn fetch_small_blob(
     repo: &Repo,
     desc: &Descriptor,
 ) -> Result<Vec<u8>, PullError> {
-    if desc.size > MAX_CONFIG_BYTES {
+    let (digest, size): (&str, u64) = (desc.digest().as_ref(), desc.size());
+    if size > MAX_CONFIG_BYTES {
         return Err(PullError::Image(format!(
-            "config {} is {} bytes, more than the {MAX_CONFIG_BYTES} allowed",
-            desc.digest, desc.size
+            "config {digest} is {size} bytes, more than the {MAX_CONFIG_BYTES} allowed"
         )));
     }
-    let mut stream = client.blob_stream(repo, &desc.digest, None).await?;
-    let mut out = Vec::with_capacity(desc.size as usize);
+    let mut stream = client.blob_stream(repo, digest, None).await?;
+    let mut out = Vec::with_capacity(size as usize);
     while let Some(chunk) = stream.body.next().await {
-        let chunk = chunk.map_err(|e| PullError::Image(format!("config {}: {e}", desc.digest)))?;
-        if out.len() as u64 + chunk.len() as u64 > desc.size {
+        let chunk = chunk.map_err(|e| PullError::Image(format!("config {digest}: {e}")))?;
+        if out.len() as u64 + chunk.len() as u64 > size {
             return Err(PullError::Image(format!(
-                "config {} is larger than its descriptor's {} bytes",
-                desc.digest, desc.size
+                "config {digest} is larger than its descriptor's {size} bytes"
             )));
         }
         out.extend_from_slice(&chunk);
@@ -384,9 +389,9 @@ async fn fetch_small_blob(
         "sha256:{}",
         hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&out))
     );
-    if actual != desc.digest {
+    if actual != digest {
         return Err(PullError::Registry(ClientError::DigestMismatch {
-            expected: desc.digest.clone(),
+            expected: digest.to_string(),
             actual,
         }));
     }
@@ -643,7 +648,7 @@ async fn schedule(
     jobs: Vec<LayerJob>,
     done: tokio::sync::mpsc::UnboundedSender<(usize, Result<PathBuf, PullError>)>,
 ) {
-    let sizes: Vec<u64> = jobs.iter().map(|j| j.layer.size).collect();
+    let sizes: Vec<u64> = jobs.iter().map(|j| j.layer.size()).collect();
     let mut jobs: Vec<Option<LayerJob>> = jobs.into_iter().map(Some).collect();
     let mut running = tokio::task::JoinSet::new();
     for at in start_order(&sizes) {
@@ -687,24 +692,24 @@ impl LayerJob {
         shared: &FastPath,
         slot: tokio::sync::OwnedSemaphorePermit,
     ) -> Result<PathBuf, PullError> {
-        let compression = media::layer_compression(&self.layer.media_type).ok_or_else(|| {
-            PullError::Image(format!("layer media type {:?}", self.layer.media_type))
-        })?;
+        let media_type = self.layer.media_type().to_string();
+        let compression = media::layer_compression(&media_type)
+            .ok_or_else(|| PullError::Image(format!("layer media type {media_type:?}")))?;
         shared.event(
             self.index,
             LayerEvent::Downloading {
-                size: self.layer.size,
+                size: self.layer.size(),
             },
         );
         shared.event(self.index, LayerEvent::Unpacking);
         let source = RegistryPieces::new(
             shared.client.clone(),
             shared.repo.clone(),
-            self.layer.digest.clone(),
+            self.layer.digest().to_string(),
         );
         let spec = LayerStream {
-            digest: self.layer.digest.clone(),
-            size: self.layer.size,
+            digest: self.layer.digest().to_string(),
+            size: self.layer.size(),
             compression,
             dest: self.dir.clone(),
             chunk_size: shared.chunk_size,
@@ -731,7 +736,7 @@ impl LayerJob {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot remove a mismatched layer");
             }
             return Err(PullError::DiffIdMismatch {
-                digest: self.layer.digest.clone(),
+                digest: self.layer.digest().to_string(),
                 expected: self.diff_id.clone(),
                 actual: stats.diff_id,
             });

@@ -53,7 +53,7 @@ impl ImageLocation {
                 } else {
                     OciLayout::open(dir)?
                 },
-                reference: reference.clone(),
+                reference: reference.to_string(),
             },
             ImageRef::Registry {
                 registry,

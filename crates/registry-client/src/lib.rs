@@ -70,7 +70,7 @@ pub use download::DownloadOptions;
 pub use runtime::RangeRuntime;
 
 use auth::{AuthState, HostSecret};
-use ferry_oci::media;
+use ferry_oci::{Reference, RepositoryName, media};
 
 /// A stream of body bytes, as received from a peer or sent to one.
 pub type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, std::io::Error>> + Send>>;
@@ -80,17 +80,22 @@ pub type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, std::io:
 pub struct Repo {
     /// `host[:port]` as the user names it (`docker.io` is reached at `registry-1.docker.io`).
     pub registry: String,
-    /// Repository path, e.g. `library/debian`.
-    pub repository: String,
+    /// Repository path, e.g. `library/debian` (validated where it was parsed).
+    pub repository: RepositoryName,
 }
 
 impl Repo {
     /// A repository of a registry.
-    pub fn new(registry: impl Into<String>, repository: impl Into<String>) -> Self {
+    pub fn new(registry: impl Into<String>, repository: RepositoryName) -> Self {
         Repo {
             registry: registry.into(),
-            repository: repository.into(),
+            repository,
         }
+    }
+
+    /// A repository of a registry, its name parsed from text.
+    pub fn parse(registry: impl Into<String>, repository: &str) -> Result<Self, ClientError> {
+        Ok(Repo::new(registry, RepositoryName::parse(repository)?))
     }
 }
 
@@ -297,7 +302,7 @@ fn sha256_hex_digest(bytes: &[u8]) -> String {
 }
 
 /// Checks that `d` is a well-formed `sha256:<hex>` digest (what the client asks for
-/// blobs by), as an [`ClientError::Invalid`] otherwise.
+/// blobs by; ferry-oci's one digest rule), as an [`ClientError::Invalid`] otherwise.
 pub fn check_digest(d: &str) -> Result<(), ClientError> {
     ferry_oci::digest::parse_sha256(d)
         .map(|_| ())
@@ -307,23 +312,20 @@ pub fn check_digest(d: &str) -> Result<(), ClientError> {
         })
 }
 
+/// A manifest reference (tag, or sha256 digest) before it goes into a URL path.
 fn check_reference(reference: &str) -> Result<(), ClientError> {
-    if reference.starts_with("sha256:") {
-        return check_digest(reference);
+    match Reference::parse(reference) {
+        Ok(Reference::Tag(_)) => Ok(()),
+        Ok(Reference::Digest(_)) => check_digest(reference),
+        Err(e) => Err(ClientError::Invalid {
+            what: "manifest reference".into(),
+            reason: e.to_string(),
+        }),
     }
-    ferry_oci::reference::validate_tag(reference).map_err(|reason| ClientError::Invalid {
-        what: format!("tag {reference:?}"),
-        reason,
-    })
 }
 
+/// The registry half of a [`Repo`] (the repository name is typed, so already valid).
 fn check_repo(r: &Repo) -> Result<(), ClientError> {
-    ferry_oci::reference::validate_repository(&r.repository).map_err(|reason| {
-        ClientError::Invalid {
-            what: "repository".into(),
-            reason,
-        }
-    })?;
     if r.registry.is_empty()
         || r.registry
             .bytes()
@@ -461,7 +463,7 @@ struct Inner {
     /// Scheme learned per host (`http` after a loopback registry refused TLS).
     schemes: Mutex<HashMap<String, &'static str>>,
     /// Credentials resolved per (host, repository).
-    secrets: tokio::sync::Mutex<HashMap<(String, String), HostSecret>>,
+    secrets: tokio::sync::Mutex<HashMap<(String, RepositoryName), HostSecret>>,
 }
 
 /// A registry client: cheap to clone; clones share the connection pool and token cache.
@@ -646,7 +648,7 @@ impl Client {
                 identity_token: None,
             },
             None if self.inner.cfg.use_auth_files => {
-                credentials::lookup(name, &repo.repository).await
+                credentials::lookup(name, repo.repository.as_str()).await
             }
             None => HostSecret::default(),
         };
@@ -1236,13 +1238,10 @@ impl Client {
         &self,
         r: &Repo,
         digest: &str,
-        from: &str,
+        from: &RepositoryName,
     ) -> Result<bool, ClientError> {
         check_digest(digest)?;
-        ferry_oci::reference::validate_repository(from).map_err(|reason| ClientError::Invalid {
-            what: "repository".into(),
-            reason,
-        })?;
+        let from = from.as_str();
         let query = format!("?mount={digest}&from={from}");
         let (status, location) = self.start_upload(r, &query, Some(from)).await?;
         if status == 201 {

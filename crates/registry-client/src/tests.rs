@@ -462,7 +462,7 @@ fn client_for(fake: &Fake, f: impl FnOnce(&mut ClientConfig)) -> (Client, Repo) 
     f(&mut cfg);
     (
         Client::new(cfg).unwrap(),
-        Repo::new(fake.host(), "team/app"),
+        Repo::parse(fake.host(), "team/app").unwrap(),
     )
 }
 
@@ -884,10 +884,10 @@ async fn push_monolithic_chunked_and_mount() {
         .await
         .unwrap_err();
     assert!(matches!(err, ClientError::DigestMismatch { .. }), "{err}");
-    let other = Repo::new(fake.host(), "team/other");
-    assert!(c.mount_blob(&other, &ds, "team/app").await.unwrap());
+    let other = Repo::parse(fake.host(), "team/other").unwrap();
+    assert!(c.mount_blob(&other, &ds, &name("team/app")).await.unwrap());
     assert!(
-        !c.mount_blob(&other, &digest_of(b"absent"), "team/app")
+        !c.mount_blob(&other, &digest_of(b"absent"), &name("team/app"))
             .await
             .unwrap()
     );
@@ -1027,7 +1027,7 @@ async fn copy_layout_to_registry_and_back_with_referrers() {
     );
 
     // Registry -> another repository of the same registry: mounted, not copied.
-    let r2 = Repo::new(fake.host(), "team/copy");
+    let r2 = Repo::parse(fake.host(), "team/copy").unwrap();
     let to2 = ImageLocation::Registry {
         client: c.clone(),
         repo: r2.clone(),
@@ -1123,4 +1123,8 @@ fn credentials_never_follow_a_downgrade_to_plain_http() {
         ..tls
     };
     assert!(loopback.owns(&url("http://127.0.0.1:5000/v2/")));
+}
+
+fn name(s: &str) -> ferry_oci::RepositoryName {
+    ferry_oci::RepositoryName::parse(s).unwrap()
 }

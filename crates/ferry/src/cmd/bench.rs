@@ -109,23 +109,22 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 fn registry(args: RegistryArgs) -> Result<()> {
+    let image = ImageRef::parse(&args.image)?;
     let ImageRef::Registry {
         registry,
         repository,
-        tag,
-        digest,
-    } = ImageRef::parse(&args.image)?
+        ..
+    } = &image
     else {
         bail!(
             "{} is an OCI layout; ferry bench registry needs HOST[:PORT]/REPO[:TAG]",
             args.image
         );
     };
-    let reference = digest.or(tag).unwrap_or_else(|| "latest".to_string());
     let cfg = LoadTestConfig {
-        registry,
-        repository,
-        reference,
+        registry: registry.clone(),
+        repository: repository.to_string(),
+        reference: image.reference().to_string(),
         connections: args.connections,
         duration: args.duration,
         warmup: args.warmup,

@@ -28,7 +28,7 @@ pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
     match ImageRef::parse(image)? {
         ImageRef::Layout { dir, reference } => {
             let layout = OciLayout::open(&dir).with_context(|| format!("opening {image}"))?;
-            Ok((layout, reference, dir))
+            Ok((layout, reference.to_string(), dir))
         }
         ImageRef::Registry { .. } => bail!(
             "{image} is a registry reference; this build reads OCI layouts only: copy it first with `skopeo copy docker://{image} oci:DIR:TAG`"
@@ -40,13 +40,13 @@ pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
 pub fn output_layout(image: &str) -> Result<(OciLayout, String)> {
     match ImageRef::parse(image)? {
         ImageRef::Layout { dir, reference } => {
-            if reference.starts_with("sha256:") {
+            let ferry_oci::Reference::Tag(tag) = reference else {
                 bail!("{image}: an output needs a tag, not a digest");
-            }
+            };
             Ok((
                 OciLayout::open_or_create(&dir)
                     .with_context(|| format!("creating {}", dir.display()))?,
-                reference,
+                tag.to_string(),
             ))
         }
         ImageRef::Registry { .. } => {
@@ -84,11 +84,16 @@ pub fn write_image(
     use ferry_oci::layout::{canonical_json, descriptor};
     use ferry_oci::media::{OCI_CONFIG, OCI_MANIFEST};
     let mut config = config.unwrap_or_else(|| {
-        serde_json::json!({
-            "architecture": std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"),
-            "os": "linux",
+        let host = ferry_oci::Platform::host();
+        let mut config = serde_json::json!({
+            "architecture": host.architecture(),
+            "os": host.os(),
             "config": {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]},
-        })
+        });
+        if let Some(variant) = host.variant() {
+            config["variant"] = serde_json::json!(variant);
+        }
+        config
     });
     let diff_ids: Vec<String> = layers.iter().map(|(_, d)| d.clone()).collect();
     config["rootfs"] = serde_json::json!({"type": "layers", "diff_ids": diff_ids});

@@ -24,7 +24,9 @@ behind, downloading waits. Each layer's digest and diff id are checked at the en
 mismatch removes what was unpacked and fails the pull.
 
 For a multi-platform image the index becomes the image record's target (as with
-`ctr image pull`), and the manifest for this machine's platform is pulled.";
+`ctr image pull`), and the manifest for this machine's platform (or --platform's) is
+pulled, chosen by containerd's rules: os and architecture must match; the variant must
+too, except that an older arm or amd64 variant runs on a newer CPU (arm64 means arm64/v8).";
 
 /// Arguments of `ferry pull`.
 #[derive(Debug, clap::Args)]
@@ -69,6 +71,13 @@ pub struct Args {
     /// Registry credentials, user:password.
     #[arg(long, value_name = "USER:PASS")]
     creds: Option<String>,
+    /// The platform to pull from a multi-platform image (default: this machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = parse_platform)]
+    platform: Option<ferry_oci::Platform>,
+}
+
+fn parse_platform(s: &str) -> Result<ferry_oci::Platform, String> {
+    ferry_oci::Platform::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -137,6 +146,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
         max_buffer: args.max_buffer,
         limits: UnpackLimits::default(),
+        platform: args.platform.unwrap_or_else(ferry_oci::Platform::host),
     };
     let progress = Arc::new(Bars::new(std::io::stderr().is_terminal()));
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -214,10 +224,10 @@ impl PullProgress for Bars {
         );
         let mut bars = self.lock();
         for layer in layers {
-            let label = short(&layer.digest);
+            let label = short(layer.digest().as_ref());
             let bar = match &self.multi {
                 Some(multi) => {
-                    let bar = crate::progress::bytes_bar(multi, &label, layer.size);
+                    let bar = crate::progress::bytes_bar(multi, &label, layer.size());
                     bar.set_message(format!("{label} resolved"));
                     bar
                 }

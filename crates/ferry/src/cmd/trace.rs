@@ -109,21 +109,21 @@ enum Home {
 
 impl Home {
     fn of(image: &str, client: &Client, runtime: &RangeRuntime) -> Result<Home> {
-        Ok(match ImageRef::parse(image)? {
+        let parsed = ImageRef::parse(image)?;
+        Ok(match &parsed {
             ImageRef::Layout { dir, reference } => {
-                let layout = OciLayout::open(&dir)?;
-                let (subject, _) = layout.image_manifest(&reference)?;
+                let layout = OciLayout::open(dir)?;
+                let (subject, _) = layout.image_manifest(reference.as_str())?;
                 Home::Layout { layout, subject }
             }
             ImageRef::Registry {
                 registry,
                 repository,
-                tag,
-                digest,
+                ..
             } => {
-                let repo = Repo::new(registry, repository);
-                let reference = digest.or(tag).unwrap_or_else(|| "latest".to_string());
-                let (subject, _) = ferry_fs::registry_manifest(client, &repo, &reference, runtime)?;
+                let repo = Repo::new(registry.clone(), repository.clone());
+                let (subject, _) =
+                    ferry_fs::registry_manifest(client, &repo, parsed.reference(), runtime)?;
                 Home::Registry { repo, subject }
             }
         })

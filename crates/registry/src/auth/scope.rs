@@ -5,8 +5,6 @@ use std::fmt;
 
 /// Longest scope string accepted from a token request.
 pub const MAX_SCOPE_LEN: usize = 1024;
-/// Longest repository name accepted in a scope.
-pub const MAX_REPOSITORY_LEN: usize = 255;
 
 /// A set of repository actions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -241,48 +239,7 @@ pub fn parse_scope(text: &str) -> Result<RequestedScope, ScopeError> {
     }
 }
 
-/// OCI distribution repository name grammar:
-/// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*`, at most 255 bytes.
+/// Whether `name` is a repository name (ferry-oci's one rule, the distribution grammar).
 pub fn valid_repository_name(name: &str) -> bool {
-    if name.is_empty() || name.len() > MAX_REPOSITORY_LEN {
-        return false;
-    }
-    name.split('/').all(valid_component)
-}
-
-fn valid_component(component: &str) -> bool {
-    let bytes = component.as_bytes();
-    let alnum = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
-    if bytes.is_empty() || !alnum(bytes[0]) || !alnum(bytes[bytes.len() - 1]) {
-        return false;
-    }
-    let mut i = 0;
-    while i < bytes.len() {
-        let b = bytes[i];
-        if alnum(b) {
-            i += 1;
-            continue;
-        }
-        // A separator run: ".", "_", "__" or one or more "-".
-        let start = i;
-        match b {
-            b'.' => i += 1,
-            b'_' => {
-                i += 1;
-                if i < bytes.len() && bytes[i] == b'_' {
-                    i += 1;
-                }
-            }
-            b'-' => {
-                while i < bytes.len() && bytes[i] == b'-' {
-                    i += 1;
-                }
-            }
-            _ => return false,
-        }
-        if i == start || i >= bytes.len() || !alnum(bytes[i]) {
-            return false;
-        }
-    }
-    true
+    ferry_oci::RepositoryName::parse(name).is_ok()
 }

@@ -557,12 +557,15 @@ fn checked_range(range: Option<Range<u64>>, size: u64) -> Result<Range<u64>, Cac
 }
 
 impl Shared {
-    fn upstream_repo(&self, repo: &str) -> Repo {
+    /// The upstream repository for `repo`, under the configured namespace. The joined
+    /// name is parsed again: a valid namespace and a valid name can still be too long.
+    fn upstream_repo(&self, repo: &str) -> Result<Repo, CacheError> {
         let repository = match self.cfg.namespace.as_deref().map(|n| n.trim_matches('/')) {
             Some(ns) if !ns.is_empty() => format!("{ns}/{repo}"),
             _ => repo.to_owned(),
         };
-        Repo::new(self.registry.clone(), repository)
+        Repo::parse(self.registry.clone(), &repository)
+            .map_err(|e| CacheError::Invalid(format!("upstream repository: {e}")))
     }
 
     /// Runs an upstream call under the request timeout; 404 becomes `Ok(None)`.
@@ -645,7 +648,7 @@ impl Shared {
         let (repo_owned, hex_owned) = (repo.to_owned(), hex.to_owned());
         self.head_flight
             .run((repo.to_owned(), hex.to_owned()), move || async move {
-                let upstream = shared.upstream_repo(&repo_owned);
+                let upstream = shared.upstream_repo(&repo_owned)?;
                 let digest = format!("sha256:{hex_owned}");
                 let size = shared
                     .call("blob HEAD", shared.client.blob_size(&upstream, &digest))
@@ -668,7 +671,7 @@ impl Shared {
         hex: &str,
         range: Range<u64>,
     ) -> Option<crate::storage::ByteStream> {
-        let upstream = self.upstream_repo(repo);
+        let upstream = self.upstream_repo(repo).ok()?;
         let digest = format!("sha256:{hex}");
         let len = range.end - range.start;
         match self
@@ -788,14 +791,17 @@ impl Shared {
         progress: watch::Sender<Progress>,
         pin: disk::BlobPin,
     ) {
-        let upstream = self.upstream_repo(&repo);
         let digest = format!("sha256:{hex}");
-        let response = self
-            .call(
-                "blob GET",
-                self.client.blob_stream(&upstream, &digest, None),
-            )
-            .await;
+        let response = match self.upstream_repo(&repo) {
+            Ok(upstream) => {
+                self.call(
+                    "blob GET",
+                    self.client.blob_stream(&upstream, &digest, None),
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
         let stream = match response {
             Ok(Some(stream)) => stream,
             Ok(None) => {
@@ -894,12 +900,12 @@ impl Shared {
                     .await
             }
             DocKey::Tags { repo } => {
-                let upstream = self.upstream_repo(repo);
+                let upstream = self.upstream_repo(repo)?;
                 let tags = self.call("tags", self.client.tags(&upstream)).await;
                 tags.map(|found| found.map(|tags| Doc::Tags(Arc::new(tags))))
             }
             DocKey::Referrers { repo, subject } => {
-                let upstream = self.upstream_repo(repo);
+                let upstream = self.upstream_repo(repo)?;
                 let index = self
                     .call("referrers", self.client.referrers(&upstream, subject, None))
                     .await;
@@ -948,7 +954,7 @@ impl Shared {
         reference: &str,
         cached: Option<&StoredManifest>,
     ) -> DocOutcome {
-        let upstream = self.upstream_repo(repo);
+        let upstream = self.upstream_repo(repo)?;
         let mut fetch_by = reference.to_owned();
         if let Some(cached) = cached {
             let head = self

@@ -4,6 +4,7 @@
 //! from memory; others stream from storage, or redirect to a presigned URL when the
 //! backend offers one. Single byte ranges are honoured (206), unsatisfiable ones get 416.
 
+use ferry_oci::RepositoryName;
 use std::ops::Range;
 
 use axum::body::Body;
@@ -15,14 +16,19 @@ use http::{HeaderValue, Method, StatusCode, header};
 
 use super::errors::{ApiError, ErrorCode};
 use super::range::{RangeRequest, parse_range};
-use super::routes::validate_digest;
+use super::routes::parse_digest;
 use super::{DOCKER_CONTENT_DIGEST, Handled, StateInner, header_value, read_only};
 use crate::auth::Actions;
 use crate::storage::BlobRead;
 
-pub(super) async fn pull(st: &StateInner, parts: &Parts, name: &str, digest: &str) -> Handled {
+pub(super) async fn pull(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    digest: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    validate_digest(digest)?;
+    parse_digest(digest)?;
     let head = parts.method == Method::HEAD;
     let range_header = parts
         .headers
@@ -225,12 +231,17 @@ fn unsatisfiable(size: u64) -> ApiError {
         )
 }
 
-pub(super) async fn delete(st: &StateInner, parts: &Parts, name: &str, digest: &str) -> Handled {
+pub(super) async fn delete(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    digest: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::DELETE)?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    validate_digest(digest)?;
+    parse_digest(digest)?;
     let existed = st
         .storage
         .unlink_blob(name, digest)

@@ -3,13 +3,14 @@
 
 use axum::response::Response;
 use bytes::Bytes;
+use ferry_oci::RepositoryName;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode, header};
 use serde::{Deserialize, Serialize};
 
 use super::errors::{ApiError, ErrorCode};
 use super::manifests::{ReferrerDescriptor, referrer_descriptor};
-use super::routes::validate_digest;
+use super::routes::parse_digest;
 use super::{Handled, OCI_FILTERS_APPLIED, StateInner, header_value, query_param, read_only};
 use crate::auth::{Actions, Scope};
 use ferry_oci::media;
@@ -84,7 +85,7 @@ struct TagList<'a> {
 }
 
 /// `GET /v2/<name>/tags/list[?n=&last=]`.
-pub(super) async fn tags(st: &StateInner, parts: &Parts, name: &str) -> Handled {
+pub(super) async fn tags(st: &StateInner, parts: &Parts, name: &RepositoryName) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
     let n = parse_n(parts)?;
     let last = query_param(parts, "last");
@@ -170,11 +171,11 @@ struct ReferrersIndex {
 pub(super) async fn referrers(
     st: &StateInner,
     parts: &Parts,
-    name: &str,
+    name: &RepositoryName,
     subject: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    validate_digest(subject)?;
+    parse_digest(subject)?;
     let filter = query_param(parts, "artifactType");
     let mut manifests = match st.upstream.as_deref() {
         Some(pt) => {

@@ -5,6 +5,7 @@
 //! at an image that cannot be pulled. Foreign/non-distributable layers and layers with
 //! `urls` are exempt: by definition they live elsewhere.
 
+use ferry_oci::{Reference, RepositoryName};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -18,7 +19,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::body::{check_declared_length, collect_bounded};
 use super::errors::{ApiError, ErrorCode};
-use super::routes::{is_digest_reference, validate_digest, validate_tag};
+use super::routes::{parse_digest, parse_reference};
 use super::{DOCKER_CONTENT_DIGEST, Handled, OCI_SUBJECT, StateInner, header_value, read_only};
 use crate::auth::Actions;
 use crate::storage::StoredManifest;
@@ -88,14 +89,14 @@ pub(super) fn referrer_descriptor(m: &StoredManifest) -> Option<ReferrerDescript
 }
 
 /// `GET`/`HEAD /v2/<name>/manifests/<reference>`.
-pub(super) async fn pull(st: &StateInner, parts: &Parts, name: &str, reference: &str) -> Handled {
+pub(super) async fn pull(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    reference: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    let by_digest = is_digest_reference(reference);
-    if by_digest {
-        validate_digest(reference)?;
-    } else {
-        validate_tag(reference)?;
-    }
+    let by_digest = matches!(parse_reference(reference)?, Reference::Digest(_));
     let manifest: Arc<StoredManifest> = if let Some(pt) = st.upstream.as_deref() {
         let m = pt
             .manifest(name, reference)
@@ -195,7 +196,7 @@ fn is_foreign_layer(d: &DescriptorDoc) -> bool {
 }
 
 fn check_descriptor(d: &DescriptorDoc, what: &str) -> Result<u64, ApiError> {
-    validate_digest(&d.digest).map_err(|_| {
+    parse_digest(&d.digest).map_err(|_| {
         invalid(format!("{what} has an invalid or unsupported digest"))
             .with_detail(serde_json::json!({ "digest": d.digest }))
     })?;
@@ -308,19 +309,14 @@ pub(super) async fn push(
     st: &StateInner,
     parts: &Parts,
     body: Body,
-    name: &str,
+    name: &RepositoryName,
     reference: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    let by_digest = is_digest_reference(reference);
-    if by_digest {
-        validate_digest(reference)?;
-    } else {
-        validate_tag(reference)?;
-    }
+    let by_digest = matches!(parse_reference(reference)?, Reference::Digest(_));
     let limit = st.limits.max_manifest_bytes;
     check_declared_length(&parts.headers, limit, ErrorCode::ManifestInvalid)?;
     let bytes: Bytes = collect_bounded(
@@ -590,13 +586,17 @@ async fn undo(
 
 /// `DELETE /v2/<name>/manifests/<reference>`: by digest removes the manifest (and its
 /// tags); by tag removes just the tag.
-pub(super) async fn delete(st: &StateInner, parts: &Parts, name: &str, reference: &str) -> Handled {
+pub(super) async fn delete(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    reference: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::DELETE)?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    let existed = if is_digest_reference(reference) {
-        validate_digest(reference)?;
+    let existed = if let Reference::Digest(_) = parse_reference(reference)? {
         let existed = st
             .storage
             .manifest_delete(name, reference)
@@ -604,10 +604,9 @@ pub(super) async fn delete(st: &StateInner, parts: &Parts, name: &str, reference
             .map_err(|e| ApiError::from_storage(e, "deleting a manifest"))?;
         st.manifests.remove(name, reference);
         st.tags
-            .remove_where(|repo, _, d| repo == name && &**d == reference);
+            .remove_where(|repo, _, d| repo == name.as_str() && &**d == reference);
         existed
     } else {
-        validate_tag(reference)?;
         let existed = st
             .storage
             .tag_delete(name, reference)

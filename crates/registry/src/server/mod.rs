@@ -261,45 +261,51 @@ fn route_kind(route: Option<Route<'_>>, method: &Method) -> RouteKind {
 }
 
 async fn handle(st: &StateInner, parts: &Parts, body: Body, route: Route<'_>) -> Handled {
-    if let Some(name) = route.name() {
-        routes::validate_name(name)?;
-    }
     let m = &parts.method;
     let read = *m == Method::GET || *m == Method::HEAD;
-    match route {
-        Route::Base if read => {
-            st.authorize(parts, Scope::base())?;
-            Ok(json_response(StatusCode::OK, Bytes::from_static(b"{}"), m))
+    // The repository name is parsed here, once; handlers receive it typed.
+    let name = match route.name() {
+        Some(name) => routes::parse_name(name)?,
+        None => {
+            return match route {
+                Route::Base if read => {
+                    st.authorize(parts, Scope::base())?;
+                    Ok(json_response(StatusCode::OK, Bytes::from_static(b"{}"), m))
+                }
+                Route::Catalog if read => discovery::catalog(st, parts).await,
+                _ => Err(method_not_allowed("GET, HEAD")),
+            };
         }
-        Route::Base => Err(method_not_allowed("GET, HEAD")),
-        Route::Catalog if read => discovery::catalog(st, parts).await,
-        Route::Catalog => Err(method_not_allowed("GET, HEAD")),
-        Route::Tags { name } if read => discovery::tags(st, parts, name).await,
+    };
+    let name = &name;
+    match route {
+        Route::Base | Route::Catalog => Err(method_not_allowed("GET, HEAD")),
+        Route::Tags { .. } if read => discovery::tags(st, parts, name).await,
         Route::Tags { .. } => Err(method_not_allowed("GET, HEAD")),
-        Route::Referrers { name, digest } if read => {
+        Route::Referrers { digest, .. } if read => {
             discovery::referrers(st, parts, name, digest).await
         }
         Route::Referrers { .. } => Err(method_not_allowed("GET, HEAD")),
-        Route::Traces { name, subject } if *m == Method::PUT => {
+        Route::Traces { subject, .. } if *m == Method::PUT => {
             traces::accept(st, parts, body, name, subject).await
         }
         Route::Traces { .. } => Err(method_not_allowed("PUT")),
-        Route::Manifest { name, reference } => match *m {
+        Route::Manifest { reference, .. } => match *m {
             Method::GET | Method::HEAD => manifests::pull(st, parts, name, reference).await,
             Method::PUT => manifests::push(st, parts, body, name, reference).await,
             Method::DELETE => manifests::delete(st, parts, name, reference).await,
             _ => Err(method_not_allowed("GET, HEAD, PUT, DELETE")),
         },
-        Route::Blob { name, digest } => match *m {
+        Route::Blob { digest, .. } => match *m {
             Method::GET | Method::HEAD => blobs::pull(st, parts, name, digest).await,
             Method::DELETE => blobs::delete(st, parts, name, digest).await,
             _ => Err(method_not_allowed("GET, HEAD, DELETE")),
         },
-        Route::UploadStart { name } => match *m {
+        Route::UploadStart { .. } => match *m {
             Method::POST => uploads::start(st, parts, body, name).await,
             _ => Err(method_not_allowed("POST")),
         },
-        Route::Upload { name, id } => match *m {
+        Route::Upload { id, .. } => match *m {
             Method::GET => uploads::status(st, parts, name, id).await,
             Method::PATCH => uploads::patch(st, parts, body, name, id).await,
             Method::PUT => uploads::finish(st, parts, body, name, id).await,

@@ -5,6 +5,8 @@
 //! `%` escape, empty component or dot-segment is simply not a valid name, which closes
 //! every path-traversal trick before a name reaches storage.
 
+use ferry_oci::{Digest, Reference, RepositoryName, Tag};
+
 use crate::server::errors::ApiError;
 
 /// What a `/v2/` path addresses. Borrowed from the request path.
@@ -87,81 +89,44 @@ impl<'a> Route<'a> {
     }
 }
 
-/// Checks a repository name against the distribution grammar exactly:
+/// Parses a repository name from a route (ferry-oci's one rule: the distribution grammar
 /// `[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*(/[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*)*`, at most 255
-/// bytes. (Stricter than a character check: `a..b` and `a___b` are refused too.)
-pub fn validate_name(name: &str) -> Result<(), ApiError> {
-    if name.is_empty() || name.len() > 255 || !name.split('/').all(component_ok) {
-        return Err(ApiError::name_invalid(name));
-    }
-    ferry_oci::reference::validate_repository(name).map_err(|_| ApiError::name_invalid(name))
+/// bytes), as `NAME_INVALID` otherwise.
+pub fn parse_name(name: &str) -> Result<RepositoryName, ApiError> {
+    RepositoryName::parse(name).map_err(|_| ApiError::name_invalid(name))
 }
 
-fn component_ok(c: &str) -> bool {
-    let b = c.as_bytes();
-    let alnum = |x: u8| x.is_ascii_lowercase() || x.is_ascii_digit();
-    if b.is_empty() || !alnum(b[0]) || !alnum(b[b.len() - 1]) {
-        return false;
-    }
-    let mut i = 0;
-    while i < b.len() {
-        if alnum(b[i]) {
-            i += 1;
-            continue;
-        }
-        // A separator run: ".", "_", "__", or one or more "-".
-        let start = i;
-        while i < b.len() && !alnum(b[i]) {
-            i += 1;
-        }
-        let sep = &b[start..i];
-        let ok = sep == b"." || sep == b"_" || sep == b"__" || sep.iter().all(|&x| x == b'-');
-        if !ok {
-            return false;
-        }
-    }
-    true
-}
-
-/// Checks a tag against `[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`.
-pub fn validate_tag(tag: &str) -> Result<(), ApiError> {
-    ferry_oci::reference::validate_tag(tag).map_err(|why| {
+/// Parses a tag (`[a-zA-Z0-9_][a-zA-Z0-9._-]{0,127}`), as `MANIFEST_INVALID` otherwise.
+pub fn parse_tag(tag: &str) -> Result<Tag, ApiError> {
+    Tag::parse(tag).map_err(|why| {
         ApiError::new(
             crate::server::errors::ErrorCode::ManifestInvalid,
             "invalid tag",
         )
-        .with_detail(serde_json::json!({ "tag": tag, "reason": why }))
+        .with_detail(serde_json::json!({ "tag": tag, "reason": why.to_string() }))
     })
 }
 
-/// Checks a content digest: `sha256:<64 lowercase hex>`, the only algorithm stored.
-/// Well-formed digests of other algorithms are refused as unsupported.
-pub fn validate_digest(digest: &str) -> Result<(), ApiError> {
-    match digest.split_once(':') {
-        Some(("sha256", hex)) => {
-            if hex.len() == 64
-                && hex
-                    .bytes()
-                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-            {
-                Ok(())
-            } else {
-                Err(ApiError::digest_invalid(digest, "invalid sha256 digest"))
-            }
-        }
-        Some((alg, hex))
-            if !alg.is_empty()
-                && alg.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b"+._-".contains(&b)
-                })
-                && !hex.is_empty() =>
-        {
-            Err(ApiError::digest_invalid(
-                digest,
-                "unsupported digest algorithm (only sha256)",
-            ))
-        }
-        _ => Err(ApiError::digest_invalid(digest, "invalid digest")),
+/// Parses a content digest that must be sha256, the only algorithm stored: well-formed
+/// digests of other algorithms are refused as unsupported, malformed ones as invalid
+/// (both `DIGEST_INVALID`).
+pub fn parse_digest(digest: &str) -> Result<Digest, ApiError> {
+    match ferry_oci::digest::parse(digest) {
+        Ok(d) if ferry_oci::digest::is_sha256(&d) => Ok(d),
+        Ok(_) => Err(ApiError::digest_invalid(
+            digest,
+            "unsupported digest algorithm (only sha256)",
+        )),
+        Err(_) => Err(ApiError::digest_invalid(digest, "invalid digest")),
+    }
+}
+
+/// Parses a manifest reference: a sha256 digest (it has a `:`) or a tag.
+pub fn parse_reference(reference: &str) -> Result<Reference, ApiError> {
+    if is_digest_reference(reference) {
+        parse_digest(reference).map(Reference::Digest)
+    } else {
+        parse_tag(reference).map(Reference::Tag)
     }
 }
 
@@ -224,7 +189,7 @@ mod tests {
     #[test]
     fn names() {
         for ok in ["a", "library/ubuntu", "a-b/c.d/e_f/g__h", "a--b", "0/1/2"] {
-            assert!(validate_name(ok).is_ok(), "{ok}");
+            assert!(parse_name(ok).is_ok(), "{ok}");
         }
         for bad in [
             "",
@@ -244,21 +209,21 @@ mod tests {
             "a b",
             &"a".repeat(256),
         ] {
-            assert!(validate_name(bad).is_err(), "{bad}");
+            assert!(parse_name(bad).is_err(), "{bad}");
         }
     }
 
     #[test]
     fn digests_and_tags() {
         let good = format!("sha256:{}", "a".repeat(64));
-        assert!(validate_digest(&good).is_ok());
-        assert!(validate_digest(&format!("sha256:{}", "A".repeat(64))).is_err());
-        assert!(validate_digest("sha256:abc").is_err());
-        assert!(validate_digest(&format!("sha512:{}", "a".repeat(128))).is_err());
-        assert!(validate_digest("nocolon").is_err());
-        assert!(validate_tag("v1.0_rc-1").is_ok());
-        assert!(validate_tag(".hidden").is_err());
-        assert!(validate_tag(&"t".repeat(129)).is_err());
+        assert!(parse_digest(&good).is_ok());
+        assert!(parse_digest(&format!("sha256:{}", "A".repeat(64))).is_err());
+        assert!(parse_digest("sha256:abc").is_err());
+        assert!(parse_digest(&format!("sha512:{}", "a".repeat(128))).is_err());
+        assert!(parse_digest("nocolon").is_err());
+        assert!(parse_tag("v1.0_rc-1").is_ok());
+        assert!(parse_tag(".hidden").is_err());
+        assert!(parse_tag(&"t".repeat(129)).is_err());
         assert!(is_digest_reference(&good));
         assert!(!is_digest_reference("latest"));
     }

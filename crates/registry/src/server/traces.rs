@@ -15,6 +15,7 @@
 //! Nothing else of the repository changes. Anonymous callers are refused even where
 //! anonymous pull is allowed: a trace is tied to an authenticated user.
 
+use ferry_oci::RepositoryName;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -26,7 +27,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::body::{check_declared_length, collect_bounded};
 use super::errors::{ApiError, ErrorCode};
-use super::routes::validate_digest;
+use super::routes::parse_digest;
 use super::{DOCKER_CONTENT_DIGEST, Handled, OCI_SUBJECT, StateInner, header_value, read_only};
 use crate::auth::{Actions, Scope};
 use crate::storage::{ByteStream, StoredManifest};
@@ -141,14 +142,14 @@ pub(super) async fn accept(
     st: &StateInner,
     parts: &Parts,
     body: Body,
-    name: &str,
+    name: &RepositoryName,
     subject: &str,
 ) -> Handled {
     let user = authorize(st, parts, name)?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    validate_digest(subject)?;
+    parse_digest(subject)?;
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -269,11 +270,11 @@ pub(super) async fn accept(
         match st.storage.manifest_delete(name, &old).await {
             Ok(_) => st.manifests.remove(name, &old),
             Err(e) => {
-                tracing::warn!(repository = name, digest = %old, error = %e, "could not remove a replaced trace")
+                tracing::warn!(repository = %name, digest = %old, error = %e, "could not remove a replaced trace")
             }
         }
     }
-    tracing::info!(repository = name, subject, artifact = %digest, "accepted a startup trace");
+    tracing::info!(repository = %name, subject, artifact = %digest, "accepted a startup trace");
 
     let mut resp = super::empty_response(StatusCode::CREATED);
     let h = resp.headers_mut();

@@ -11,13 +11,14 @@
 
 use axum::body::Body;
 use axum::response::Response;
+use ferry_oci::RepositoryName;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode, header};
 
 use super::body::{IdleTimeoutBody, body_is_empty, check_declared_length, content_length};
 use super::errors::{ApiError, ErrorCode};
 use super::range::parse_content_range;
-use super::routes::{validate_digest, validate_name};
+use super::routes::{parse_digest, parse_name};
 use super::{
     DOCKER_CONTENT_DIGEST, DOCKER_UPLOAD_UUID, Handled, Refusal, StateInner, header_value,
     query_param, read_only,
@@ -27,13 +28,18 @@ use crate::storage::StorageError;
 
 /// `POST /v2/<name>/blobs/uploads/` — start a session, push monolithically (`?digest=`),
 /// or mount (`?mount=&from=`).
-pub(super) async fn start(st: &StateInner, parts: &Parts, body: Body, name: &str) -> Handled {
+pub(super) async fn start(
+    st: &StateInner,
+    parts: &Parts,
+    body: Body,
+    name: &RepositoryName,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
     if st.upstream.is_some() {
         return Err(read_only());
     }
     if let Some(mount) = query_param(parts, "mount") {
-        validate_digest(&mount)?;
+        parse_digest(&mount)?;
         let from = query_param(parts, "from");
         if let Some(from) = from.as_deref()
             && try_mount(st, parts, name, &mount, from).await?
@@ -45,7 +51,7 @@ pub(super) async fn start(st: &StateInner, parts: &Parts, body: Body, name: &str
         return new_session(st, name).await;
     }
     if let Some(digest) = query_param(parts, "digest") {
-        validate_digest(&digest)?;
+        parse_digest(&digest)?;
         if sends_no_bytes(parts, &body) && digest != EMPTY_BLOB_DIGEST {
             return bodyless_push(st, name, &digest).await;
         }
@@ -104,9 +110,10 @@ async fn try_mount(
     digest: &str,
     from: &str,
 ) -> Result<bool, Refusal> {
-    if validate_name(from).is_err() {
+    let Ok(from) = parse_name(from) else {
         return Ok(false);
-    }
+    };
+    let from = from.as_str();
     if st.authorize_repo(parts, from, Actions::PULL).is_err() {
         return Ok(false);
     }
@@ -274,7 +281,7 @@ pub(super) async fn patch(
     st: &StateInner,
     parts: &Parts,
     body: Body,
-    name: &str,
+    name: &RepositoryName,
     id: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
@@ -292,7 +299,7 @@ pub(super) async fn finish(
     st: &StateInner,
     parts: &Parts,
     body: Body,
-    name: &str,
+    name: &RepositoryName,
     id: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
@@ -302,7 +309,7 @@ pub(super) async fn finish(
     }
     let digest = query_param(parts, "digest")
         .ok_or_else(|| ApiError::digest_invalid("", "the digest query parameter is required"))?;
-    validate_digest(&digest)?;
+    parse_digest(&digest)?;
     let have = current_size(st, id).await?;
     if sends_no_bytes(parts, &body) {
         if have == 0 && digest != EMPTY_BLOB_DIGEST {
@@ -328,7 +335,12 @@ pub(super) async fn finish(
 }
 
 /// `GET /v2/<name>/blobs/uploads/<id>` — how much has arrived.
-pub(super) async fn status(st: &StateInner, parts: &Parts, name: &str, id: &str) -> Handled {
+pub(super) async fn status(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    id: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
     owned_session(st, name, id).await?;
     if st.upstream.is_some() {
@@ -339,7 +351,12 @@ pub(super) async fn status(st: &StateInner, parts: &Parts, name: &str, id: &str)
 }
 
 /// `DELETE /v2/<name>/blobs/uploads/<id>` — abandon the session.
-pub(super) async fn cancel(st: &StateInner, parts: &Parts, name: &str, id: &str) -> Handled {
+pub(super) async fn cancel(
+    st: &StateInner,
+    parts: &Parts,
+    name: &RepositoryName,
+    id: &str,
+) -> Handled {
     st.authorize_repo(parts, name, Actions::PUSH)?;
     owned_session(st, name, id).await?;
     if st.upstream.is_some() {

@@ -143,10 +143,8 @@ pub async fn open(config: &StorageConfig) -> Result<Arc<dyn Storage>> {
 /// The hex part of a `sha256:<64 lowercase hex>` digest; anything else is refused (the
 /// hex part becomes a path component or object key, so it must be exactly that).
 pub(crate) fn sha256_hex(digest: &str) -> Result<&str> {
-    match digest.strip_prefix("sha256:") {
-        Some(hex) if is_lower_hex(hex, 64) => Ok(hex),
-        _ => Err(StorageError::Invalid(format!("digest {digest:?}"))),
-    }
+    ferry_oci::digest::parse_sha256(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
+    Ok(&digest["sha256:".len()..])
 }
 
 fn is_lower_hex(s: &str, len: usize) -> bool {
@@ -181,41 +179,22 @@ pub(crate) fn valid_upload_id(id: &str) -> bool {
     is_lower_hex(id, UPLOAD_ID_LEN)
 }
 
-/// Refuses repository names that are not `component(/component)*` with components of
-/// `[a-z0-9._-]` starting with a letter or digit: such a name could escape a backend's
-/// root (`..`), collide with its own bookkeeping (`_layers`) or not be a valid key.
+/// Refuses repository names outside the distribution grammar (ferry-oci's one rule):
+/// such a name could escape a backend's root (`..`), collide with its own bookkeeping
+/// (`_layers`) or not be a valid key. The server passes only parsed names; this is the
+/// backend's own guard for callers that are not the server (GC, tools, tests).
 pub(crate) fn check_repo(repo: &str) -> Result<()> {
-    let ok = !repo.is_empty()
-        && repo.len() <= 255
-        && repo.split('/').all(|c| {
-            c.bytes()
-                .next()
-                .is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-                && c.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
-                })
-        });
-    if ok {
-        Ok(())
-    } else {
-        Err(StorageError::Invalid(format!("repository {repo:?}")))
-    }
+    ferry_oci::RepositoryName::parse(repo)
+        .map(|_| ())
+        .map_err(|e| StorageError::Invalid(e.to_string()))
 }
 
-/// Refuses tags outside `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}` (the distribution grammar), so
-/// a tag is always a single safe path component.
+/// Refuses tags outside the distribution grammar (ferry-oci's one rule), so a tag is
+/// always a single safe path component.
 pub(crate) fn check_tag(tag: &str) -> Result<()> {
-    let mut bytes = tag.bytes();
-    let ok = tag.len() <= 128
-        && bytes
-            .next()
-            .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
-        && bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
-        Ok(())
-    } else {
-        Err(StorageError::Invalid(format!("tag {tag:?}")))
-    }
+    ferry_oci::Tag::parse(tag)
+        .map(|_| ())
+        .map_err(|e| StorageError::Invalid(e.to_string()))
 }
 
 /// Where a storage backend lives; a section of the server's TOML config.
