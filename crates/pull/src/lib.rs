@@ -14,7 +14,7 @@
 //!
 //! This crate does no terminal output: progress goes through [`PullProgress`].
 //! Modules: [`image`] (pure rules), [`stream`] (download-and-unpack of one layer),
-//! [`unpack`] (the safe tar unpacker), [`containerd`].
+//! [`unpack`] (the safe layer unpacker, on ferry-index's tar walker), [`containerd`].
 
 pub mod containerd;
 pub mod image;

@@ -281,7 +281,8 @@ impl Unpacker<'_> {
         };
         if entry.path.is_empty() {
             // The layer's root directory ("./"): its metadata applies to dest itself.
-            self.dirs.insert(self.dest.to_path_buf(), DirMeta::of(entry));
+            self.dirs
+                .insert(self.dest.to_path_buf(), DirMeta::of(entry));
             return Ok(());
         }
         let (parent_rel, name) = split_path(&entry.path);

@@ -12,74 +12,16 @@ use ferry_oci::media::LayerCompression;
 use ferry_pull::unpack::{OPAQUE_XATTR, UnpackError, UnpackLimits, unpack_layer};
 use sha2::Digest as _;
 
+mod common;
+use common::{Raw, file, raw, tar_of};
+
 fn is_root() -> bool {
     // SAFETY: no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
 
-/// A tar entry written with raw header fields (so hostile names can be built).
-struct Raw<'a> {
-    path: &'a str,
-    kind: tar::EntryType,
-    data: &'a [u8],
-    link: Option<&'a str>,
-    mode: u32,
-    uid: u64,
-    mtime: u64,
-}
-
-fn raw(path: &str, kind: tar::EntryType) -> Raw<'_> {
-    Raw {
-        path,
-        kind,
-        data: b"",
-        link: None,
-        mode: if kind == tar::EntryType::Directory {
-            0o755
-        } else {
-            0o644
-        },
-        uid: 0,
-        mtime: 1_600_000_000,
-    }
-}
-
-fn tar_of(entries: &[Raw<'_>]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for e in entries {
-        let mut h = tar::Header::new_gnu();
-        let name = &mut h.as_gnu_mut().unwrap().name;
-        name[..e.path.len()].copy_from_slice(e.path.as_bytes());
-        if let Some(link) = e.link {
-            let field = &mut h.as_gnu_mut().unwrap().linkname;
-            field[..link.len()].copy_from_slice(link.as_bytes());
-        }
-        h.set_entry_type(e.kind);
-        h.set_size(e.data.len() as u64);
-        h.set_mode(e.mode);
-        h.set_uid(e.uid);
-        h.set_gid(e.uid);
-        h.set_mtime(e.mtime);
-        h.set_device_major(0).unwrap();
-        h.set_device_minor(0).unwrap();
-        h.set_cksum();
-        out.extend_from_slice(h.as_bytes());
-        out.extend_from_slice(e.data);
-        out.resize(out.len().div_ceil(512) * 512, 0);
-    }
-    out.resize(out.len() + 1024, 0);
-    out
-}
-
 fn unpack(tar: &[u8], dest: &Path) -> Result<ferry_pull::unpack::UnpackStats, UnpackError> {
     unpack_layer(tar, LayerCompression::None, dest, &UnpackLimits::default())
-}
-
-fn file<'a>(path: &'a str, data: &'a [u8]) -> Raw<'a> {
-    Raw {
-        data,
-        ..raw(path, tar::EntryType::Regular)
-    }
 }
 
 #[test]
@@ -493,7 +435,10 @@ fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_are_refused() {
     h.set_size(0);
     h.set_cksum();
     builder.append(&h, &b""[..]).unwrap();
-    let err = unpack(&builder.into_inner().unwrap(), tempfile::tempdir().unwrap().path())
-        .unwrap_err();
+    let err = unpack(
+        &builder.into_inner().unwrap(),
+        tempfile::tempdir().unwrap().path(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("PAX mtime"), "{err}");
 }
