@@ -4,7 +4,8 @@
 //! types ([`media`]), image references in skopeo's spelling ([`reference`]), and OCI image
 //! layout directories on disk ([`layout`]), including the referrers tag fallback that
 //! ferry uses to keep its index artifacts beside an image. Manifest, index and descriptor
-//! types are oci-spec's, re-exported here.
+//! types are oci-spec's, re-exported here. Being the crate every other one depends on, it
+//! also holds the size and duration spellings of configs and flags ([`units`]).
 //!
 //! It must not talk to the network or know about layer formats: registries live in the
 //! registry crate, tar/gzip in the index crate. Everything it parses (JSON documents,
@@ -15,6 +16,7 @@ pub mod digest;
 pub mod layout;
 pub mod media;
 pub mod reference;
+pub mod units;
 
 pub use digest::{Sha256Writer, sha256_digest};
 pub use layout::OciLayout;
