@@ -1600,19 +1600,27 @@ pub(crate) fn document_media_type(bytes: &[u8]) -> Option<String> {
         .filter(|m| !m.is_empty())
 }
 
-/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`). Refuses END = `u64::MAX` (callers
-/// compute END + 1) and a range that does not lie inside a stated TOTAL.
-pub(crate) fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
-    let rest = v.trim().strip_prefix("bytes")?.trim_start();
-    let (span, total) = rest.split_once('/')?;
+/// Parses a `Content-Range` into `(first, last, total)`: the RFC form
+/// `bytes FIRST-LAST/TOTAL` (TOTAL may be `*`) a `206` answer carries, and the bare
+/// `FIRST-LAST` the distribution spec has chunk uploads send (the registry's `PATCH`
+/// handler reads it here too, so both ends agree on one grammar). Refuses LAST =
+/// `u64::MAX` (callers compute LAST + 1), LAST < FIRST, and a range that does not lie
+/// inside a stated TOTAL.
+pub fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let v = v.trim();
+    let v = v.strip_prefix("bytes").map_or(v, str::trim_start);
+    let (span, total) = match v.split_once('/') {
+        Some((span, total)) => (span, Some(total.trim())),
+        None => (v, None),
+    };
     let (a, b) = span.split_once('-')?;
     let (a, b): (u64, u64) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
     if b < a || b == u64::MAX {
         return None;
     }
-    let total = match total.trim() {
-        "*" => None,
-        t => Some(t.parse::<u64>().ok()?),
+    let total = match total {
+        None | Some("*") => None,
+        Some(t) => Some(t.parse::<u64>().ok()?),
     };
     if total.is_some_and(|t| b >= t) {
         return None;
