@@ -12,7 +12,10 @@
 //! the snapshotter's staging directory, largest first, as many at once as unpack slots
 //! allow, then adopted in chain order by a staged Prepare.
 //!
-//! This crate does no terminal output: progress goes through [`PullProgress`].
+//! This crate does no terminal output: progress goes through [`PullProgress`]. It must
+//! not mount anything (the daemon does) or read tar its own way: layers are walked by
+//! `ferry_index::tarwalk`, so an unpacked layer means what the same layer mounted lazily
+//! means.
 //! Modules: [`image`] (pure rules), [`stream`] (download-and-unpack of one layer),
 //! [`unpack`] (the safe layer unpacker, on ferry-index's tar walker), [`containerd`].
 
