@@ -144,20 +144,12 @@ impl Shape {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    fn e(path: &str, kind: EntryKind) -> Entry {
-        Entry {
-            path: path.into(),
-            kind,
-            ..Default::default()
-        }
-    }
+    use crate::entry::test_entry as e;
 
     fn hard(path: &str, target: &str) -> Entry {
-        Entry {
-            link_target: target.into(),
-            ..e(path, EntryKind::Hardlink)
-        }
+        let mut link = e(path, EntryKind::Hardlink);
+        link.link_target = target.into();
+        link
     }
 
     /// Admits `entries` in order; the index and reason of the first refusal.
