@@ -57,10 +57,11 @@ mod tests;
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use parking_lot::Mutex;
 use reqwest::Method;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 
@@ -472,10 +473,6 @@ pub struct Client {
     origin_only: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poison| poison.into_inner())
-}
-
 /// Result of a manifest PUT.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutManifest {
@@ -596,7 +593,7 @@ impl Client {
 
     fn scheme_of(&self, ep: &Endpoint) -> &'static str {
         ep.scheme
-            .or_else(|| lock(&self.inner.schemes).get(&ep.host).copied())
+            .or_else(|| self.inner.schemes.lock().get(&ep.host).copied())
             .unwrap_or("https")
     }
 
@@ -606,7 +603,7 @@ impl Client {
         if ep.scheme.is_some() || !is_loopback(&ep.host) {
             return false;
         }
-        let mut schemes = lock(&self.inner.schemes);
+        let mut schemes = self.inner.schemes.lock();
         if schemes.contains_key(&ep.host) {
             return false;
         }
@@ -617,7 +614,9 @@ impl Client {
 
     fn remember_scheme(&self, ep: &Endpoint, scheme: &'static str) {
         if ep.scheme.is_none() {
-            lock(&self.inner.schemes)
+            self.inner
+                .schemes
+                .lock()
                 .entry(ep.host.clone())
                 .or_insert(scheme);
         }

@@ -4,7 +4,7 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use ferry_pull::image::Descriptor;
@@ -12,6 +12,7 @@ use ferry_pull::unpack::UnpackLimits;
 use ferry_pull::{LayerEvent, PullOptions, PullProgress};
 use ferry_registry_client::{ClientConfig, Credentials, RegistryConfig};
 use indicatif::{MultiProgress, ProgressBar};
+use parking_lot::Mutex;
 
 /// How the layers that cannot be lazy are pulled, for `ferry pull --help`.
 const AFTER_HELP: &str = "\
@@ -172,10 +173,8 @@ impl Bars {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, ProgressBar)>> {
-        self.layers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Vec<(String, ProgressBar)>> {
+        self.layers.lock()
     }
 }
 

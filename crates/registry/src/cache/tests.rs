@@ -392,7 +392,6 @@ async fn downloads_settled(pt: &PullThrough) {
             .shared
             .blobs
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
             .is_empty()
         {
             tokio::time::sleep(Duration::from_millis(5)).await;
