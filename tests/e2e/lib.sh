@@ -12,7 +12,7 @@
 #   pull_oci REPO:REF DIR TAG     skopeo copy docker://$REGISTRY/REPO:REF -> oci:DIR:TAG
 #   ctr_ ARGS...             ctr -a $CONTAINERD_SOCK -n $CTR_NAMESPACE ARGS
 #   ctr_remote ARGS...       same with Debian's ctr-remote (stargz-snapshotter)
-#   need_root / need_cmd CMD... / skip REASON   print "SKIP: reason" and exit 0
+#   need_root / need_cmd CMD... / skip REASON   print "SKIP: reason" and exit 77
 #   pass NAME / fail NAME [MSG] / e2e_summary    "N passed, M failed"; non-zero if M>0
 #   e2e_defer CMD            run CMD (eval'd) at cleanup, LIFO
 #   find_ferry               set $FERRY (env, else target/release, else target/debug)
@@ -24,7 +24,8 @@
 #   E2E_TMPDIR    parent of the temp dir (default /tmp)
 #   E2E_KEEP=1    keep $E2E_TMP after exit (services are still stopped)
 #   E2E_VERBOSE=1 show service logs on failure/exit
-#   E2E_SKIP_RC   exit code used by skip (default 0)
+#   E2E_SKIP_RC   exit code used by skip (default 77: scripts/e2e-run counts it as a
+#                 skip, not a pass)
 
 # shellcheck shell=bash
 set -euo pipefail
@@ -48,7 +49,7 @@ e2e_die() { e2e_log "ERROR: $*"; exit 1; }
 
 skip() {
     echo "SKIP: $*"
-    exit "${E2E_SKIP_RC:-0}"
+    exit "${E2E_SKIP_RC:-77}"
 }
 need_root() { [[ $(id -u) == 0 ]] || skip "needs root${1:+ ($1)}"; }
 need_cmd() {

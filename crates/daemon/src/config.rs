@@ -11,6 +11,8 @@ use ferry_registry_client::ClientConfig;
 use ferry_store::StoreConfig;
 use serde::{Deserialize, Serialize};
 
+use ferry_oci::units::{format_duration, format_size};
+
 use crate::error::{Error, Result};
 
 /// Largest accepted `fetch.request_size` (a merged request is held in memory).
@@ -393,69 +395,6 @@ fn control_socket_for(uid: u32, runtime_dir: Option<PathBuf>) -> PathBuf {
     }
 }
 
-/// Parses a size: bytes, or a number with a K/M/G suffix (powers of 1024, optional
-/// trailing `B`/`iB`).
-pub fn parse_size(text: &str) -> Result<u64> {
-    let s = text.trim();
-    let s = s
-        .strip_suffix("iB")
-        .or_else(|| s.strip_suffix('B'))
-        .unwrap_or(s);
-    let (num, shift) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 30),
-        _ => (s, 0),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| Error::Config(format!("{text:?} is not a size (e.g. 8M)")))?;
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| Error::Config(format!("{text:?} is out of range")))
-}
-
-/// Formats a size the way [`parse_size`] reads it, exactly.
-pub fn format_size(bytes: u64) -> String {
-    for (shift, suffix) in [(30, "G"), (20, "M"), (10, "K")] {
-        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
-            return format!("{}{suffix}", bytes >> shift);
-        }
-    }
-    bytes.to_string()
-}
-
-/// Parses a duration: `500ms`, `30s`, `2m`, `1h`, or a plain number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration> {
-    let s = text.trim();
-    let bad = || Error::Config(format!("{text:?} is not a duration (e.g. 30s, 500ms)"));
-    let (num, unit_ms) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 1u64)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1000)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60_000)
-    } else if let Some(n) = s.strip_suffix('h') {
-        (n, 3_600_000)
-    } else {
-        (s, 1000)
-    };
-    let n: u64 = num.trim().parse().map_err(|_| bad())?;
-    n.checked_mul(unit_ms)
-        .map(Duration::from_millis)
-        .ok_or_else(bad)
-}
-
-/// Formats a duration the way [`parse_duration`] reads it.
-pub fn format_duration(d: Duration) -> String {
-    let ms = d.as_millis();
-    if ms.is_multiple_of(1000) {
-        format!("{}s", ms / 1000)
-    } else {
-        format!("{ms}ms")
-    }
-}
-
 /// A number or a text, for fields that take either.
 #[derive(Deserialize)]
 #[serde(untagged)]
@@ -474,7 +413,9 @@ mod size_text {
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         match super::NumOrText::deserialize(d)? {
             super::NumOrText::Num(n) => Ok(n),
-            super::NumOrText::Text(t) => super::parse_size(&t).map_err(serde::de::Error::custom),
+            super::NumOrText::Text(t) => {
+                ferry_oci::units::parse_size(&t).map_err(serde::de::Error::custom)
+            }
         }
     }
 }
@@ -492,7 +433,7 @@ mod duration_text {
         match super::NumOrText::deserialize(d)? {
             super::NumOrText::Num(n) => Ok(Duration::from_secs(n)),
             super::NumOrText::Text(t) => {
-                super::parse_duration(&t).map_err(serde::de::Error::custom)
+                ferry_oci::units::parse_duration(&t).map_err(serde::de::Error::custom)
             }
         }
     }
@@ -641,22 +582,6 @@ mod tests {
         assert!(text.contains("request_size = \"3M\""), "{text}");
         assert!(text.contains("timeout = \"2500ms\""), "{text}");
         assert_eq!(DaemonConfig::from_toml(&text).unwrap(), resolved);
-    }
-
-    #[test]
-    fn sizes_and_durations() {
-        assert_eq!(parse_size("8M").unwrap(), 8 << 20);
-        assert_eq!(parse_size("8MiB").unwrap(), 8 << 20);
-        assert_eq!(parse_size("1g").unwrap(), 1 << 30);
-        assert_eq!(parse_size("123").unwrap(), 123);
-        assert!(parse_size("99999999999999G").is_err());
-        assert!(parse_size("").is_err());
-        assert_eq!(format_size(1536), "1536");
-        assert_eq!(format_size(2 << 10), "2K");
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert_eq!(parse_duration("45").unwrap(), Duration::from_secs(45));
-        assert!(parse_duration("-1s").is_err());
-        assert_eq!(format_duration(Duration::from_secs(30)), "30s");
     }
 
     #[test]

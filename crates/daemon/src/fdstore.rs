@@ -19,10 +19,11 @@ use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 /// Largest message either side sends or accepts.
@@ -398,11 +399,6 @@ fn send_json<T: Serialize>(
     send_message(sock, &bytes, fd)
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Single inserts and removes: the map stays consistent across a panic.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// The holder's state: descriptors and records by key.
 #[derive(Debug, Default)]
 pub struct Holder {
@@ -418,7 +414,7 @@ impl Holder {
 
     /// How many descriptors are held.
     pub fn len(&self) -> usize {
-        lock(&self.entries).len()
+        self.entries.lock().len()
     }
 
     /// True when nothing is held.
@@ -436,7 +432,7 @@ impl Holder {
                 if key.is_empty() || key.len() > MAX_KEY || meta.len() > MAX_META {
                     return refuse("key or record too large".into());
                 }
-                let mut entries = lock(&self.entries);
+                let mut entries = self.entries.lock();
                 if entries.len() >= MAX_ENTRIES && !entries.contains_key(&key) {
                     drop(entries);
                     return refuse(format!("already holding {MAX_ENTRIES} descriptors"));
@@ -450,7 +446,7 @@ impl Holder {
                 if fd.is_some() {
                     return refuse("remove carries no descriptor".into());
                 }
-                let existed = lock(&self.entries).remove(&key).is_some();
+                let existed = self.entries.lock().remove(&key).is_some();
                 send_json(sock, &Reply::Removed { existed }, None)
             }
             Request::GetAll => {
@@ -458,7 +454,9 @@ impl Holder {
                     return refuse("get_all carries no descriptor".into());
                 }
                 // Copies under the lock, sent without it (a slow client blocks no one).
-                let copies: Vec<(String, String, io::Result<OwnedFd>)> = lock(&self.entries)
+                let copies: Vec<(String, String, io::Result<OwnedFd>)> = self
+                    .entries
+                    .lock()
                     .iter()
                     .map(|(k, (m, fd))| (k.clone(), m.clone(), fd.try_clone()))
                     .collect();
@@ -501,7 +499,7 @@ impl Holder {
     /// ended: unmounted, or aborted), so an unmount this holder was not told about (the
     /// daemon was down) does not keep it running for ever. Returns how many went.
     pub fn prune_dead(&self) -> usize {
-        let mut entries = lock(&self.entries);
+        let mut entries = self.entries.lock();
         let dead: Vec<String> = entries
             .iter()
             .filter(|(_, (_, fd))| !fd_alive(fd.as_fd()))
@@ -697,7 +695,7 @@ impl FdHolderClient {
         if key.is_empty() || key.len() > MAX_KEY || meta.len() > MAX_META {
             return Err(HolderError::Refused("key or record too large".into()));
         }
-        let sock = lock(&self.sock);
+        let sock = self.sock.lock();
         let request = Request::Put {
             key: key.to_owned(),
             meta: meta.to_owned(),
@@ -713,7 +711,7 @@ impl FdHolderClient {
 
     /// Closes what is held under `key`; true when something was.
     pub fn remove(&self, key: &str) -> Result<bool, HolderError> {
-        let sock = lock(&self.sock);
+        let sock = self.sock.lock();
         let request = Request::Remove {
             key: key.to_owned(),
         };
@@ -728,7 +726,7 @@ impl FdHolderClient {
 
     /// Every held entry, each with a copy of its descriptor.
     pub fn get_all(&self) -> Result<Vec<HeldEntry>, HolderError> {
-        let sock = lock(&self.sock);
+        let sock = self.sock.lock();
         send_json(sock.as_fd(), &Request::GetAll, None)
             .map_err(io_err("sending to the fd holder"))?;
         let mut out = Vec::new();

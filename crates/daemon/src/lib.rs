@@ -33,6 +33,9 @@
 //! start here and shares it (referrer push, ferry's registry endpoint, the node store);
 //! a mount looks its trace up in the background and warms up once it has the answer.
 //!
+//! It must not parse layer formats, registry documents or tar itself: it wires ferry-fs,
+//! ferry-index, the registry client, the store and the snapshotter together.
+//!
 //! Threads: FUSE callbacks run on fuser's threads and do their own blocking I/O through
 //! the registry client's runtime; mount and unmount calls block and run on blocking
 //! threads, never on the async workers that serve the sockets.

@@ -148,6 +148,16 @@ impl Entry {
     }
 }
 
+/// An entry of `kind` at `path` with every other field zero, for the crate's tests.
+#[cfg(test)]
+pub(crate) fn test_entry(path: &str, kind: EntryKind) -> Entry {
+    Entry {
+        path: path.into(),
+        kind,
+        ..Default::default()
+    }
+}
+
 /// True for a path in the normalized form every [`Entry`] has: relative, no empty, `.`
 /// or `..` components, no leading or trailing `/`. The root is `""`.
 pub fn is_clean_path(p: &str) -> bool {

@@ -22,8 +22,10 @@
 //! has already verified and inflated; it never fetches.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+
+use parking_lot::Mutex;
 
 /// Identifies one reader's spans in the cache; see [`InflatedSpans::new_key`].
 pub type LayerKey = u64;
@@ -123,16 +125,12 @@ impl InflatedSpans {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// A key for one layer reader's spans. Spans are numbered by the reader's own index,
     /// and two indexes of one layer (other span sizes, or one that lies) must never see
     /// each other's bytes, so every reader gets its own key rather than the layer's
     /// digest.
     pub fn new_key(&self) -> LayerKey {
-        let mut inner = self.lock();
+        let mut inner = self.inner.lock();
         inner.keys += 1;
         inner.keys
     }
@@ -172,7 +170,10 @@ impl InflatedSpans {
 
     /// True when the window at checkpoint `k` of `layer` is kept (not counted as a use).
     pub fn has_window(&self, layer: &LayerKey, k: usize) -> bool {
-        self.lock().map.contains_key(&(*layer, Piece::Window(k)))
+        self.inner
+            .lock()
+            .map
+            .contains_key(&(*layer, Piece::Window(k)))
     }
 
     /// Keeps the raw inflate window at checkpoint `k` of `layer`, as a read inflating
@@ -186,7 +187,7 @@ impl InflatedSpans {
     }
 
     fn get_piece(&self, layer: &LayerKey, piece: Piece) -> Option<Arc<Vec<u8>>> {
-        let mut inner = self.lock();
+        let mut inner = self.inner.lock();
         inner.tick += 1;
         let tick = inner.tick;
         let entry = inner.map.get_mut(&(*layer, piece))?;
@@ -199,7 +200,7 @@ impl InflatedSpans {
         if !self.admits(len as u64) {
             return false;
         }
-        let mut inner = self.lock();
+        let mut inner = self.inner.lock();
         inner.tick += 1;
         let tick = inner.tick;
         if let Some(old) = inner.map.insert(
@@ -240,7 +241,7 @@ impl InflatedSpans {
     /// not used since the cache was made). Tick it every few seconds: memory held for a
     /// burst of reads is returned within two ticks of the burst's end.
     pub fn release_idle(&self) -> usize {
-        let mut inner = self.lock();
+        let mut inner = self.inner.lock();
         let before = inner.idle_before;
         let (mut spans, mut windows) = (0, 0);
         inner.map.retain(|(_, piece), e| {
@@ -272,7 +273,7 @@ impl InflatedSpans {
             inserts: self.inserts.load(Ordering::Relaxed),
             inflated_bytes: self.inflated_bytes.load(Ordering::Relaxed),
             bytes: {
-                let inner = self.lock();
+                let inner = self.inner.lock();
                 (inner.bytes + inner.window_bytes) as u64
             },
             windows_kept: self.windows_kept.load(Ordering::Relaxed),

@@ -1,16 +1,17 @@
 //! # ferry-index: seekable layer formats
 //!
 //! This crate owns everything about the bytes of a layer: walking tar streams
-//! ([`tarwalk`]), building and reading the ferry index over an unmodified gzip layer
+//! ([`tarwalk`], the one tar reader: `ferry pull`'s unpacker uses it too), building and reading the ferry index over an unmodified gzip layer
 //! ([`zran`] checkpoints + [`ferryidx`] file format), reading and writing eStargz
 //! ([`estargz`]), answering "bytes `[off, off+len)` of file F" over any of them while
 //! fetching only the compressed ranges needed ([`reader`]), the merged view of an image's
 //! layers with whiteouts applied ([`merged`]), and packing a directory straight into a
 //! lazy-loadable layer ([`pack`]).
 //!
-//! It must not do I/O of its own beyond what a [`source::RangeSource`] or a caller's
-//! `Read`/`Write` gives it: no network, no mounts, no global state. Everything parsed here
-//! comes from strangers, so every parser is bounded and returns [`Error`], never panics.
+//! It must not touch the network or mounts, or keep global state; its file I/O is only
+//! on paths a caller names (blob files of an OCI layout through [`source::FileSource`]
+//! and [`image`], the directory [`pack`] reads). Everything parsed here comes from
+//! strangers, so every parser is bounded and returns [`Error`], never panics.
 
 pub mod entry;
 pub mod error;

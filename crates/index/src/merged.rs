@@ -215,14 +215,7 @@ impl MergedImage {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn e(path: &str, kind: EntryKind) -> Entry {
-        Entry {
-            path: path.into(),
-            kind,
-            ..Default::default()
-        }
-    }
+    use crate::entry::test_entry as e;
 
     #[test]
     fn whiteouts_and_opaque_dirs_apply_to_lower_layers_only() {

@@ -41,10 +41,11 @@ use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
-use std::sync::{Arc, Mutex};
 
 use libdeflater::{CompressionLvl, Compressor};
+use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 use tar::{EntryType, Header};
 
@@ -676,7 +677,7 @@ fn compress_worker(
     let mut compressor = Compressor::new(level);
     loop {
         let job = {
-            let rx = jobs.lock().unwrap_or_else(|e| e.into_inner());
+            let rx = jobs.lock();
             rx.recv()
         };
         let Ok(mut piece) = job else { return };

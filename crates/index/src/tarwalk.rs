@@ -46,8 +46,12 @@
 //!   entries for the layer root, empty names and empty link targets.
 //! * Non-regular entries that claim data (a non-zero size on a directory, link, device or
 //!   FIFO): other readers disagree on whether such data exists.
-//! * Hard links whose normalized target does not name an earlier non-directory entry of
-//!   the same stream.
+//! * Hard links whose normalized target does not name an earlier regular file (or hard
+//!   link to one) of the same stream, and the other orders of entries whose meaning would
+//!   depend on the extractor (writing beneath a symlink, a file replacing a directory,
+//!   whiteouts of paths the layer also adds, ...): see [`shape`], so that `ferry pull`'s
+//!   unpacker and a lazy mount, which both read layers through this walker, cannot differ.
+//! * Extended attributes Linux could not set: names over 255 bytes, values over 64 KiB.
 //! * Malformed PAX records (length field not decimal, not followed by a space, too small,
 //!   running past the body, record not ending in a newline, no `=`, empty key, NUL in a
 //!   path or name), two extension headers of the same kind for one entry, a PAX `path`
@@ -74,16 +78,18 @@
 //! Memory per member is one 512-byte header block plus the extension bodies, each capped
 //! by [`Limits::max_extension_bytes`] before anything is allocated and read incrementally;
 //! sizes claimed by headers are never allocated. Across the stream, the walker keeps one
-//! 64-bit hash per distinct non-directory path (to check hard link targets; hashes are
-//! keyed per walker, so a stream cannot craft collisions) and a 64 KiB skip buffer.
+//! 64-bit hash and a byte per distinct path and parent (for the [`shape`] rules; hashes
+//! are keyed per walker, so a stream cannot craft collisions) and a 64 KiB skip buffer.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
-use std::hash::{BuildHasher, RandomState};
 use std::io::{self, Read};
 
 use crate::entry::{Entry, EntryKind};
 use crate::error::{Error, Result};
+
+pub mod shape;
+use shape::Shape;
 
 /// Size of a tar block.
 const BLOCK: usize = 512;
@@ -91,6 +97,10 @@ const BLOCK: usize = 512;
 const BLOCK_U64: u64 = BLOCK as u64;
 /// Size of the reusable buffer used to skip file data the caller does not read.
 const SKIP_BUF_LEN: usize = 64 * 1024;
+/// Longest extended attribute name Linux sets (XATTR_NAME_MAX).
+const MAX_XATTR_NAME: usize = 255;
+/// Largest extended attribute value Linux sets (XATTR_SIZE_MAX).
+const MAX_XATTR_VALUE: usize = 64 << 10;
 
 /// Bounds on what one tar stream may make the walker hold or do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,9 +156,8 @@ pub struct TarWalker<R> {
     /// Entries yielded so far.
     entries: u64,
     state: State,
-    /// Keyed hashes of the non-directory paths seen so far (hard link targets).
-    link_targets: HashSet<u64>,
-    hasher: RandomState,
+    /// The paths seen so far, for the layer shape rules.
+    shape: Shape,
     /// Reusable buffer for skipping data; allocated on first use.
     skip_buf: Vec<u8>,
 }
@@ -451,9 +460,15 @@ fn apply_pax_record(pax: &mut Pax, key: &str, value: &[u8]) -> std::result::Resu
         return Ok(());
     }
     if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
-        if name.is_empty() || name.contains('\0') {
+        if name.is_empty() || name.contains('\0') || name.len() > MAX_XATTR_NAME {
             return Err(format!(
                 "invalid extended attribute name in PAX record {key:?}"
+            ));
+        }
+        if value.len() > MAX_XATTR_VALUE {
+            return Err(format!(
+                "extended attribute {name:?} has {} bytes, more than Linux's {MAX_XATTR_VALUE}",
+                value.len()
             ));
         }
         pax.xattrs.insert(name.to_string(), value.to_vec());
@@ -633,8 +648,7 @@ impl<R: Read> TarWalker<R> {
             cur_offset: 0,
             entries: 0,
             state: State::Active,
-            link_targets: HashSet::new(),
-            hasher: RandomState::new(),
+            shape: Shape::default(),
             skip_buf: Vec::new(),
         }
     }
@@ -1108,14 +1122,6 @@ impl<R: Read> TarWalker<R> {
                     if target.is_empty() {
                         return Err(err("hard link to the layer root".into()));
                     }
-                    if !self
-                        .link_targets
-                        .contains(&self.hasher.hash_one(target.as_str()))
-                    {
-                        return Err(err(format!(
-                            "hard link target {target:?} does not name an earlier non-directory entry"
-                        )));
-                    }
                     target
                 } else {
                     raw
@@ -1147,18 +1153,12 @@ impl<R: Read> TarWalker<R> {
             )));
         }
         self.entries += 1;
-        let key = self.hasher.hash_one(path.as_str());
-        if kind == EntryKind::Dir {
-            self.link_targets.remove(&key);
-        } else {
-            self.link_targets.insert(key);
-        }
         self.remaining = size;
         self.padding = padding_for(size);
         self.cur_path.clone_from(&path);
         self.cur_offset = start;
 
-        Ok(Entry {
+        let entry = Entry {
             path,
             kind,
             mode,
@@ -1179,7 +1179,11 @@ impl<R: Read> TarWalker<R> {
             dev_major,
             dev_minor,
             xattrs: pax.xattrs,
-        })
+        };
+        self.shape
+            .admit(&entry)
+            .map_err(|reason| tar_err(entry.path.clone(), start, reason))?;
+        Ok(entry)
     }
 }
 
@@ -1205,6 +1209,7 @@ pub fn walk<R: Read>(reader: R) -> Result<Vec<Entry>> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashSet;
     use tar::{Builder, EntryType, Header};
 
     // ---------- helpers ----------
@@ -1736,12 +1741,15 @@ mod tests {
             link(b"l", b"p"),
         ];
         assert_refused(&archive(&parts), "does not name an earlier");
-        // Links to symlinks and to other hard links are fine.
+        // Links to other hard links are fine; links to symlinks are not (no data to share).
+        let parts = vec![file("f", b"x"), link(b"l1", b"f"), link(b"l2", b"l1")];
+        assert_eq!(walk(&archive(&parts)[..]).unwrap().len(), 3);
         let mut sym = raw_header(b"s", b'2', 0);
         sym[157..160].copy_from_slice(b"abc");
         set_cksum(&mut sym);
-        let parts = vec![sym.to_vec(), link(b"l1", b"s"), link(b"l2", b"l1")];
-        assert_eq!(walk(&archive(&parts)[..]).unwrap().len(), 3);
+        let (entry, _, _) =
+            assert_refused(&archive(&[sym.to_vec(), link(b"l", b"s")]), "regular file");
+        assert_eq!(entry, "l");
     }
 
     #[test]
@@ -2336,12 +2344,28 @@ mod tests {
     fn write_specs(specs: &[Spec]) -> (Vec<u8>, Vec<Expected>) {
         let mut b = Builder::new(Vec::new());
         let mut seen = HashSet::new();
+        // Paths the layer shape rules leave alone: beneath directories only, no directory
+        // replaced by a non-directory, hard links to regular files only.
+        let mut dirs: HashSet<String> = HashSet::new();
         let mut files: Vec<String> = Vec::new();
         let mut expected = Vec::new();
         for s in specs {
             let path = s.comps.join("/");
-            if !seen.insert(path.clone()) {
+            let ancestors: Vec<String> =
+                (1..s.comps.len()).map(|n| s.comps[..n].join("/")).collect();
+            let beneath_non_dir = ancestors
+                .iter()
+                .any(|a| seen.contains(a) && !dirs.contains(a));
+            let replaces_dir = dirs.contains(&path) && !matches!(s.kind, Kind::Dir);
+            if beneath_non_dir || replaces_dir || !seen.insert(path.clone()) {
                 continue;
+            }
+            for a in ancestors {
+                seen.insert(a.clone());
+                dirs.insert(a);
+            }
+            if matches!(s.kind, Kind::Dir) {
+                dirs.insert(path.clone());
             }
             let mut records: Vec<(&str, Vec<u8>)> = Vec::new();
             if let Some(nsec) = s.pax_nsec {
@@ -2396,7 +2420,6 @@ mod tests {
                     b.append_link(&mut h, &path, t).unwrap();
                     want.kind = EntryKind::Symlink;
                     want.link_target.clone_from(t);
-                    files.push(path);
                 }
                 Kind::Hardlink(i) if !files.is_empty() => {
                     let target = files[i % files.len()].clone();

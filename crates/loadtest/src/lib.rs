@@ -293,27 +293,3 @@ pub(crate) fn split_authority(authority: &str) -> Result<(String, u16), String> 
     };
     Ok((host.to_string(), port))
 }
-
-/// Parses a duration like `30s`, `500ms`, `2m`, `1h` or a bare number of seconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?} (e.g. 30s, 500ms, 2m)"))?;
-    let scale = match unit.trim() {
-        "" | "s" => 1.0,
-        "ms" => 1e-3,
-        "m" => 60.0,
-        "h" => 3600.0,
-        other => return Err(format!("unknown duration unit {other:?} in {s:?}")),
-    };
-    let secs = value * scale;
-    if !secs.is_finite() || !(0.0..=1e7).contains(&secs) {
-        return Err(format!("duration {s:?} out of range"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}

@@ -6,7 +6,9 @@
 //! and the one rule for choosing a platform's manifest from an image index ([`platform`]),
 //! and OCI image layout directories on disk ([`layout`]), including the referrers tag
 //! fallback that ferry uses to keep its index artifacts beside an image. Manifest, index,
-//! descriptor and digest types are oci-spec's, re-exported here.
+//! descriptor and digest types are oci-spec's, re-exported here. Being the crate every
+//! other one depends on, it also holds the size and duration spellings of configs and
+//! flags ([`units`]).
 //!
 //! Each identifier has exactly one validator, here; the registry, its client, the pull
 //! path and the CLI parse names, tags and digests with it where they arrive and pass the
@@ -22,6 +24,7 @@ pub mod layout;
 pub mod media;
 pub mod platform;
 pub mod reference;
+pub mod units;
 
 pub use digest::{Sha256Writer, sha256_digest};
 pub use layout::OciLayout;

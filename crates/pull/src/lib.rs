@@ -12,9 +12,12 @@
 //! the snapshotter's staging directory, largest first, as many at once as unpack slots
 //! allow, then adopted in chain order by a staged Prepare.
 //!
-//! This crate does no terminal output: progress goes through [`PullProgress`].
+//! This crate does no terminal output: progress goes through [`PullProgress`]. It must
+//! not mount anything (the daemon does) or read tar its own way: layers are walked by
+//! `ferry_index::tarwalk`, so an unpacked layer means what the same layer mounted lazily
+//! means.
 //! Modules: [`image`] (pure rules), [`stream`] (download-and-unpack of one layer),
-//! [`unpack`] (the safe tar unpacker), [`containerd`].
+//! [`unpack`] (the safe layer unpacker, on ferry-index's tar walker), [`containerd`].
 
 pub mod containerd;
 pub mod image;
@@ -409,26 +412,18 @@ struct Counts {
 
 /// Removes the pull's staging leftovers (blob files, directories not adopted) on drop.
 struct StagingGuard {
-    paths: std::sync::Mutex<Vec<PathBuf>>,
+    paths: parking_lot::Mutex<Vec<PathBuf>>,
 }
 
 impl StagingGuard {
     fn add(&self, path: PathBuf) {
-        self.paths
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(path);
+        self.paths.lock().push(path);
     }
 }
 
 impl Drop for StagingGuard {
     fn drop(&mut self) {
-        let paths = std::mem::take(
-            &mut *self
-                .paths
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
+        let paths = std::mem::take(&mut *self.paths.lock());
         for path in paths {
             let removed = match std::fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => std::fs::remove_dir_all(&path),
@@ -505,7 +500,7 @@ async fn prepare_layers(
         )));
     }
     let guard = StagingGuard {
-        paths: std::sync::Mutex::new(Vec::new()),
+        paths: parking_lot::Mutex::new(Vec::new()),
     };
     let shared = Arc::new(FastPath {
         client: client.clone(),
@@ -516,7 +511,7 @@ async fn prepare_layers(
         chunk_size: opts.chunk_size,
         limits: opts.limits,
         downloaded: std::sync::atomic::AtomicU64::new(0),
-        events: std::sync::Mutex::new(Vec::new()),
+        events: parking_lot::Mutex::new(Vec::new()),
     });
     let mut jobs = Vec::new();
     for (i, (layer, diff_id)) in ctx.layers.iter().zip(diff_ids).enumerate().skip(first_fast) {
@@ -609,24 +604,16 @@ struct FastPath {
     chunk_size: u64,
     limits: UnpackLimits,
     downloaded: std::sync::atomic::AtomicU64,
-    events: std::sync::Mutex<Vec<(usize, LayerEvent)>>,
+    events: parking_lot::Mutex<Vec<(usize, LayerEvent)>>,
 }
 
 impl FastPath {
     fn event(&self, index: usize, e: LayerEvent) {
-        self.events
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push((index, e));
+        self.events.lock().push((index, e));
     }
 
     fn drain_events(&self, progress: &dyn PullProgress) {
-        let taken = std::mem::take(
-            &mut *self
-                .events
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
+        let taken = std::mem::take(&mut *self.events.lock());
         for (i, e) in taken {
             progress.layer(i, e);
         }

@@ -4,37 +4,41 @@
 //! xattrs, ownership, modes and mtimes are kept. It also hashes the uncompressed stream so
 //! the caller can check the layer's diff id.
 //!
-//! Safety is the point of this file: a layer is untrusted input. No entry may write
-//! outside the destination (absolute paths, `..`, and paths through a symlink created
-//! by an earlier entry are refused with an error naming the entry), hard links may only
-//! point inside the destination, and entry counts, sizes and xattrs are bounded. It must
-//! not follow symlinks when creating, chmod-ing or timestamping anything.
+//! The tar is read by `ferry_index::tarwalk`, the walker the lazy mounts read layers
+//! with, so what a layer means (which entries are accepted, how paths are normalized,
+//! which orders of entries are refused, what a whiteout is) is decided in one place and
+//! a layer unpacked here cannot differ from the same layer mounted lazily
+//! (`crates/pull/tests/lazy_parity.rs` holds the two side by side). What is left here is
+//! writing: later entries of a path replace earlier ones, directories made up for
+//! entries whose parents the tar never lists get mode 0755 and mtime 0 (as the lazy tree
+//! shows them), and directory metadata is applied last.
+//!
+//! Safety is the point of this file: a layer is untrusted input. The walker refuses `..`
+//! and entries beneath a symlink; this file checks again on disk before each write (no
+//! parent may be a symlink, hard links only to files under the destination), bounds file
+//! bytes, and must not follow symlinks when creating, chmod-ing or timestamping anything.
 
-use std::ffi::{CString, OsStr};
+use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::fs::{File, OpenOptions};
-use std::io::{self, BufReader, Read};
+use std::io::{self, BufReader, Read, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use ferry_index::entry::{Entry, EntryKind, OPAQUE_MARKER, WHITEOUT_PREFIX};
+use ferry_index::tarwalk::{Limits, TarWalker};
 use ferry_oci::media::LayerCompression;
 use sha2::{Digest as _, Sha256};
 
-/// The overlayfs opaque-directory xattr.
+/// The overlayfs opaque-directory xattr (the lazy tree sets the same one).
 pub const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
-const WHITEOUT_PREFIX: &str = ".wh.";
-const OPAQUE_MARKER: &str = ".wh..wh..opq";
-/// Longest path accepted for one entry (Linux's PATH_MAX).
-const MAX_PATH_LEN: usize = 4096;
-/// Largest single xattr value accepted (Linux's XATTR_SIZE_MAX).
-const MAX_XATTR_VALUE: usize = 64 << 10;
-/// PAX record prefix carrying xattrs.
-const PAX_XATTR: &str = "SCHILY.xattr.";
 
 /// Bounds on what one layer may contain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UnpackLimits {
-    /// Most entries (files, dirs, links…) in one layer.
+    /// Most entries (files, dirs, links…) in one layer (the tar walker's bound, so going
+    /// over it is an [`UnpackError::Tar`]).
     pub max_entries: u64,
     /// Most bytes of regular-file content in one layer.
     pub max_file_bytes: u64,
@@ -63,9 +67,12 @@ pub struct UnpackStats {
 /// Why a layer could not be unpacked.
 #[derive(Debug, thiserror::Error)]
 pub enum UnpackError {
-    /// The tar (or its compression) is malformed or truncated.
-    #[error("layer is not a valid tar stream: {0}")]
+    /// The compression is malformed or truncated.
+    #[error("layer is not a valid compressed stream: {0}")]
     Format(String),
+    /// The tar walker refused the layer (the same error a lazy mount of it gets).
+    #[error("layer is not a valid tar stream: {0}")]
+    Tar(#[from] ferry_index::Error),
     /// An entry would write outside the destination, or is otherwise unsafe.
     #[error("refusing layer entry {path:?}: {reason}")]
     Unsafe {
@@ -77,14 +84,6 @@ pub enum UnpackError {
     /// The layer exceeds a bound of [`UnpackLimits`].
     #[error("layer too large: {0}")]
     Limit(String),
-    /// The layer uses a tar feature ferry does not unpack.
-    #[error("unsupported layer entry {path:?}: {reason}")]
-    Unsupported {
-        /// The entry's path.
-        path: String,
-        /// Which feature.
-        reason: String,
-    },
     /// A filesystem operation failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -159,22 +158,27 @@ pub fn unpack_layer<R: Read>(
         inner: decoded,
         hasher: Sha256::new(),
     };
-    let mut archive = tar::Archive::new(hashing);
+    let walker_limits = Limits {
+        max_entries: limits.max_entries,
+        ..Limits::default()
+    };
+    let mut walker = TarWalker::with_limits(hashing, walker_limits);
     let mut unpacker = Unpacker {
         dest,
         limits,
-        entries: 0,
         file_bytes: 0,
-        dirs: Vec::new(),
+        dirs: BTreeMap::new(),
+        buf: vec![0; 1 << 16],
     };
-    for entry in archive.entries().map_err(format_err)? {
-        let entry = entry.map_err(format_err)?;
-        unpacker.entry(entry)?;
+    // The layer root, unless the tar lists it, is shown as a made-up directory.
+    unpacker.dirs.insert(dest.to_path_buf(), DirMeta::made_up());
+    while let Some(entry) = walker.next_entry()? {
+        unpacker.entry(&entry, &mut walker)?;
     }
     unpacker.finish_dirs()?;
-    let (entries, file_bytes) = (unpacker.entries, unpacker.file_bytes);
+    let (entries, file_bytes) = (walker.entry_count(), unpacker.file_bytes);
     // The diff id covers the whole stream, including the zero blocks after the last entry.
-    let mut rest = archive.into_inner();
+    let mut rest = walker.into_inner();
     io::copy(&mut rest, &mut io::sink()).map_err(format_err)?;
     Ok(UnpackStats {
         entries,
@@ -183,49 +187,45 @@ pub fn unpack_layer<R: Read>(
     })
 }
 
-/// Metadata applied to a directory after all its children are written.
+/// Metadata applied to a directory after all its children are written. The last entry
+/// of a directory's path wins, as in the lazy tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct DirMeta {
-    path: PathBuf,
     mode: u32,
-    mtime: Mtime,
+    owner: Option<(u32, u32)>,
+    mtime: (i64, u32),
+    xattrs: BTreeMap<String, Vec<u8>>,
 }
 
-/// A modification time: whole seconds from the tar header, nanoseconds from a PAX
-/// `mtime` record when the layer has one (overlayfs unpacks keep them, so must we).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Mtime {
-    secs: u64,
-    nanos: u32,
+impl DirMeta {
+    /// A directory the tar never lists (the parent of entries that are): 0755, mtime 0.
+    fn made_up() -> DirMeta {
+        DirMeta {
+            mode: 0o755,
+            owner: None,
+            mtime: (0, 0),
+            xattrs: BTreeMap::new(),
+        }
+    }
+
+    fn of(entry: &Entry) -> DirMeta {
+        DirMeta {
+            mode: entry.mode,
+            owner: Some((entry.uid, entry.gid)),
+            mtime: (entry.mtime, entry.mtime_nsec),
+            xattrs: entry.xattrs.clone(),
+        }
+    }
 }
 
 struct Unpacker<'a> {
     dest: &'a Path,
     limits: &'a UnpackLimits,
-    entries: u64,
     file_bytes: u64,
-    dirs: Vec<DirMeta>,
-}
-
-/// The entry path as a list of normal components; `..` and absolute paths are refused.
-fn safe_components(raw: &[u8]) -> Result<Vec<&OsStr>, String> {
-    if raw.len() > MAX_PATH_LEN {
-        return Err(format!("path longer than {MAX_PATH_LEN} bytes"));
-    }
-    if raw.contains(&0) {
-        return Err("path contains NUL".into());
-    }
-    if raw.first() == Some(&b'/') {
-        return Err("absolute path".into());
-    }
-    let mut out = Vec::new();
-    for part in raw.split(|b| *b == b'/') {
-        match part {
-            b"" | b"." => {}
-            b".." => return Err("path contains `..`".into()),
-            p => out.push(OsStr::from_bytes(p)),
-        }
-    }
-    Ok(out)
+    /// Every directory written or made up, by path.
+    dirs: BTreeMap<PathBuf, DirMeta>,
+    /// Copy buffer for file data.
+    buf: Vec<u8>,
 }
 
 fn lstat(path: &Path) -> io::Result<Option<std::fs::Metadata>> {
@@ -260,68 +260,49 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// `path` split into its parent and last component (the walker normalized it: relative,
+/// no `.`, `..` or empty components; `""` is the root).
+fn split_path(path: &str) -> (&str, &str) {
+    match path.rfind('/') {
+        Some(i) => (&path[..i], &path[i + 1..]),
+        None => ("", path),
+    }
+}
+
 impl Unpacker<'_> {
-    fn entry<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<(), UnpackError> {
-        self.entries += 1;
-        if self.entries > self.limits.max_entries {
-            return Err(UnpackError::Limit(format!(
-                "more than {} entries",
-                self.limits.max_entries
-            )));
-        }
-        let kind = entry.header().entry_type();
-        if matches!(
-            kind,
-            tar::EntryType::XGlobalHeader
-                | tar::EntryType::XHeader
-                | tar::EntryType::GNULongName
-                | tar::EntryType::GNULongLink
-        ) {
-            return Ok(());
-        }
-        let raw_path = entry.path_bytes().into_owned();
-        let shown = String::from_utf8_lossy(&raw_path).into_owned();
-        let pax_mtime = pax_mtime(&mut entry);
+    fn entry<R: Read>(
+        &mut self,
+        entry: &Entry,
+        walker: &mut TarWalker<R>,
+    ) -> Result<(), UnpackError> {
         let unsafe_entry = |reason: String| UnpackError::Unsafe {
-            path: shown.clone(),
+            path: entry.path.clone(),
             reason,
         };
-        let parts = safe_components(&raw_path).map_err(unsafe_entry)?;
-        let Some((name, parents)) = parts.split_last() else {
+        if entry.path.is_empty() {
             // The layer's root directory ("./"): its metadata applies to dest itself.
-            if kind == tar::EntryType::Directory {
-                let (mode, mtime) = header_mode_mtime(entry.header(), &shown, pax_mtime)?;
-                self.set_owner(entry.header(), self.dest)?;
-                self.dirs.push(DirMeta {
-                    path: self.dest.to_path_buf(),
-                    mode,
-                    mtime,
-                });
-            }
+            self.dirs
+                .insert(self.dest.to_path_buf(), DirMeta::of(entry));
             return Ok(());
-        };
-        let parent = self.make_parents(parents, &shown)?;
-        let name_bytes = name.as_bytes();
-        if name_bytes == OPAQUE_MARKER.as_bytes() {
+        }
+        let (parent_rel, name) = split_path(&entry.path);
+        let parent = self.make_parents(parent_rel, &entry.path)?;
+        if name == OPAQUE_MARKER {
             return set_xattr(&parent, OPAQUE_XATTR, b"y");
         }
-        if let Some(hidden) = name_bytes.strip_prefix(WHITEOUT_PREFIX.as_bytes()) {
-            if hidden.starts_with(WHITEOUT_PREFIX.as_bytes()) {
-                // Other `.wh..wh.` names are aufs bookkeeping, meaningless to overlayfs.
-                return Ok(());
-            }
-            if hidden.is_empty() || hidden == b"." || hidden == b".." {
-                return Err(unsafe_entry("whiteout of nothing".into()));
-            }
-            let target = parent.join(OsStr::from_bytes(hidden));
+        if let Some(hidden) = name.strip_prefix(WHITEOUT_PREFIX) {
+            // The walker refused whiteouts of nothing and of paths this layer adds, so
+            // only an earlier whiteout of the same name can be in the way.
+            let target = parent.join(hidden);
             remove_existing(&target)?;
-            return mknod(&target, libc::S_IFCHR, 0, 0, 0);
+            mknod(&target, libc::S_IFCHR, 0, 0, 0)?;
+            self.set_owner(entry, &target)?;
+            chmod(&target, entry.mode)?;
+            return set_mtime(&target, (entry.mtime, entry.mtime_nsec));
         }
         let path = parent.join(name);
-        let header = entry.header().clone();
-        let (mode, mtime) = header_mode_mtime(&header, &shown, pax_mtime)?;
-        match kind {
-            tar::EntryType::Directory => {
+        match entry.kind {
+            EntryKind::Dir => {
                 match lstat(&path).map_err(io_err("stat", &path))? {
                     Some(m) if m.is_dir() => {}
                     Some(_) => {
@@ -330,14 +311,11 @@ impl Unpacker<'_> {
                     }
                     None => make_dir(&path)?,
                 }
-                self.set_owner(&header, &path)?;
-                self.set_xattrs(&mut entry, &path, &shown)?;
-                self.dirs.push(DirMeta { path, mode, mtime });
+                self.dirs.insert(path, DirMeta::of(entry));
                 return Ok(());
             }
-            tar::EntryType::Regular | tar::EntryType::Continuous => {
-                let size = header.entry_size().map_err(format_err)?;
-                if self.file_bytes.saturating_add(size) > self.limits.max_file_bytes {
+            EntryKind::File => {
+                if self.file_bytes.saturating_add(entry.size) > self.limits.max_file_bytes {
                     return Err(UnpackError::Limit(format!(
                         "more than {} bytes of file content",
                         self.limits.max_file_bytes
@@ -351,97 +329,80 @@ impl Unpacker<'_> {
                     .custom_flags(libc::O_NOFOLLOW)
                     .open(&path)
                     .map_err(io_err("create", &path))?;
-                let copied = io::copy(&mut entry, &mut file).map_err(format_err)?;
-                if copied != size {
-                    return Err(UnpackError::Format(format!(
-                        "{shown}: {copied} bytes of {size}"
-                    )));
-                }
-                self.file_bytes += copied;
+                self.file_bytes += self.copy_data(walker, &mut file, &path)?;
             }
-            tar::EntryType::Symlink => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| unsafe_entry("symlink without a target".into()))?
-                    .into_owned();
-                if target.is_empty() || target.len() > MAX_PATH_LEN || target.contains(&0) {
-                    return Err(unsafe_entry(
-                        "symlink target empty, too long or with NUL".into(),
-                    ));
-                }
+            EntryKind::Symlink => {
                 remove_existing(&path)?;
-                std::os::unix::fs::symlink(OsStr::from_bytes(&target), &path)
+                std::os::unix::fs::symlink(&entry.link_target, &path)
                     .map_err(io_err("symlink", &path))?;
             }
-            tar::EntryType::Link => {
-                let target = entry
-                    .link_name_bytes()
-                    .ok_or_else(|| unsafe_entry("hard link without a target".into()))?
-                    .into_owned();
-                let target_parts = safe_components(&target)
-                    .map_err(|why| unsafe_entry(format!("hard link target: {why}")))?;
-                let Some((target_name, target_parents)) = target_parts.split_last() else {
-                    return Err(unsafe_entry("hard link to the layer root".into()));
-                };
+            EntryKind::Hardlink => {
+                let (target_parent, target_name) = split_path(&entry.link_target);
                 let target_dir = self
-                    .existing_parents(target_parents)
+                    .existing_parents(target_parent)
                     .map_err(|why| unsafe_entry(format!("hard link target: {why}")))?;
                 let target_path = target_dir.join(target_name);
                 match lstat(&target_path).map_err(io_err("stat", &target_path))? {
-                    Some(m) if !m.is_dir() => {}
-                    Some(_) => return Err(unsafe_entry("hard link to a directory".into())),
-                    None => {
+                    Some(m) if m.is_file() => {}
+                    _ => {
                         return Err(unsafe_entry(
-                            "hard link to a file that is not in this layer".into(),
+                            "hard link target is not a file of this layer".into(),
                         ));
                     }
-                }
-                if target_path == path {
-                    return Ok(());
                 }
                 remove_existing(&path)?;
                 std::fs::hard_link(&target_path, &path).map_err(io_err("link", &path))?;
                 // The link shares the target's inode and so its metadata.
                 return Ok(());
             }
-            tar::EntryType::Char | tar::EntryType::Block | tar::EntryType::Fifo => {
-                let file_type = match kind {
-                    tar::EntryType::Char => libc::S_IFCHR,
-                    tar::EntryType::Block => libc::S_IFBLK,
-                    _ => libc::S_IFIFO,
-                };
-                // A fifo has no device numbers; some writers leave the fields blank.
-                let (major, minor) = if kind == tar::EntryType::Fifo {
-                    (0, 0)
-                } else {
-                    (
-                        header.device_major().map_err(format_err)?.unwrap_or(0),
-                        header.device_minor().map_err(format_err)?.unwrap_or(0),
-                    )
+            EntryKind::Char | EntryKind::Block | EntryKind::Fifo => {
+                let (file_type, dev) = match entry.kind {
+                    EntryKind::Char => (libc::S_IFCHR, (entry.dev_major, entry.dev_minor)),
+                    EntryKind::Block => (libc::S_IFBLK, (entry.dev_major, entry.dev_minor)),
+                    _ => (libc::S_IFIFO, (0, 0)),
                 };
                 remove_existing(&path)?;
-                mknod(&path, file_type, mode & 0o777, major, minor)?;
-            }
-            other => {
-                return Err(UnpackError::Unsupported {
-                    path: shown,
-                    reason: format!("tar entry type {other:?}"),
-                });
+                mknod(&path, file_type, entry.mode & 0o777, dev.0, dev.1)?;
             }
         }
-        self.set_owner(&header, &path)?;
-        self.set_xattrs(&mut entry, &path, &shown)?;
-        if kind != tar::EntryType::Symlink {
-            chmod(&path, mode)?;
+        self.set_owner(entry, &path)?;
+        set_xattrs(&path, &entry.xattrs)?;
+        if entry.kind != EntryKind::Symlink {
+            chmod(&path, entry.mode)?;
         }
-        set_mtime(&path, mtime)
+        set_mtime(&path, (entry.mtime, entry.mtime_nsec))
     }
 
-    /// Creates missing parent directories (0755) of an entry; refuses a parent that is a
-    /// symlink or not a directory. Returns the parent path.
-    fn make_parents(&self, parents: &[&OsStr], shown: &str) -> Result<PathBuf, UnpackError> {
+    /// Copies the current entry's data into `file`. A stream that ends inside the data
+    /// is the walker's truncation error, the one a lazy index of the layer reports.
+    fn copy_data<R: Read>(
+        &mut self,
+        walker: &mut TarWalker<R>,
+        file: &mut File,
+        path: &Path,
+    ) -> Result<u64, UnpackError> {
+        let mut copied = 0u64;
+        loop {
+            let n = match walker.read_data(&mut self.buf) {
+                Ok(0) => return Ok(copied),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    walker.skip_data()?;
+                    return Err(UnpackError::Format(e.to_string()));
+                }
+                Err(e) => return Err(format_err(e)),
+            };
+            file.write_all(&self.buf[..n])
+                .map_err(io_err("write", path))?;
+            copied += n as u64;
+        }
+    }
+
+    /// Creates missing parent directories (made up: 0755, mtime 0) of an entry; refuses a
+    /// parent that is a symlink or not a directory. Returns the parent path.
+    fn make_parents(&mut self, parents: &str, shown: &str) -> Result<PathBuf, UnpackError> {
         let mut dir = self.dest.to_path_buf();
-        for part in parents {
+        for part in parents.split('/').filter(|p| !p.is_empty()) {
             dir.push(part);
             match lstat(&dir).map_err(io_err("stat", &dir))? {
                 Some(m) if m.file_type().is_symlink() => {
@@ -463,16 +424,19 @@ impl Unpacker<'_> {
                         ),
                     });
                 }
-                None => make_dir(&dir)?,
+                None => {
+                    make_dir(&dir)?;
+                    self.dirs.insert(dir.clone(), DirMeta::made_up());
+                }
             }
         }
         Ok(dir)
     }
 
     /// The existing directory `parents` names, without following symlinks.
-    fn existing_parents(&self, parents: &[&OsStr]) -> Result<PathBuf, String> {
+    fn existing_parents(&self, parents: &str) -> Result<PathBuf, String> {
         let mut dir = self.dest.to_path_buf();
-        for part in parents {
+        for part in parents.split('/').filter(|p| !p.is_empty()) {
             dir.push(part);
             match lstat(&dir) {
                 Ok(Some(m)) if m.is_dir() && !m.file_type().is_symlink() => {}
@@ -484,66 +448,28 @@ impl Unpacker<'_> {
         Ok(dir)
     }
 
-    fn set_owner(&self, header: &tar::Header, path: &Path) -> Result<(), UnpackError> {
-        let uid = header.uid().map_err(format_err)?;
-        let gid = header.gid().map_err(format_err)?;
-        let (Ok(uid), Ok(gid)) = (u32::try_from(uid), u32::try_from(gid)) else {
-            return Err(UnpackError::Unsafe {
-                path: path.display().to_string(),
-                reason: "uid or gid out of range".into(),
-            });
-        };
-        let c = cstring(path)?;
-        // SAFETY: c is a valid NUL-terminated path.
-        let rc = unsafe { libc::lchown(c.as_ptr(), uid, gid) };
-        if rc != 0 && !is_root() {
-            // An unprivileged unpack (tests) keeps the caller's ownership.
-            return Ok(());
-        }
-        os_check(rc, "chown", path)
+    fn set_owner(&self, entry: &Entry, path: &Path) -> Result<(), UnpackError> {
+        lchown(path, entry.uid, entry.gid)
     }
 
-    fn set_xattrs<R: Read>(
-        &self,
-        entry: &mut tar::Entry<'_, R>,
-        path: &Path,
-        shown: &str,
-    ) -> Result<(), UnpackError> {
-        let Some(extensions) = entry.pax_extensions().map_err(format_err)? else {
-            return Ok(());
-        };
-        for ext in extensions {
-            let ext = ext.map_err(format_err)?;
-            let Ok(key) = ext.key() else { continue };
-            let Some(name) = key.strip_prefix(PAX_XATTR) else {
-                continue;
-            };
-            let value = ext.value_bytes();
-            if value.len() > MAX_XATTR_VALUE || name.is_empty() {
-                return Err(UnpackError::Unsafe {
-                    path: shown.to_owned(),
-                    reason: format!(
-                        "xattr {name:?} empty name or value over {MAX_XATTR_VALUE} bytes"
-                    ),
-                });
-            }
-            set_xattr(path, name, value)?;
-        }
-        Ok(())
-    }
-
-    /// Directory modes and mtimes, deepest first, once nothing more is written into them.
+    /// Directory owners, xattrs, modes and mtimes, deepest first, once nothing more is
+    /// written into them.
     fn finish_dirs(&mut self) -> Result<(), UnpackError> {
-        self.dirs
-            .sort_by_key(|d| std::cmp::Reverse(d.path.components().count()));
-        for dir in &self.dirs {
-            // A later entry may have replaced this directory, or one above it, with a
-            // symlink: chmod follows links, so only a path of real directories is touched.
-            if !self.is_real_dir_path(&dir.path)? {
+        let mut dirs: Vec<(&PathBuf, &DirMeta)> = self.dirs.iter().collect();
+        dirs.sort_by_key(|(path, _)| std::cmp::Reverse(path.components().count()));
+        for (path, meta) in dirs {
+            // Only a path of real directories is touched (chmod follows links); the walker
+            // refuses layers that replace a directory, so this holds unless something
+            // else changed the destination meanwhile.
+            if !self.is_real_dir_path(path)? {
                 continue;
             }
-            chmod(&dir.path, dir.mode)?;
-            set_mtime(&dir.path, dir.mtime)?;
+            if let Some((uid, gid)) = meta.owner {
+                lchown(path, uid, gid)?;
+            }
+            set_xattrs(path, &meta.xattrs)?;
+            chmod(path, meta.mode)?;
+            set_mtime(path, meta.mtime)?;
         }
         Ok(())
     }
@@ -566,58 +492,22 @@ impl Unpacker<'_> {
     }
 }
 
-fn header_mode_mtime(
-    header: &tar::Header,
-    shown: &str,
-    pax_mtime: Option<Mtime>,
-) -> Result<(u32, Mtime), UnpackError> {
-    let mode = header
-        .mode()
-        .map_err(|e| UnpackError::Format(format!("{shown}: mode: {e}")))?;
-    let mtime = match pax_mtime {
-        Some(m) => m,
-        None => Mtime {
-            secs: header
-                .mtime()
-                .map_err(|e| UnpackError::Format(format!("{shown}: mtime: {e}")))?,
-            nanos: 0,
-        },
-    };
-    Ok((mode & 0o7777, mtime))
+fn lchown(path: &Path, uid: u32, gid: u32) -> Result<(), UnpackError> {
+    let c = cstring(path)?;
+    // SAFETY: c is a valid NUL-terminated path.
+    let rc = unsafe { libc::lchown(c.as_ptr(), uid, gid) };
+    if rc != 0 && !is_root() {
+        // An unprivileged unpack (tests) keeps the caller's ownership.
+        return Ok(());
+    }
+    os_check(rc, "chown", path)
 }
 
-/// The entry's PAX `mtime` record, if it has a well-formed one (`SECS[.FRACTION]`); an
-/// unreadable or malformed record falls back to the header's whole seconds.
-fn pax_mtime<R: Read>(entry: &mut tar::Entry<'_, R>) -> Option<Mtime> {
-    let extensions = entry.pax_extensions().ok()??;
-    for ext in extensions {
-        let Ok(ext) = ext else { continue };
-        if ext.key_bytes() == b"mtime" {
-            return parse_pax_time(ext.value_bytes());
-        }
+fn set_xattrs(path: &Path, xattrs: &BTreeMap<String, Vec<u8>>) -> Result<(), UnpackError> {
+    for (name, value) in xattrs {
+        set_xattr(path, name, value)?;
     }
-    None
-}
-
-/// Parses a PAX time such as `1700000000.123456789` (at most nanosecond precision is
-/// kept; times before 1970 are refused).
-fn parse_pax_time(value: &[u8]) -> Option<Mtime> {
-    let text = std::str::from_utf8(value).ok()?;
-    let (secs, frac) = text.split_once('.').unwrap_or((text, ""));
-    if secs.is_empty() || !secs.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    if !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let secs: u64 = secs.parse().ok()?;
-    let digits: String = frac.chars().take(9).collect();
-    let nanos = if digits.is_empty() {
-        0
-    } else {
-        digits.parse::<u32>().ok()? * 10u32.pow(9 - digits.len() as u32)
-    };
-    Some(Mtime { secs, nanos })
+    Ok(())
 }
 
 fn make_dir(path: &Path) -> Result<(), UnpackError> {
@@ -656,10 +546,10 @@ fn chmod(path: &Path, mode: u32) -> Result<(), UnpackError> {
         .map_err(io_err("chmod", path))
 }
 
-fn set_mtime(path: &Path, mtime: Mtime) -> Result<(), UnpackError> {
+fn set_mtime(path: &Path, (secs, nanos): (i64, u32)) -> Result<(), UnpackError> {
     let c = cstring(path)?;
-    let secs = libc::time_t::try_from(mtime.secs).unwrap_or(libc::time_t::MAX);
-    let nanos = libc::c_long::from(mtime.nanos.min(999_999_999));
+    let secs = libc::time_t::try_from(secs).unwrap_or(libc::time_t::MAX);
+    let nanos = libc::c_long::from(nanos.min(999_999_999));
     let times = [
         libc::timespec {
             tv_sec: secs,

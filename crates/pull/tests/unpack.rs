@@ -12,74 +12,16 @@ use ferry_oci::media::LayerCompression;
 use ferry_pull::unpack::{OPAQUE_XATTR, UnpackError, UnpackLimits, unpack_layer};
 use sha2::Digest as _;
 
+mod common;
+use common::{Raw, file, raw, tar_of};
+
 fn is_root() -> bool {
     // SAFETY: no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
 
-/// A tar entry written with raw header fields (so hostile names can be built).
-struct Raw<'a> {
-    path: &'a str,
-    kind: tar::EntryType,
-    data: &'a [u8],
-    link: Option<&'a str>,
-    mode: u32,
-    uid: u64,
-    mtime: u64,
-}
-
-fn raw(path: &str, kind: tar::EntryType) -> Raw<'_> {
-    Raw {
-        path,
-        kind,
-        data: b"",
-        link: None,
-        mode: if kind == tar::EntryType::Directory {
-            0o755
-        } else {
-            0o644
-        },
-        uid: 0,
-        mtime: 1_600_000_000,
-    }
-}
-
-fn tar_of(entries: &[Raw<'_>]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for e in entries {
-        let mut h = tar::Header::new_gnu();
-        let name = &mut h.as_gnu_mut().unwrap().name;
-        name[..e.path.len()].copy_from_slice(e.path.as_bytes());
-        if let Some(link) = e.link {
-            let field = &mut h.as_gnu_mut().unwrap().linkname;
-            field[..link.len()].copy_from_slice(link.as_bytes());
-        }
-        h.set_entry_type(e.kind);
-        h.set_size(e.data.len() as u64);
-        h.set_mode(e.mode);
-        h.set_uid(e.uid);
-        h.set_gid(e.uid);
-        h.set_mtime(e.mtime);
-        h.set_device_major(0).unwrap();
-        h.set_device_minor(0).unwrap();
-        h.set_cksum();
-        out.extend_from_slice(h.as_bytes());
-        out.extend_from_slice(e.data);
-        out.resize(out.len().div_ceil(512) * 512, 0);
-    }
-    out.resize(out.len() + 1024, 0);
-    out
-}
-
 fn unpack(tar: &[u8], dest: &Path) -> Result<ferry_pull::unpack::UnpackStats, UnpackError> {
     unpack_layer(tar, LayerCompression::None, dest, &UnpackLimits::default())
-}
-
-fn file<'a>(path: &'a str, data: &'a [u8]) -> Raw<'a> {
-    Raw {
-        data,
-        ..raw(path, tar::EntryType::Regular)
-    }
 }
 
 #[test]
@@ -252,12 +194,17 @@ fn pax_xattrs_are_applied() {
     assert_eq!(&value[..n as usize], b"hello");
 }
 
-fn assert_unsafe(entries: &[Raw<'_>], needle: &str) {
+/// The layer is refused (by the tar walker, or by the unpacker's own checks on disk)
+/// with an error containing `needle`, and nothing is written outside the destination.
+fn assert_refused(entries: &[Raw<'_>], needle: &str) {
     let outer = tempfile::tempdir().unwrap();
     let dest = outer.path().join("layer");
     std::fs::create_dir(&dest).unwrap();
     let err = unpack(&tar_of(entries), &dest).unwrap_err();
-    assert!(matches!(err, UnpackError::Unsafe { .. }), "{err}");
+    assert!(
+        matches!(err, UnpackError::Unsafe { .. } | UnpackError::Tar(_)),
+        "{err}"
+    );
     assert!(err.to_string().contains(needle), "{err} lacks {needle:?}");
     let outside: Vec<_> = std::fs::read_dir(outer.path())
         .unwrap()
@@ -272,11 +219,10 @@ fn assert_unsafe(entries: &[Raw<'_>], needle: &str) {
 
 #[test]
 fn traversal_and_escapes_are_refused() {
-    assert_unsafe(&[file("../evil", b"x")], "`..`");
-    assert_unsafe(&[file("a/../../evil", b"x")], "`..`");
-    assert_unsafe(&[file("/etc/evil", b"x")], "absolute");
+    assert_refused(&[file("../evil", b"x")], "escapes");
+    assert_refused(&[file("a/../../evil", b"x")], "escapes");
     // a symlink to the outside, then a write through it
-    assert_unsafe(
+    assert_refused(
         &[
             Raw {
                 link: Some(".."),
@@ -284,16 +230,16 @@ fn traversal_and_escapes_are_refused() {
             },
             file("up/evil", b"x"),
         ],
-        "symlink",
+        "non-directory",
     );
-    assert_unsafe(
+    assert_refused(
         &[Raw {
             link: Some("../outside"),
             ..raw("hard", tar::EntryType::Link)
         }],
-        "`..`",
+        "escapes",
     );
-    assert_unsafe(
+    assert_refused(
         &[
             Raw {
                 link: Some(".."),
@@ -304,20 +250,36 @@ fn traversal_and_escapes_are_refused() {
                 ..raw("hard", tar::EntryType::Link)
             },
         ],
-        "symlink",
+        "regular file",
     );
-    assert_unsafe(
+    assert_refused(
         &[Raw {
             link: Some("missing"),
             ..raw("hard", tar::EntryType::Link)
         }],
-        "not in this layer",
+        "does not name an earlier",
     );
-    assert_unsafe(
+    assert_refused(
         &[file("file", b"x"), file("file/child", b"x")],
-        "not a directory",
+        "non-directory",
     );
-    assert_unsafe(&[raw("dir/.wh...", tar::EntryType::Regular)], "whiteout");
+    assert_refused(&[raw("dir/.wh...", tar::EntryType::Regular)], "whiteout");
+}
+
+/// An absolute path names the same place relative to the layer root (as Docker and
+/// containerd read it, and as the lazy tree shows it): nothing lands outside.
+#[test]
+fn absolute_paths_are_relative_to_the_layer() {
+    let outer = tempfile::tempdir().unwrap();
+    let dest = outer.path().join("layer");
+    std::fs::create_dir(&dest).unwrap();
+    unpack(&tar_of(&[file("/etc/abs", b"x")]), &dest).unwrap();
+    assert_eq!(std::fs::read(dest.join("etc/abs")).unwrap(), b"x");
+    let outside: Vec<_> = std::fs::read_dir(outer.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(outside, vec![std::ffi::OsString::from("layer")]);
 }
 
 #[test]
@@ -327,7 +289,7 @@ fn bad_input_is_an_error_not_a_panic() {
     let garbage = vec![0x5au8; 2048];
     assert!(matches!(
         unpack(&garbage, dest.path()),
-        Err(UnpackError::Format(_))
+        Err(UnpackError::Tar(_))
     ));
     // truncated file content
     let mut tar = tar_of(&[file("big", &[7u8; 2000])]);
@@ -354,7 +316,9 @@ fn bad_input_is_an_error_not_a_panic() {
         &small,
     )
     .unwrap_err();
-    assert!(matches!(err, UnpackError::Limit(_)), "{err}");
+    // The entry count is the walker's bound, the one the lazy index has too.
+    assert!(matches!(err, UnpackError::Tar(_)), "{err}");
+    assert!(err.to_string().contains("more than 2 entries"), "{err}");
     let tiny = UnpackLimits {
         max_entries: 100,
         max_file_bytes: 2,
@@ -396,7 +360,7 @@ fn gzip_and_zstd_layers_unpack_and_hash_the_uncompressed_stream() {
 }
 
 #[test]
-fn a_directory_replaced_by_a_symlink_does_not_redirect_its_chmod() {
+fn a_directory_replaced_by_a_symlink_is_refused_and_its_chmod_not_redirected() {
     let outer = tempfile::tempdir().unwrap();
     let outside = outer.path().join("outside");
     std::fs::create_dir(&outside).unwrap();
@@ -418,21 +382,17 @@ fn a_directory_replaced_by_a_symlink_does_not_redirect_its_chmod() {
             ..raw("etc", tar::EntryType::Symlink)
         },
     ]);
-    unpack(&tar, &dest).unwrap();
-    assert!(
-        std::fs::symlink_metadata(dest.join("etc"))
-            .unwrap()
-            .file_type()
-            .is_symlink()
-    );
+    let err = unpack(&tar, &dest).unwrap_err();
+    assert!(err.to_string().contains("replaces a directory"), "{err}");
     let mode = std::fs::metadata(&outside).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode, 0o755, "the symlink's target kept its mode");
 }
 
 /// GNU tar and Docker write sub-second mtimes in a PAX `mtime` record; containerd's
-/// overlayfs unpack keeps them, and a staged layer must look the same.
+/// overlayfs unpack keeps them, and a staged layer must look the same. A malformed one
+/// is refused, as the lazy index refuses it.
 #[test]
-fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_fall_back_to_the_header() {
+fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_are_refused() {
     let dest = tempfile::tempdir().unwrap();
     let mut builder = tar::Builder::new(Vec::new());
     let mut add = |name: &str, pax: Option<&[u8]>| {
@@ -453,7 +413,6 @@ fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_fall_back_to_the_header() {
     add("short", Some(b"1700000001.5".as_slice()));
     add("long", Some(b"1700000002.1234567891234".as_slice()));
     add("whole", Some(b"1700000003".as_slice()));
-    add("garbage", Some(b"-12.x".as_slice()));
     add("plain", None);
     let tar = builder.into_inner().unwrap();
     unpack(&tar, dest.path()).unwrap();
@@ -465,6 +424,21 @@ fn pax_mtimes_keep_their_nanoseconds_and_bad_ones_fall_back_to_the_header() {
     assert_eq!(mtime("short"), (1_700_000_001, 500_000_000));
     assert_eq!(mtime("long"), (1_700_000_002, 123_456_789));
     assert_eq!(mtime("whole"), (1_700_000_003, 0));
-    assert_eq!(mtime("garbage"), (1_600_000_000, 0));
     assert_eq!(mtime("plain"), (1_600_000_000, 0));
+
+    let mut builder = tar::Builder::new(Vec::new());
+    builder
+        .append_pax_extensions([("mtime", b"-12.x".as_slice())])
+        .unwrap();
+    let mut h = tar::Header::new_ustar();
+    h.set_path("garbage").unwrap();
+    h.set_size(0);
+    h.set_cksum();
+    builder.append(&h, &b""[..]).unwrap();
+    let err = unpack(
+        &builder.into_inner().unwrap(),
+        tempfile::tempdir().unwrap().path(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("PAX mtime"), "{err}");
 }

@@ -7,10 +7,11 @@
 //! once and retry. Basic credentials are sent only to a host that asked for them.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use base64::Engine as _;
+use parking_lot::Mutex;
 use serde::Deserialize;
 
 use super::ClientError;
@@ -149,10 +150,6 @@ struct TokenResponse {
 const DEFAULT_TOKEN_LIFETIME: Duration = Duration::from_secs(60);
 const MAX_TOKEN_RESPONSE: u64 = 1 << 20;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poison| poison.into_inner())
-}
-
 pub(crate) fn basic_header(c: &Credentials) -> String {
     let raw = format!("{}:{}", c.username, c.password);
     format!(
@@ -165,11 +162,11 @@ impl AuthState {
     /// The Authorization header to send to `host` for `scope`, if we already know how
     /// this host authenticates and hold a fresh token (or basic credentials).
     pub fn cached_header(&self, host: &str, scope: &str, secret: &HostSecret) -> Option<String> {
-        let how = lock(&self.hosts).get(host).cloned()?;
+        let how = self.hosts.lock().get(host).cloned()?;
         match how {
             HostAuth::Basic => secret.basic.as_ref().map(basic_header),
             HostAuth::Bearer { .. } => {
-                let tokens = lock(&self.tokens);
+                let tokens = self.tokens.lock();
                 let t = tokens.get(&(host.to_string(), scope.to_string()))?;
                 (Instant::now() < t.refresh_at).then(|| format!("Bearer {}", t.value))
             }
@@ -179,12 +176,14 @@ impl AuthState {
     /// Whether the host is known to want a bearer token.
     #[cfg(test)]
     pub fn known_bearer(&self, host: &str) -> bool {
-        matches!(lock(&self.hosts).get(host), Some(HostAuth::Bearer { .. }))
+        matches!(self.hosts.lock().get(host), Some(HostAuth::Bearer { .. }))
     }
 
     /// Forgets a token the registry refused.
     pub fn invalidate(&self, host: &str, scope: &str) {
-        lock(&self.tokens).remove(&(host.to_string(), scope.to_string()));
+        self.tokens
+            .lock()
+            .remove(&(host.to_string(), scope.to_string()));
     }
 
     /// Records a challenge from `host`.
@@ -202,7 +201,7 @@ impl AuthState {
                 .any(|c| c.scheme == "basic")
                 .then_some(HostAuth::Basic)
         })?;
-        lock(&self.hosts).insert(host.to_string(), how.clone());
+        self.hosts.lock().insert(host.to_string(), how.clone());
         Some(how)
     }
 
@@ -216,7 +215,7 @@ impl AuthState {
         secret: &HostSecret,
         force: bool,
     ) -> Result<Option<String>, ClientError> {
-        let how = lock(&self.hosts).get(host).cloned();
+        let how = self.hosts.lock().get(host).cloned();
         let (realm, service) = match how {
             None => return Ok(None),
             Some(HostAuth::Basic) => {
@@ -231,7 +230,7 @@ impl AuthState {
             Some(HostAuth::Bearer { realm, service }) => (realm, service),
         };
         let key = (host.to_string(), scope.to_string());
-        let gate = lock(&self.fetching).entry(key.clone()).or_default().clone();
+        let gate = self.fetching.lock().entry(key.clone()).or_default().clone();
         let _held = gate.lock().await;
         if !force && let Some(h) = self.cached_header(host, scope, secret) {
             return Ok(Some(h));
@@ -240,7 +239,7 @@ impl AuthState {
             .fetch_token(http, host, &realm, service.as_deref(), scope, secret)
             .await?;
         let header = format!("Bearer {}", token.value);
-        lock(&self.tokens).insert(key, token);
+        self.tokens.lock().insert(key, token);
         Ok(Some(header))
     }
 

@@ -43,11 +43,6 @@ pub fn next_link(link_values: &[&str], base: &url::Url) -> Option<url::Url> {
     crate::next_link(&headers, base)
 }
 
-/// The client's reading of a `206` answer's `Content-Range`: `(first, last, total)`.
-pub fn client_content_range(value: &str) -> Option<(u64, u64, Option<u64>)> {
-    crate::parse_content_range(value)
-}
-
 /// The `mediaType` the client takes from a fetched manifest document.
 pub fn document_media_type(bytes: &[u8]) -> Option<String> {
     crate::document_media_type(bytes)

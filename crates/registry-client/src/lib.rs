@@ -57,10 +57,11 @@ mod tests;
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::{Stream, StreamExt};
+use parking_lot::Mutex;
 use reqwest::Method;
 use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 
@@ -474,10 +475,6 @@ pub struct Client {
     origin_only: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poison| poison.into_inner())
-}
-
 /// Result of a manifest PUT.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutManifest {
@@ -598,7 +595,7 @@ impl Client {
 
     fn scheme_of(&self, ep: &Endpoint) -> &'static str {
         ep.scheme
-            .or_else(|| lock(&self.inner.schemes).get(&ep.host).copied())
+            .or_else(|| self.inner.schemes.lock().get(&ep.host).copied())
             .unwrap_or("https")
     }
 
@@ -608,7 +605,7 @@ impl Client {
         if ep.scheme.is_some() || !is_loopback(&ep.host) {
             return false;
         }
-        let mut schemes = lock(&self.inner.schemes);
+        let mut schemes = self.inner.schemes.lock();
         if schemes.contains_key(&ep.host) {
             return false;
         }
@@ -619,7 +616,9 @@ impl Client {
 
     fn remember_scheme(&self, ep: &Endpoint, scheme: &'static str) {
         if ep.scheme.is_none() {
-            lock(&self.inner.schemes)
+            self.inner
+                .schemes
+                .lock()
                 .entry(ep.host.clone())
                 .or_insert(scheme);
         }
@@ -1599,19 +1598,27 @@ pub(crate) fn document_media_type(bytes: &[u8]) -> Option<String> {
         .filter(|m| !m.is_empty())
 }
 
-/// Parses `bytes START-END/TOTAL` (TOTAL may be `*`). Refuses END = `u64::MAX` (callers
-/// compute END + 1) and a range that does not lie inside a stated TOTAL.
-pub(crate) fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
-    let rest = v.trim().strip_prefix("bytes")?.trim_start();
-    let (span, total) = rest.split_once('/')?;
+/// Parses a `Content-Range` into `(first, last, total)`: the RFC form
+/// `bytes FIRST-LAST/TOTAL` (TOTAL may be `*`) a `206` answer carries, and the bare
+/// `FIRST-LAST` the distribution spec has chunk uploads send (the registry's `PATCH`
+/// handler reads it here too, so both ends agree on one grammar). Refuses LAST =
+/// `u64::MAX` (callers compute LAST + 1), LAST < FIRST, and a range that does not lie
+/// inside a stated TOTAL.
+pub fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
+    let v = v.trim();
+    let v = v.strip_prefix("bytes").map_or(v, str::trim_start);
+    let (span, total) = match v.split_once('/') {
+        Some((span, total)) => (span, Some(total.trim())),
+        None => (v, None),
+    };
     let (a, b) = span.split_once('-')?;
     let (a, b): (u64, u64) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
     if b < a || b == u64::MAX {
         return None;
     }
-    let total = match total.trim() {
-        "*" => None,
-        t => Some(t.parse::<u64>().ok()?),
+    let total = match total {
+        None | Some("*") => None,
+        Some(t) => Some(t.parse::<u64>().ok()?),
     };
     if total.is_some_and(|t| b >= t) {
         return None;

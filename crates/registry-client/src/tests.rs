@@ -1098,6 +1098,16 @@ fn content_range_answers_are_bounded() {
     assert_eq!(parse_content_range("bytes 0-18446744073709551615/*"), None);
     assert_eq!(parse_content_range("bytes 0-99/99"), None);
     assert_eq!(parse_content_range("bytes 9-5/10"), None);
+    // The bare form of a chunk upload, as the registry reads it.
+    assert_eq!(parse_content_range("0-99"), Some((0, 99, None)));
+    assert_eq!(parse_content_range(" 100 - 199 "), Some((100, 199, None)));
+    assert_eq!(parse_content_range("5-4"), None);
+    assert_eq!(parse_content_range("abc"), None);
+    assert_eq!(parse_content_range("-4"), None);
+    assert_eq!(
+        parse_content_range("0-18446744073709551614"),
+        Some((0, u64::MAX - 1, None))
+    );
 }
 
 #[test]

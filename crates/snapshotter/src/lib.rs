@@ -11,6 +11,9 @@
 //! - [`service::SnapshotService`]: the gRPC service (namespaces from request metadata).
 //! - [`server`]: unix-socket serving with clean shutdown, and the config file.
 //! - [`remote`]: the lazy-layer hook, label names, a no-op and an in-memory implementation.
+//!
+//! It must not know layer formats or fetch bytes: lazy layers come from whoever
+//! implements the hook (the daemon, over ferry-fs), staged layers from `ferry pull`.
 
 pub mod error;
 pub mod filter;

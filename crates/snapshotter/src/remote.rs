@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::usage::Usage;
@@ -205,11 +205,9 @@ impl MemoryRemoteLayers {
         Self::default()
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, MemoryState> {
+    fn state(&self) -> parking_lot::MutexGuard<'_, MemoryState> {
         // A panic while holding this lock is a test failure already; keep going.
-        self.inner
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.inner.lock()
     }
 
     /// Make the layer with `digest` lazily available with these files (relative paths).

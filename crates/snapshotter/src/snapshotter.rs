@@ -13,8 +13,10 @@
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::SystemTime;
+
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 use crate::filter::{Fields, FilterSet};
@@ -185,9 +187,7 @@ impl Snapshotter {
     }
 
     fn lock(&self) -> MutexGuard<'_, ()> {
-        self.changes
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.changes.lock()
     }
 
     fn snapshot_dir(&self, id: u64) -> PathBuf {

@@ -7,12 +7,11 @@
 //! temp file and renamed into place, its record follows with the next flush; a process
 //! opening the store adopts files without records, drops records without files, and
 //! hashes each entry on its first read, so after a kill -9 or a power cut at any moment
-//! nothing corrupt is ever served: a damaged entry is dropped and reads as a miss), and reused across daemon restarts. Metadata (sizes,
-//! recency, pins) lives in a redb file beside the chunks and is rebuilt from the chunk
-//! files if it is lost.
+//! nothing corrupt is ever served: a damaged entry is dropped and reads as a miss), and
+//! reused across daemon restarts. Metadata (sizes, recency, pins) lives in a redb file
+//! beside the chunks and is rebuilt from the chunk files if it is lost.
 //!
-//! It must not fetch anything (no network: the filesystem and p2p crates fetch and then
-//! `put`) and must not know any format (tar, gzip, indexes): a chunk is opaque bytes and
+//! It must not fetch anything (no network: ferry-fs fetches and then `put`s) and must not know any format (tar, gzip, indexes): a chunk is opaque bytes and
 //! a key. The only bytes it parses are its own metadata, which it treats as possibly
 //! damaged: bad records are dropped, never a panic.
 //!

@@ -48,10 +48,10 @@ pub struct RegistryArgs {
     #[arg(long, default_value_t = 256)]
     pub connections: usize,
     /// Measured duration (`30s`, `2m`; at most 1h).
-    #[arg(long, default_value = "30s", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = ferry_oci::units::parse_duration)]
     pub duration: Duration,
     /// Load before measuring, so connections and tokens are warm.
-    #[arg(long, default_value = "5s", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = ferry_oci::units::parse_duration)]
     pub warmup: Duration,
     /// How layers are requested: `get` (one GET of `--range` bytes), `head`, or
     /// `redirect` (GET following 3xx, e.g. to presigned object-store URLs).
@@ -68,7 +68,7 @@ pub struct RegistryArgs {
     #[arg(long = "allow-host")]
     pub allow_hosts: Vec<String>,
     /// Time limit of one request, body included.
-    #[arg(long, default_value = "10s", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = ferry_oci::units::parse_duration)]
     pub timeout: Duration,
     /// `OS/ARCH` picked when the tag names an index (default: this machine's).
     #[arg(long)]

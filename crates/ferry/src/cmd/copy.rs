@@ -51,7 +51,7 @@ pub struct Args {
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
     /// Bytes per chunk for chunked pushes and parallel downloads (suffixes K, M, G).
-    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    #[arg(long, default_value = "16M", value_parser = ferry_oci::units::parse_nonzero_size)]
     pub chunk_size: u64,
     /// Client settings as TOML (the `[client]` table's fields: timeouts, retries, and
     /// `[registry."host"]` tables with mirrors, plain_http, credentials).
@@ -63,31 +63,6 @@ pub struct Args {
     /// Do not copy any referrers.
     #[arg(long, conflicts_with = "referrer_types")]
     pub no_referrers: bool,
-}
-
-fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
-        Some((i, _)) => {
-            let unit = s[i..].to_ascii_lowercase();
-            let mult = match unit.trim_end_matches("ib").trim_end_matches('b') {
-                "" => 1,
-                "k" => 1 << 10,
-                "m" => 1 << 20,
-                "g" => 1 << 30,
-                _ => return Err(format!("unknown size unit in {s:?}")),
-            };
-            (&s[..i], mult)
-        }
-        None => (s, 1),
-    };
-    let n: u64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size like 16M"))?;
-    n.checked_mul(mult)
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("{s:?} is not a usable size"))
 }
 
 /// Progress bars per blob, created when a blob starts streaming.
@@ -241,20 +216,4 @@ pub fn run(args: Args) -> Result<()> {
         report.referrers
     );
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("16M"), Ok(16 << 20));
-        assert_eq!(parse_size("16MiB"), Ok(16 << 20));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("1g"), Ok(1 << 30));
-        assert!(parse_size("0").is_err());
-        assert!(parse_size("12X").is_err());
-        assert!(parse_size("99999999999G").is_err());
-    }
 }

@@ -51,7 +51,7 @@ pub struct Args {
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
     /// Largest merged fetch, in bytes (K/M/G suffixes are powers of 1024).
-    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    #[arg(long, default_value = "8M", value_parser = ferry_oci::units::parse_nonzero_size)]
     request_size: u64,
     /// Seconds an uncached read may wait for the registry before failing with EIO.
     #[arg(long, default_value_t = 30)]
@@ -81,20 +81,6 @@ pub struct UmountArgs {
     /// Daemon config file (for its control socket).
     #[arg(long, value_name = "FILE.toml")]
     config: Option<PathBuf>,
-}
-
-fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let s = s.trim();
-    let (num, shift) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 30),
-        _ => (s, 0),
-    };
-    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    n.checked_mul(1u64 << shift)
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("{s:?} is out of range"))
 }
 
 /// Runs `ferry mount`.

@@ -4,7 +4,7 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use ferry_pull::image::Descriptor;
@@ -12,6 +12,7 @@ use ferry_pull::unpack::UnpackLimits;
 use ferry_pull::{LayerEvent, PullOptions, PullProgress};
 use ferry_registry_client::{ClientConfig, Credentials, RegistryConfig};
 use indicatif::{MultiProgress, ProgressBar};
+use parking_lot::Mutex;
 
 /// How the layers that cannot be lazy are pulled, for `ferry pull --help`.
 const AFTER_HELP: &str = "\
@@ -58,7 +59,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     concurrency: usize,
     /// Bytes per Range request (suffixes K, M, G; at most 1G).
-    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    #[arg(long, default_value = "16M", value_parser = ferry_oci::units::parse_nonzero_size)]
     chunk_size: u64,
     /// Unpack concurrency: layers downloaded-and-unpacked at once (default: the number of
     /// CPUs).
@@ -66,7 +67,7 @@ pub struct Args {
     unpack_concurrency: Option<usize>,
     /// Most layer bytes held in memory at once, across layers (suffixes K, M, G; at least
     /// --chunk-size).
-    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = ferry_oci::units::parse_nonzero_size)]
     max_buffer: u64,
     /// Registry credentials, user:password.
     #[arg(long, value_name = "USER:PASS")]
@@ -78,25 +79,6 @@ pub struct Args {
 
 fn parse_platform(s: &str) -> Result<ferry_oci::Platform, String> {
     ferry_oci::Platform::parse(s).map_err(|e| e.to_string())
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (digits, unit) = match s.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => s.split_at(i),
-        None => (s, ""),
-    };
-    let n: u64 = digits.parse().map_err(|_| format!("{s:?} is not a size"))?;
-    let mult: u64 = match unit.to_ascii_uppercase().as_str() {
-        "" | "B" => 1,
-        "K" | "KB" | "KIB" => 1 << 10,
-        "M" | "MB" | "MIB" => 1 << 20,
-        "G" | "GB" | "GIB" => 1 << 30,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?}")),
-    };
-    n.checked_mul(mult)
-        .filter(|v| *v > 0)
-        .ok_or_else(|| format!("{s:?} is zero or too large"))
 }
 
 /// Runs `ferry pull`.
@@ -201,10 +183,8 @@ impl Bars {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(String, ProgressBar)>> {
-        self.layers
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Vec<(String, ProgressBar)>> {
+        self.layers.lock()
     }
 }
 

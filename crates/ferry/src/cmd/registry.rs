@@ -70,15 +70,11 @@ struct GcArgs {
     dry_run: bool,
     /// Keep anything written more recently than this (e.g. 30m, 1h, 2d), so pushes in
     /// progress are safe. Defaults to the config's gc.grace (1h).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = ferry_oci::units::parse_duration)]
     grace: Option<Duration>,
     /// Also remove manifests no tag reaches (and what only they reference).
     #[arg(long)]
     delete_untagged: bool,
-}
-
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    server::config::parse_duration(text)
 }
 
 fn load_config(args: &ConfigArgs) -> Result<Config> {

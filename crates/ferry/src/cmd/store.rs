@@ -42,7 +42,7 @@ enum StoreCommand {
     Gc {
         /// Target size (e.g. 0, 500M, 20G; K/M/G/T are powers of 1024). Default: the
         /// store's bound.
-        #[arg(long, value_name = "BYTES", value_parser = parse_size)]
+        #[arg(long, value_name = "BYTES", value_parser = ferry_oci::units::parse_size)]
         to: Option<u64>,
         /// Also release every persisted pin first (for a node whose mounts are gone).
         #[arg(long)]
@@ -266,55 +266,9 @@ fn age(now_ms: u64, then_ms: u64) -> String {
     }
 }
 
-/// Parses a byte count: digits with an optional K, M, G or T (powers of 1024), optionally
-/// followed by `B` or `iB`.
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (digits, shift) = match t.chars().last() {
-        Some(c @ ('K' | 'k' | 'M' | 'm' | 'G' | 'g' | 'T' | 't')) => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                _ => 40,
-            };
-            (&t[..t.len() - 1], shift)
-        }
-        _ => (t, 0),
-    };
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 0, 500M, 20G)"))?;
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} is too large"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_suffixes() {
-        assert_eq!(parse_size("0"), Ok(0));
-        assert_eq!(parse_size("123"), Ok(123));
-        assert_eq!(parse_size("2K"), Ok(2048));
-        assert_eq!(parse_size("500M"), Ok(500 << 20));
-        assert_eq!(parse_size("20G"), Ok(20 << 30));
-        assert_eq!(parse_size("20GiB"), Ok(20 << 30));
-        assert_eq!(
-            parse_size("1tb"),
-            Err("\"1tb\" is not a size (e.g. 0, 500M, 20G)".into())
-        );
-        assert_eq!(parse_size("1TB"), Ok(1 << 40));
-        assert!(parse_size("").is_err());
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("-1").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 
     #[test]
     fn owners_show_their_pinned_bytes() {

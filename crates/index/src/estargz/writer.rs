@@ -41,10 +41,11 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
 
 use libdeflater::{CompressionLvl, Compressor};
+use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
@@ -564,15 +565,11 @@ impl Budget {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, bool)> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Waits until `n` more bytes fit (or nothing is in flight); false once aborted.
     fn acquire(&self, n: u64) -> bool {
-        let mut g = self.lock();
+        let mut g = self.state.lock();
         while !g.1 && g.0 > 0 && g.0 + n > self.limit {
-            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            self.cv.wait(&mut g);
         }
         if g.1 {
             return false;
@@ -582,18 +579,18 @@ impl Budget {
     }
 
     fn release(&self, n: u64) {
-        let mut g = self.lock();
+        let mut g = self.state.lock();
         g.0 = g.0.saturating_sub(n);
         self.cv.notify_all();
     }
 
     fn abort(&self) {
-        self.lock().1 = true;
+        self.state.lock().1 = true;
         self.cv.notify_all();
     }
 
     fn aborted(&self) -> bool {
-        self.lock().1
+        self.state.lock().1
     }
 }
 

@@ -8,8 +8,9 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use tokio::sync::watch;
 
 /// Coalesces concurrent calls by key; `V` is the shared outcome (cloned to every waiter).
@@ -35,10 +36,7 @@ struct ReleaseKey<K: Eq + Hash, V> {
 impl<K: Eq + Hash, V> Drop for ReleaseKey<K, V> {
     fn drop(&mut self) {
         if let Some(key) = self.key.take() {
-            self.inflight
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .remove(&key);
+            self.inflight.lock().remove(&key);
         }
     }
 }
@@ -66,7 +64,7 @@ where
         Fut: Future<Output = V> + Send + 'static,
     {
         let mut receiver = {
-            let mut inflight = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut inflight = self.inflight.lock();
             match inflight.get(&key) {
                 Some(receiver) => receiver.clone(),
                 None => {
@@ -97,10 +95,7 @@ where
 
     /// Number of calls running now.
     pub fn running(&self) -> usize {
-        self.inflight
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
+        self.inflight.lock().len()
     }
 }
 

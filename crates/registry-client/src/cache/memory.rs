@@ -7,8 +7,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
-use std::sync::{Mutex, PoisonError};
 use std::time::Instant;
+
+use parking_lot::Mutex;
 
 /// Fixed bookkeeping cost charged per entry on top of the caller's weight.
 pub const ENTRY_OVERHEAD: u64 = 96;
@@ -50,13 +51,9 @@ impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Lru<K, V>> {
-        self.lru.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
     /// The value and when it was last validated; marks it recently used.
     pub fn get(&self, key: &K) -> Option<(V, Instant)> {
-        let mut lru = self.lock();
+        let mut lru = self.lru.lock();
         let tick = lru.next_tick;
         lru.next_tick += 1;
         let slot = lru.slots.get_mut(key)?;
@@ -72,7 +69,7 @@ impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
     /// least recently used entries to fit. A value larger than the whole cache is not kept.
     pub fn insert(&self, key: K, value: V, weight: u64, validated_at: Instant) {
         let weight = weight.saturating_add(ENTRY_OVERHEAD);
-        let mut lru = self.lock();
+        let mut lru = self.lru.lock();
         if let Some(old) = lru.slots.remove(&key) {
             lru.by_tick.remove(&old.tick);
             lru.used -= old.weight;
@@ -105,14 +102,14 @@ impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
 
     /// Records that upstream confirmed the entry is still current.
     pub fn revalidated(&self, key: &K, at: Instant) {
-        if let Some(slot) = self.lock().slots.get_mut(key) {
+        if let Some(slot) = self.lru.lock().slots.get_mut(key) {
             slot.validated_at = at;
         }
     }
 
     /// Drops an entry; returns whether it was there.
     pub fn remove(&self, key: &K) -> bool {
-        let mut lru = self.lock();
+        let mut lru = self.lru.lock();
         match lru.slots.remove(key) {
             Some(old) => {
                 lru.by_tick.remove(&old.tick);
@@ -125,12 +122,12 @@ impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
 
     /// Bytes charged now.
     pub fn used(&self) -> u64 {
-        self.lock().used
+        self.lru.lock().used
     }
 
     /// Number of entries.
     pub fn len(&self) -> usize {
-        self.lock().slots.len()
+        self.lru.lock().slots.len()
     }
 
     /// Whether the cache holds nothing.

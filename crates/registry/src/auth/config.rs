@@ -152,30 +152,10 @@ fn de_duration<'de, D: Deserializer<'de>>(de: D) -> Result<Duration, D::Error> {
     }
     match Raw::deserialize(de)? {
         Raw::Seconds(s) => Ok(Duration::from_secs(s)),
-        Raw::Text(t) => parse_duration(&t).map_err(serde::de::Error::custom),
+        Raw::Text(t) => ferry_oci::units::parse_duration(&t).map_err(serde::de::Error::custom),
     }
 }
 
 fn ser_duration<S: serde::Serializer>(d: &Duration, ser: S) -> Result<S::Ok, S::Error> {
     ser.serialize_u64(d.as_secs())
-}
-
-/// Parse "90", "90s", "5m", "2h", "7d".
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?} (use e.g. \"300s\", \"5m\", \"1h\")"))?;
-    let mult = match unit.trim() {
-        "" | "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86400,
-        _ => return Err(format!("invalid duration unit in {text:?} (s, m, h or d)")),
-    };
-    n.checked_mul(mult)
-        .map(Duration::from_secs)
-        .ok_or_else(|| format!("duration {text:?} too large"))
 }

@@ -177,27 +177,6 @@ impl fmt::Debug for UpstreamConfig {
     }
 }
 
-/// Parses `"500ms"`, `"30s"`, `"5m"`, `"1h"`, `"2d"` or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Option<Duration> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: u64 = number.parse().ok()?;
-    let millis_per_unit: u64 = match unit.trim() {
-        "ms" => 1,
-        "" | "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return None,
-    };
-    number
-        .checked_mul(millis_per_unit)
-        .map(Duration::from_millis)
-}
-
 /// Serde for durations as seconds or `"<n><unit>"` strings (serialized as `"<n>ms"` or
 /// `"<n>s"`).
 mod duration_serde {
@@ -230,7 +209,7 @@ mod duration_serde {
                     .map_err(|_| E::custom("a duration cannot be negative"))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
-                super::parse_duration(v).ok_or_else(|| E::custom(format!("invalid duration {v:?}")))
+                ferry_oci::units::parse_duration(v).map_err(E::custom)
             }
         }
         deserializer.deserialize_any(DurationVisitor)
@@ -293,15 +272,5 @@ mod tests {
         let shown = format!("{cfg:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("<redacted>"));
-    }
-
-    #[test]
-    fn duration_grammar() {
-        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
-        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_duration("2d"), Some(Duration::from_secs(172_800)));
-        assert_eq!(parse_duration("s"), None);
-        assert_eq!(parse_duration("5 fortnights"), None);
-        assert_eq!(parse_duration("99999999999999999999d"), None);
     }
 }

@@ -16,10 +16,11 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
 
 use super::CacheError;
 
@@ -197,8 +198,8 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Index> {
+        self.index.lock()
     }
 }
 

@@ -34,11 +34,12 @@ pub use ferry_registry_client::cache::{flight, memory};
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::ops::Range;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use parking_lot::Mutex;
 use tokio::sync::watch;
 
 pub use config::UpstreamConfig;
@@ -594,14 +595,13 @@ impl Shared {
     fn is_linked(&self, repo: &str, hex: &str) -> bool {
         self.links
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
             .by_repo
             .get(repo)
             .is_some_and(|blobs| blobs.contains(hex))
     }
 
     fn link<'a>(&self, repo: &str, hexes: impl IntoIterator<Item = &'a str>) {
-        let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut links = self.links.lock();
         for hex in hexes {
             if links.count >= MAX_LINKS {
                 links.by_repo.clear();
@@ -621,7 +621,7 @@ impl Shared {
     /// Size of a download in progress, if known: with `repo`, only of a download
     /// requested through `repo`; without, of any (the caller knows `repo` holds it).
     fn inflight_size(&self, hex: &str, repo: Option<&str>) -> Option<u64> {
-        let blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let blobs = self.blobs.lock();
         let size_of = |inflight: &Arc<Inflight>| {
             let progress = inflight.progress.borrow();
             match progress.state {
@@ -730,7 +730,7 @@ impl Shared {
             Committed,
         }
         let race = {
-            let mut blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut blobs = self.blobs.lock();
             let key = flight_key(repo, hex);
             if let Some(existing) = blobs.get(&key).filter(|i| !i.failed()) {
                 Race::Lost(Arc::clone(existing))
@@ -771,7 +771,7 @@ impl Shared {
     /// `Some(Some(inflight))` to join `repo`'s download, `Some(None)` if already cached,
     /// `None` to start one.
     fn joinable(&self, repo: &str, hex: &str) -> Result<Option<Option<Arc<Inflight>>>, CacheError> {
-        let blobs = self.blobs.lock().unwrap_or_else(PoisonError::into_inner);
+        let blobs = self.blobs.lock();
         // A failed download may linger until its task ends; never join it.
         if let Some(inflight) = blobs.get(&flight_key(repo, hex)).filter(|i| !i.failed()) {
             return Ok(Some(Some(Arc::clone(inflight))));
@@ -1029,11 +1029,7 @@ struct ForgetDownload {
 
 impl Drop for ForgetDownload {
     fn drop(&mut self) {
-        let mut blobs = self
-            .shared
-            .blobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut blobs = self.shared.blobs.lock();
         // Only our own entry: a retry may already have replaced a failed one.
         if blobs
             .get(&self.key)

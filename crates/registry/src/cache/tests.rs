@@ -388,13 +388,7 @@ fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
 /// Waits (bounded) until no download is in progress.
 async fn downloads_settled(pt: &PullThrough) {
     tokio::time::timeout(PATIENCE, async {
-        while !pt
-            .shared
-            .blobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .is_empty()
-        {
+        while !pt.shared.blobs.lock().is_empty() {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })

@@ -267,39 +267,6 @@ impl Default for MemoryCacheConfig {
     }
 }
 
-/// Parses `"30s"`, `"5m"`, `"1h"`, `"250ms"`, `"2d"` or a bare number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?} (use e.g. 30s, 5m, 1h)"))?;
-    let scale = match unit.trim() {
-        "" | "s" | "sec" | "secs" => 1.0,
-        "ms" => 0.001,
-        "m" | "min" | "mins" => 60.0,
-        "h" => 3600.0,
-        "d" => 86_400.0,
-        other => return Err(format!("invalid duration unit {other:?} in {text:?}")),
-    };
-    let secs = value * scale;
-    if !secs.is_finite() || !(0.0..=1e10).contains(&secs) {
-        return Err(format!("duration out of range: {text:?}"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-fn format_duration(d: &Duration) -> String {
-    if d.subsec_millis() != 0 {
-        format!("{}ms", d.as_millis())
-    } else {
-        format!("{}s", d.as_secs())
-    }
-}
-
 /// Serde for durations written as strings (`"30s"`) or integer seconds.
 pub mod duration_str {
     use std::time::Duration;
@@ -314,12 +281,12 @@ pub mod duration_str {
     }
 
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&super::format_duration(d))
+        s.serialize_str(&ferry_oci::units::format_duration(*d))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         match Repr::deserialize(d)? {
-            Repr::Text(t) => super::parse_duration(&t).map_err(serde::de::Error::custom),
+            Repr::Text(t) => ferry_oci::units::parse_duration(&t).map_err(serde::de::Error::custom),
             Repr::Secs(s) => Ok(Duration::from_secs(s)),
         }
     }
@@ -405,16 +372,5 @@ ttl = "250ms"
         assert!(Config::from_toml("[limits]\nmax_blob = 3", Path::new("x")).is_err());
         assert!(Config::from_toml("[limits]\nmax_blob_bytes = 0", Path::new("x")).is_err());
         assert!(Config::from_toml("[gc]\ngrace = \"5 fortnights\"", Path::new("x")).is_err());
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
-        assert_eq!(parse_duration("90").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_duration("1.5m").unwrap(), Duration::from_secs(90));
-        assert_eq!(parse_duration("20ms").unwrap(), Duration::from_millis(20));
-        assert!(parse_duration("").is_err());
-        assert!(parse_duration("-1s").is_err());
-        assert!(parse_duration("1y").is_err());
     }
 }

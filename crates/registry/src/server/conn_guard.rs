@@ -12,8 +12,8 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -21,6 +21,7 @@ use axum::body::{Body, HttpBody};
 use bytes::Bytes;
 use http::{Request, Response};
 use hyper::rt::{Read, ReadBufCursor, Write};
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::auth::ClientAddr;
@@ -312,7 +313,7 @@ impl ClientSlots {
 
     /// A slot for one more connection from `ip`, or `None` if it has its share open.
     pub fn acquire(self: &Arc<Self>, ip: IpAddr) -> Option<ClientSlot> {
-        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut open = self.open.lock();
         let count = open.entry(ip).or_insert(0);
         if *count >= self.per_client {
             return None;
@@ -326,22 +327,13 @@ impl ClientSlots {
 
     /// Connections open from `ip`.
     pub fn open(&self, ip: IpAddr) -> usize {
-        self.open
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&ip)
-            .copied()
-            .unwrap_or(0)
+        self.open.lock().get(&ip).copied().unwrap_or(0)
     }
 }
 
 impl Drop for ClientSlot {
     fn drop(&mut self) {
-        let mut open = self
-            .slots
-            .open
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut open = self.slots.open.lock();
         if let Some(count) = open.get_mut(&self.ip) {
             *count -= 1;
             if *count == 0 {

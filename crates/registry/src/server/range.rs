@@ -62,17 +62,11 @@ pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
     RangeRequest::Partial(start..end)
 }
 
-/// A chunk's `Content-Range` on `PATCH`: `<start>-<end>` inclusive (the spec's form), also
-/// accepting the RFC form `bytes <start>-<end>/<total|*>`. `end` is always below
-/// `u64::MAX`, so callers may compute the length `end - start + 1`.
+/// A chunk's `Content-Range` on `PATCH` as `(first, last)` inclusive: the client crate's
+/// one parser (spec form `first-last` or RFC form `bytes first-last/total`). `last` is
+/// always below `u64::MAX`, so callers may compute the length `last - first + 1`.
 pub fn parse_content_range(value: &str) -> Option<(u64, u64)> {
-    let v = value.trim();
-    let v = v.strip_prefix("bytes ").unwrap_or(v).trim();
-    let v = v.split_once('/').map_or(v, |(r, _)| r);
-    let (a, b) = v.split_once('-')?;
-    let start: u64 = a.trim().parse().ok()?;
-    let end: u64 = b.trim().parse().ok()?;
-    (end >= start && end < u64::MAX).then_some((start, end))
+    ferry_registry_client::parse_content_range(value).map(|(first, last, _)| (first, last))
 }
 
 #[cfg(test)]
@@ -108,6 +102,7 @@ mod tests {
         assert_eq!(parse_content_range("0-99"), Some((0, 99)));
         assert_eq!(parse_content_range("bytes 100-199/*"), Some((100, 199)));
         assert_eq!(parse_content_range("bytes 100-199/500"), Some((100, 199)));
+        assert_eq!(parse_content_range("bytes 100-199/150"), None);
         assert_eq!(parse_content_range("5-4"), None);
         assert_eq!(parse_content_range("abc"), None);
         assert_eq!(parse_content_range("-4"), None);

@@ -7,12 +7,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Range;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
+use parking_lot::{Mutex, MutexGuard};
 use sha2::{Digest as _, Sha256};
 
 use super::{
@@ -62,11 +62,7 @@ struct Repo {
 
 impl MemoryStorage {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the maps half-updated (every change
-        // is a single insert/remove), so a poisoned lock is still consistent.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock()
     }
 }
 

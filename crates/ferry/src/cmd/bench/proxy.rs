@@ -22,7 +22,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use ferry_loadtest as loadtest;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -48,17 +47,17 @@ pub struct ProxyArgs {
     #[arg(long)]
     pub upstream: SocketAddr,
     /// One-way delay added to every chunk in each direction (`10ms`, `0`).
-    #[arg(long, default_value = "0", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "0", value_parser = ferry_oci::units::parse_duration)]
     pub delay: Duration,
     /// Rewrite this file with `{"up":N,"down":N,"connections":N}` while bytes move
     /// (every 20 ms at most) and on exit.
     #[arg(long, value_name = "FILE")]
     pub stats: Option<PathBuf>,
     /// Give up connecting to the upstream after this long.
-    #[arg(long, default_value = "10s", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = ferry_oci::units::parse_duration)]
     pub connect_timeout: Duration,
     /// Close a connection when one direction has carried nothing for this long.
-    #[arg(long, default_value = "10m", value_parser = loadtest::parse_duration)]
+    #[arg(long, default_value = "10m", value_parser = ferry_oci::units::parse_duration)]
     pub idle_timeout: Duration,
 }
 
