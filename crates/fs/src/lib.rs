@@ -13,13 +13,16 @@
 //!   against the index's digests, bounded in time, with readahead along the layer's
 //!   stream ([`readahead`]: a miss fetches the window after it in the same request, a
 //!   reader catching up with a window starts the next one in the background) and, at a
-//!   miss, the rest of the file and the small files beside it ([`nearby`]);
+//!   miss, the rest of the file and the small files beside it ([`nearby`]), and for a
+//!   large library the segments its loader will fault in, read off its ELF header
+//!   ([`elf`]);
 //! * cache: verified spans go into the node chunk store (`ferry-store`) and are read
 //!   from it first;
 //! * backend ([`image`]): layer bytes from an OCI layout or a registry (HTTP Range
 //!   through [`range_source::HttpRangeSource`] over `ferry-registry-client`).
 //!
-//! It must not parse layer formats (that is `ferry-index`) or keep per-mount copies of
+//! It must not parse layer formats (that is `ferry-index`; the only file contents it
+//! parses are ELF program headers, to guess reads, never to serve them) or keep per-mount copies of
 //! data (the chunk store is node-wide; the only bytes held in memory are the process's
 //! small, idle-released cache of inflated spans, [`image::inflated_spans`]).
 
