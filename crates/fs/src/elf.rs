@@ -82,15 +82,7 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
             out.push(start..end);
         }
     }
-    out.sort_by_key(|r| r.start);
-    let mut merged: Vec<Range<u64>> = Vec::with_capacity(out.len());
-    for r in out {
-        match merged.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => merged.push(r),
-        }
-    }
-    Ok(merged)
+    Ok(crate::warm::merge_ranges(out))
 }
 
 /// Fields of an ELF header in its class and byte order.
@@ -158,30 +150,34 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A 64-bit little-endian ELF header with program headers `(type, flags, offset,
+/// filesz)` right after it, for tests.
+#[cfg(test)]
+pub(crate) fn test_header(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
+    let mut b = vec![0u8; 64];
+    b[..4].copy_from_slice(b"\x7fELF");
+    b[4] = 2;
+    b[5] = 1;
+    b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+    b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+    b[0x38..0x3a].copy_from_slice(&(phdrs.len() as u16).to_le_bytes());
+    for &(kind, flags, offset, filesz) in phdrs {
+        let mut p = [0u8; 56];
+        p[..4].copy_from_slice(&kind.to_le_bytes());
+        p[4..8].copy_from_slice(&flags.to_le_bytes());
+        p[8..16].copy_from_slice(&offset.to_le_bytes());
+        p[32..40].copy_from_slice(&filesz.to_le_bytes());
+        b.extend_from_slice(&p);
+    }
+    b
+}
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
-    /// A 64-bit little-endian ELF header with program headers `(type, flags, offset,
-    /// filesz)` right after it.
     fn elf64(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
-        let mut b = vec![0u8; 64];
-        b[..4].copy_from_slice(b"\x7fELF");
-        b[4] = 2;
-        b[5] = 1;
-        b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
-        b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
-        b[0x38..0x3a].copy_from_slice(&(phdrs.len() as u16).to_le_bytes());
-        for &(kind, flags, offset, filesz) in phdrs {
-            let mut p = [0u8; 56];
-            p[..4].copy_from_slice(&kind.to_le_bytes());
-            p[4..8].copy_from_slice(&flags.to_le_bytes());
-            p[8..16].copy_from_slice(&offset.to_le_bytes());
-            p[32..40].copy_from_slice(&filesz.to_le_bytes());
-            b.extend_from_slice(&p);
-        }
-        b
+        test_header(phdrs)
     }
 
     #[test]

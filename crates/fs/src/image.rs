@@ -556,6 +556,14 @@ impl MountedImage {
         &self.recorder
     }
 
+    /// The mount's layers as [`crate::nearby`]'s planner sees them.
+    pub(crate) fn nearby_layers(&self) -> crate::nearby::MountLayers<'_> {
+        crate::nearby::MountLayers {
+            image: &self.image,
+            sources: &self.sources,
+        }
+    }
+
     /// After a read of file `ino` at `offset` returned `data`: what its bytes tell of
     /// reads to come. An ELF header of a file too large to come whole: its loader's
     /// segments go to the background ([`crate::nearby::Nearby::plan_loader`]).
@@ -566,10 +574,6 @@ impl MountedImage {
         let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
             return;
         };
-        let layers = crate::nearby::MountLayers {
-            image: &self.image,
-            sources: &self.sources,
-        };
         let read = crate::nearby::Read {
             ino,
             node,
@@ -577,7 +581,9 @@ impl MountedImage {
             len: data.len() as u64,
         };
         let spent = crate::nearby::Spent::of(&self.stats);
-        let ranges = self.nearby.plan_loader(&layers, &read, data, spent);
+        let ranges = self
+            .nearby
+            .plan_loader(&self.nearby_layers(), &read, data, spent);
         if ranges.is_empty() {
             return;
         }
@@ -597,17 +603,13 @@ impl MountedImage {
             return;
         };
         let spent = crate::nearby::Spent::of(&self.stats);
-        let layers = crate::nearby::MountLayers {
-            image: &self.image,
-            sources: &self.sources,
-        };
         let read = crate::nearby::Read {
             ino,
             node,
             offset,
             len,
         };
-        let asks = self.nearby.plan(&layers, &read, spent);
+        let asks = self.nearby.plan(&self.nearby_layers(), &read, spent);
         if asks == crate::nearby::Asks::default() {
             return;
         }

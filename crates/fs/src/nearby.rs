@@ -174,24 +174,14 @@ impl Nearby {
     /// served `served` bytes to reads, may still guess neighbours ([`SPECULATION_NUM`],
     /// [`GUESS_FLOOR`]).
     pub(crate) fn within_budget(&self, unused: u64, served: u64) -> bool {
-        let bound = served
-            .saturating_mul(SPECULATION_NUM)
-            .checked_div(SPECULATION_DEN)
-            .unwrap_or(u64::MAX)
-            .max(GUESS_FLOOR);
-        unused <= bound
+        unused <= share(served, SPECULATION_NUM, SPECULATION_DEN).max(GUESS_FLOOR)
     }
 
     /// Whether a mount whose unused rests of files are `unused` compressed bytes, having
     /// served `served` bytes to reads, may still fetch the files its reads start on whole
     /// ([`WHOLE_FILE_NUM`], [`WHOLE_FILE_FLOOR`]).
     pub(crate) fn within_rest_budget(&self, unused: u64, served: u64) -> bool {
-        let bound = served
-            .saturating_mul(WHOLE_FILE_NUM)
-            .checked_div(WHOLE_FILE_DEN)
-            .unwrap_or(u64::MAX)
-            .max(WHOLE_FILE_FLOOR);
-        unused <= bound
+        unused <= share(served, WHOLE_FILE_NUM, WHOLE_FILE_DEN).max(WHOLE_FILE_FLOOR)
     }
 
     /// The fetches a read asks for besides its own, all in the read's layer. Nothing
@@ -419,6 +409,14 @@ fn neighbourhood(path: &str) -> &str {
     } else {
         dir
     }
+}
+
+/// `num/den` of `bytes` (unbounded for `den` 0).
+fn share(bytes: u64, num: u64, den: u64) -> u64 {
+    bytes
+        .saturating_mul(num)
+        .checked_div(den)
+        .unwrap_or(u64::MAX)
 }
 
 /// `path` without its last component (`""` at the top).

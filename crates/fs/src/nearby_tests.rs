@@ -133,19 +133,43 @@ impl Rig {
 
     /// What a read of `path` would ask for, with the mount at `spent`.
     fn plan(&self, path: &str, offset: u64, len: u64, spent: Spent) -> Asks {
+        self.plan_in(&self.image.nearby_layers(), path, offset, len, spent)
+    }
+
+    /// What a read at `offset` of `path` that returned `head` asks for as its loader's
+    /// segments, with the mount at `spent`.
+    fn loader(&self, path: &str, offset: u64, head: &[u8], spent: Spent) -> Vec<Range<u64>> {
         let ino = self.image.tree.resolve(path).unwrap();
         let node = self.image.tree.get(ino).unwrap();
-        let layers = MountLayers {
-            image: &self.image.image,
-            sources: &self.image.sources,
+        let read = Read {
+            ino,
+            node,
+            offset,
+            len: head.len() as u64,
         };
+        self.image
+            .nearby
+            .plan_loader(&self.image.nearby_layers(), &read, head, spent)
+    }
+
+    /// [`Rig::plan`] with the layers looking like `layers`.
+    fn plan_in(
+        &self,
+        layers: &dyn Layers,
+        path: &str,
+        offset: u64,
+        len: u64,
+        spent: Spent,
+    ) -> Asks {
+        let ino = self.image.tree.resolve(path).unwrap();
+        let node = self.image.tree.get(ino).unwrap();
         let read = Read {
             ino,
             node,
             offset,
             len,
         };
-        self.image.nearby.plan(&layers, &read, spent)
+        self.image.nearby.plan(layers, &read, spent)
     }
 
     fn calls(&self) -> usize {
@@ -451,40 +475,17 @@ impl Layers for AllInFlight<'_> {
 #[test]
 fn a_read_that_joins_another_fetch_still_asks_for_its_whole_file() {
     let rig = rig(1 << 20, 4 << 20);
-    let ino = rig.image.tree.resolve("lib.so").unwrap();
-    let node = rig.image.tree.get(ino).unwrap();
-    let layers = AllInFlight(MountLayers {
-        image: &rig.image.image,
-        sources: &rig.image.sources,
-    });
-    let read = Read {
-        ino,
-        node,
-        offset: 0,
-        len: 4096,
-    };
+    let in_flight = AllInFlight(rig.image.nearby_layers());
     // Its first span is on its way as a neighbour's: the read waits for it, so the
     // file comes whole in that wait instead of a round trip per later fault.
-    let asks = rig.image.nearby.plan(&layers, &read, Spent::default());
+    let asks = rig.plan_in(&in_flight, "lib.so", 0, 4096, Spent::default());
     assert!(asks.whole.is_some(), "{asks:?}");
     // A read of local bytes asks for nothing, though its file has not asked yet: m6
     // came as m5's neighbour.
     rig.read("app/pkg/m5", 0, 100);
     assert!(!rig.missing("app/pkg/m6"));
-    let ino = rig.image.tree.resolve("app/pkg/m6").unwrap();
-    let node = rig.image.tree.get(ino).unwrap();
-    let layers = MountLayers {
-        image: &rig.image.image,
-        sources: &rig.image.sources,
-    };
-    let read = Read {
-        ino,
-        node,
-        offset: 0,
-        len: 100,
-    };
     assert_eq!(
-        rig.image.nearby.plan(&layers, &read, Spent::default()),
+        rig.plan("app/pkg/m6", 0, 100, Spent::default()),
         Asks::default()
     );
 }
@@ -492,22 +493,11 @@ fn a_read_that_joins_another_fetch_still_asks_for_its_whole_file() {
 /// A 64-bit little-endian ELF header whose loadable segments are `(flags, offset,
 /// filesz)`.
 fn elf_head(segments: &[(u32, u64, u64)]) -> Vec<u8> {
-    let mut b = vec![0u8; 64];
-    b[..4].copy_from_slice(b"\x7fELF");
-    b[4] = 2;
-    b[5] = 1;
-    b[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
-    b[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
-    b[0x38..0x3a].copy_from_slice(&(segments.len() as u16).to_le_bytes());
-    for &(flags, offset, filesz) in segments {
-        let mut p = [0u8; 56];
-        p[..4].copy_from_slice(&1u32.to_le_bytes());
-        p[4..8].copy_from_slice(&flags.to_le_bytes());
-        p[8..16].copy_from_slice(&offset.to_le_bytes());
-        p[32..40].copy_from_slice(&filesz.to_le_bytes());
-        b.extend_from_slice(&p);
-    }
-    b
+    let phdrs: Vec<(u32, u32, u64, u64)> = segments
+        .iter()
+        .map(|&(flags, offset, filesz)| (1, flags, offset, filesz))
+        .collect();
+    crate::elf::test_header(&phdrs)
 }
 
 #[test]
@@ -518,25 +508,12 @@ fn a_large_librarys_header_asks_for_its_loader_segments_but_not_its_code() {
     let node = rig.image.tree.get(ino).unwrap();
     let loc = node.data.unwrap();
     let layer = &rig.image.image.layers()[loc.layer];
-    let layers = MountLayers {
-        image: &rig.image.image,
-        sources: &rig.image.sources,
-    };
-    let read = Read {
-        ino,
-        node,
-        offset: 0,
-        len: 16 << 10,
-    };
     let head = elf_head(&[
         (4, 0, 64 << 10),
-        (5, 64 << 10, 336 << 10),
-        (6, 400 << 10, 200 << 10),
+        (5, 64 << 10, 416 << 10),
+        (6, 480 << 10, 120 << 10),
     ]);
-    let asked = rig
-        .image
-        .nearby
-        .plan_loader(&layers, &read, &head, Spent::default());
+    let asked = rig.loader("lib.so", 0, &head, Spent::default());
     let covers = |r: &Range<u64>| asked.iter().any(|a| a.start <= r.start && r.end <= a.end);
     for r in layer
         .ranges_for(loc.entry, 0, 64 << 10)
@@ -549,33 +526,15 @@ fn a_large_librarys_header_asks_for_its_loader_segments_but_not_its_code() {
     let code = layer.ranges_for(loc.entry, 230 << 10, 4 << 10);
     assert!(code.iter().all(|r| !covers(r)), "{code:?} in {asked:?}");
     // Once per file.
-    assert!(
-        rig.image
-            .nearby
-            .plan_loader(&layers, &read, &head, Spent::default())
-            .is_empty()
-    );
+    assert!(rig.loader("lib.so", 0, &head, Spent::default()).is_empty());
 }
 
 #[test]
 fn only_a_large_files_elf_header_at_its_start_within_budget_asks() {
     let rig = rig(64 << 10, 0);
-    let layers = MountLayers {
-        image: &rig.image.image,
-        sources: &rig.image.sources,
-    };
     let head = elf_head(&[(6, 0, 600 << 10)]);
-    let ask = |path: &str, offset: u64, head: &[u8], spent: Spent| {
-        let ino = rig.image.tree.resolve(path).unwrap();
-        let node = rig.image.tree.get(ino).unwrap();
-        let read = Read {
-            ino,
-            node,
-            offset,
-            len: 4096,
-        };
-        rig.image.nearby.plan_loader(&layers, &read, head, spent)
-    };
+    let ask =
+        |path: &str, offset: u64, head: &[u8], spent: Spent| rig.loader(path, offset, head, spent);
     // A small file comes whole instead; a read elsewhere is no header; text is no ELF;
     // unused rests past their budget stop it; a hostile header asks for nothing.
     assert!(ask("app/pkg/m0", 0, &head, Spent::default()).is_empty());
