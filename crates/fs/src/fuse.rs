@@ -175,6 +175,9 @@ impl FerryFs {
         let len = (node.size - offset).min(u64::from(size.min(MAX_READ))) as usize;
         // From here: a read's first miss in a file may fetch the file whole first.
         let started = std::time::Instant::now();
+        // Only reads that wait ask for more (a start served by its trace adds nothing):
+        // a first read's header, after it lands, may ask for its loader's segments.
+        let header_waits = offset == 0 && !self.image.read_is_local(node, 0, len as u64);
         self.image.read_nearby(ino, node, offset, len as u64);
         let mut buf = vec![0u8; len];
         let layer = self.image.image.layers().get(loc.layer).ok_or(Errno::EIO)?;
@@ -193,7 +196,9 @@ impl FerryFs {
             Ok(n) => {
                 buf.truncate(n);
                 MountStats::add(&self.image.stats.bytes_served, n as u64);
-                self.image.read_landed(ino, node, offset, &buf);
+                if header_waits {
+                    self.image.read_landed(ino, node, offset, &buf);
+                }
                 Ok(buf)
             }
             Err(e) => {

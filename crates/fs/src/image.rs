@@ -564,7 +564,21 @@ impl MountedImage {
         }
     }
 
-    /// After a read of file `ino` at `offset` returned `data`: what its bytes tell of
+    /// Whether `[offset, offset + len)` of file `node` is all local: a read of it would
+    /// not wait for the network.
+    pub(crate) fn read_is_local(&self, node: &Node, offset: u64, len: u64) -> bool {
+        use crate::nearby::Layers as _;
+        let Some(loc) = node.data else {
+            return true;
+        };
+        let layers = self.nearby_layers();
+        layers
+            .ranges(loc, offset, len)
+            .iter()
+            .all(|r| layers.local(loc.layer, r))
+    }
+
+    /// After a read of file `ino` at `offset` that waited returned `data`: what its bytes tell of
     /// reads to come. An ELF header of a file too large to come whole: its loader's
     /// segments go to the background ([`crate::nearby::Nearby::plan_loader`]).
     pub(crate) fn read_landed(&self, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
