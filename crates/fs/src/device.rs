@@ -412,9 +412,11 @@ impl Windows {
     }
 
     /// Pieces `ws` widened within their [`WINDOW_BLOCK`]s over the pieces next to them
-    /// that `missing` says are missing, so that the whole stays one request.
+    /// that `missing` says are missing, so that the whole stays one request. Not in a
+    /// layer of fewer than four blocks of windows: there a block is a guess at most of
+    /// the layer, and a start of a small image would fetch more than its layers.
     fn widened(&self, ws: Range<usize>, missing: impl Fn(usize) -> bool) -> Range<usize> {
-        if ws.is_empty() {
+        if ws.is_empty() || self.pieces.ranges.len() < 4 * WINDOW_BLOCK {
             return ws;
         }
         let floor = ws.start - ws.start % WINDOW_BLOCK;
