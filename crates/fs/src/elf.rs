@@ -85,6 +85,16 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
     Ok(crate::warm::merge_ranges(out))
 }
 
+/// Readers of unsigned fields of each width, in the header's byte order.
+macro_rules! unsigned {
+    ($($t:ident),*) => {$(
+        fn $t(&self, at: usize) -> Result<$t, ElfError> {
+            let b = self.field::<{ std::mem::size_of::<$t>() }>(at)?;
+            Ok(if self.big_endian { $t::from_be_bytes(b) } else { $t::from_le_bytes(b) })
+        }
+    )*};
+}
+
 /// Fields of an ELF header in its class and byte order.
 struct Reader<'a> {
     bytes: &'a [u8],
@@ -122,32 +132,7 @@ impl<'a> Reader<'a> {
             .ok_or_else(|| ElfError::Beyond(format!("a field at offset {at}"), self.bytes.len()))
     }
 
-    fn u16(&self, at: usize) -> Result<u16, ElfError> {
-        let b = self.field::<2>(at)?;
-        Ok(if self.big_endian {
-            u16::from_be_bytes(b)
-        } else {
-            u16::from_le_bytes(b)
-        })
-    }
-
-    fn u32(&self, at: usize) -> Result<u32, ElfError> {
-        let b = self.field::<4>(at)?;
-        Ok(if self.big_endian {
-            u32::from_be_bytes(b)
-        } else {
-            u32::from_le_bytes(b)
-        })
-    }
-
-    fn u64(&self, at: usize) -> Result<u64, ElfError> {
-        let b = self.field::<8>(at)?;
-        Ok(if self.big_endian {
-            u64::from_be_bytes(b)
-        } else {
-            u64::from_le_bytes(b)
-        })
-    }
+    unsigned!(u16, u32, u64);
 }
 
 /// A 64-bit little-endian ELF header with program headers `(type, flags, offset,
