@@ -1245,7 +1245,7 @@ impl LayerSource {
                 match (ws.clone().find(missing), ws.rev().find(missing)) {
                     (Some(lo), Some(hi)) => Some((
                         w,
-                        w.widened(lo..hi + 1, |i| self.window_missing(w, store, i)),
+                        w.widened(lo..hi + 1, |i| self.piece_missing(&w.pieces, store, i)),
                     )),
                     _ => None,
                 }
@@ -1272,10 +1272,14 @@ impl LayerSource {
         })
     }
 
-    /// Whether window piece `i` is neither in the store nor being fetched.
-    fn window_missing(&self, windows: &Windows, store: &Store, i: usize) -> bool {
-        !store.contains(&ChunkKey::from_raw(windows.pieces.digests[i]))
-            && !lock(&self.flights).contains_key(&FlightKey::Piece(PieceKind::Window, i))
+    /// Whether piece `k` of `pieces` (spans or windows) is neither in the store nor being
+    /// fetched (false for a piece the table does not have).
+    fn piece_missing(&self, pieces: &Spans, store: &Store, k: usize) -> bool {
+        let Some(digest) = pieces.digests.get(k) else {
+            return false;
+        };
+        !store.contains(&ChunkKey::from_raw(*digest))
+            && !lock(&self.flights).contains_key(&FlightKey::Piece(pieces.kind, k))
     }
 
     /// [`Self::spans_and_windows`] for spans `ks`, in pieces of at most
@@ -1685,11 +1689,7 @@ impl SpanMap for StreamMap<'_> {
     }
 
     fn is_missing(&self, k: usize) -> bool {
-        let Some(digest) = self.spans.digests.get(k) else {
-            return false;
-        };
-        !self.store.contains(&ChunkKey::from_raw(*digest))
-            && !lock(&self.source.flights).contains_key(&FlightKey::Piece(self.spans.kind, k))
+        self.source.piece_missing(self.spans, self.store, k)
     }
 }
 
@@ -1778,7 +1778,9 @@ impl WindowSource for LayerSource {
         }
         // With its block's missing neighbours (see WINDOW_BLOCK), when they can be kept.
         let block = match &self.store {
-            Some(store) => windows.widened(w.clone(), |i| self.window_missing(windows, store, i)),
+            Some(store) => {
+                windows.widened(w.clone(), |i| self.piece_missing(&windows.pieces, store, i))
+            }
             None => w.clone(),
         };
         let mut fetched = Fetched::default();

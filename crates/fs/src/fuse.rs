@@ -177,7 +177,10 @@ impl FerryFs {
         let started = std::time::Instant::now();
         // Only reads that wait ask for more (a start served by its trace adds nothing):
         // a first read's header, after it lands, may ask for its loader's segments.
-        let header_waits = offset == 0 && !self.image.read_is_local(node, 0, len as u64);
+        // (Checked in that order: most first reads are of small files, with no lookup.)
+        let header_waits = offset == 0
+            && self.image.nearby.may_ask_loader(node.size)
+            && !self.image.read_is_local(node, 0, len as u64);
         self.image.read_nearby(ino, node, offset, len as u64);
         let mut buf = vec![0u8; len];
         let layer = self.image.image.layers().get(loc.layer).ok_or(Errno::EIO)?;

@@ -247,6 +247,12 @@ impl Nearby {
         Asks { whole, neighbours }
     }
 
+    /// Whether a file of `size` bytes may ask for its loader's segments
+    /// ([`Self::plan_loader`]): one too large to come whole, while whole files are on.
+    pub(crate) fn may_ask_loader(&self, size: u64) -> bool {
+        self.whole_file_bytes > 0 && size > self.whole_file_bytes
+    }
+
     /// For a read at the start of a file too large to come whole that shows an ELF
     /// header (`head`: the bytes it read), the missing compressed ranges of what the
     /// loader will fault in as it maps and relocates it: the file's segments that are
@@ -263,17 +269,15 @@ impl Nearby {
         let Some(loc) = read.node.data else {
             return Vec::new();
         };
-        if self.whole_file_bytes == 0
-            || read.offset != 0
-            || read.node.size <= self.whole_file_bytes
-            || !head.starts_with(b"\x7fELF")
+        if read.offset != 0
+            || !self.may_ask_loader(read.node.size)
             || !self.within_rest_budget(spent.rest_unused, spent.served)
         {
             return Vec::new();
         }
         // Parsed before it counts as the file's ask: a short first read (a `file` probe
         // of 64 bytes) does not use up the loader's.
-        let segments = match crate::elf::loader_ranges(head, read.node.size) {
+        let mut segments = match crate::elf::loader_ranges(head, read.node.size) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "an ELF header without usable segments");
@@ -289,7 +293,6 @@ impl Nearby {
         }
         // At most a whole file's worth, smallest segments first: the data segment and
         // the tables the loader relocates with before the bulk of read-only data.
-        let mut segments = segments;
         segments.sort_by_key(|s| s.end - s.start);
         let mut left = self.whole_file_bytes;
         let mut ranges = Vec::new();
