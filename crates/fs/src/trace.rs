@@ -190,7 +190,8 @@ impl Recorder {
         self.touches.load(Ordering::Acquire)
     }
 
-    /// Reads recorded so far.
+    /// Reads recorded so far (a read later joined into another still counts: the bound
+    /// is on what the recording holds).
     pub fn len(&self) -> usize {
         lock(&self.state).reads.len()
     }
@@ -216,7 +217,9 @@ impl Recorder {
                 "startup trace full: later reads were not recorded"
             );
         }
-        Trace { reads: rec.reads }
+        let mut reads = rec.reads;
+        reads.retain(|r| r.len > 0);
+        Trace { reads }
     }
 
     /// Notes a read of `len` bytes at `offset` of file `ino` of `tree`, the tree of
@@ -247,21 +250,35 @@ impl Recorder {
                 })
             }
         };
-        // A read touching or overlapping one already recorded for the file widens it
-        // (the latest such first: sequential reads extend the newest piece).
-        for &i in file.reads.iter().rev() {
-            let r = &mut rec.reads[i];
-            let r_end = r.offset + r.len;
-            if offset <= r_end && r.offset <= end {
-                let lo = r.offset.min(offset);
-                let widened = r_end.max(end) - lo;
-                if widened != r.len {
-                    self.touches.fetch_add(1, Ordering::AcqRel);
-                }
-                r.len = widened;
-                r.offset = lo;
-                return;
+        // A read touching or overlapping reads already recorded for the file widens the
+        // earliest of them in place and absorbs the others it bridges (the kernel's
+        // readahead can fetch a file's middle last, after its start and its end).
+        let mut touching = file.reads.iter().copied().filter(|&i| {
+            let r = &rec.reads[i];
+            offset <= r.offset + r.len && r.offset <= end
+        });
+        if let Some(first) = touching.next() {
+            let (mut lo, mut hi) = (offset, end);
+            let r = &rec.reads[first];
+            let before = (r.offset, r.len);
+            lo = lo.min(r.offset);
+            hi = hi.max(r.offset + r.len);
+            let absorbed: Vec<usize> = touching.collect();
+            for &i in &absorbed {
+                let r = &mut rec.reads[i];
+                lo = lo.min(r.offset);
+                hi = hi.max(r.offset + r.len);
+                // Emptied, not removed: the indices of other files stay valid; `take`
+                // leaves empty reads out.
+                r.len = 0;
             }
+            file.reads.retain(|i| !absorbed.contains(i));
+            let r = &mut rec.reads[first];
+            (r.offset, r.len) = (lo, hi - lo);
+            if before != (lo, hi - lo) {
+                self.touches.fetch_add(1, Ordering::AcqRel);
+            }
+            return;
         }
         if rec.reads.len() >= MAX_TRACE_READS {
             rec.dropped += 1;

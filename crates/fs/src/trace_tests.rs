@@ -61,6 +61,34 @@ fn path_of_names_files_directories_and_the_root() {
     assert_eq!(t.resolve(&name), Some(b));
 }
 
+/// The kernel's readahead may read a file's start, then its end, then its middle: the
+/// middle read bridges the two and the file is one read again, where it was first
+/// touched.
+#[test]
+fn a_read_that_bridges_two_recorded_reads_joins_them() {
+    let t = tree();
+    let a = t.resolve("/etc/a").unwrap();
+    let b = t.resolve("/usr/lib/b").unwrap();
+    let rec = Recorder::default();
+    rec.start();
+    rec.note(0, &t, a, 0, 2000);
+    rec.note(0, &t, b, 0, 100);
+    rec.note(0, &t, a, 8000, 2000);
+    rec.note(0, &t, a, 5000, 1000); // a third piece, apart from both
+    let touches = rec.touches();
+    rec.note(0, &t, a, 2000, 6000); // the middle: joins all three
+    assert_eq!(rec.touches(), touches + 1);
+    rec.note(0, &t, a, 100, 9000); // inside: nothing new
+    assert_eq!(rec.touches(), touches + 1);
+    rec.note(0, &t, b, 100, 100); // b still continues its own read
+    let trace = rec.take();
+    let bp = t.path_of(b).unwrap();
+    assert_eq!(
+        trace.reads,
+        vec![read("/etc/a", 0, 10_000), read(&bp, 0, 200)]
+    );
+}
+
 #[test]
 fn recorder_coalesces_in_first_touch_order_and_ignores_rereads() {
     let t = tree();
