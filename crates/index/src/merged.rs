@@ -123,14 +123,19 @@ impl MergedImage {
             }
             stack.push((*comp).to_string());
             let cur = stack.join("/");
-            let found = *self
-                .table
-                .get(&cur)
-                .ok_or_else(|| Error::NotFound(format!("/{cur}")))?;
+            let last = i + 1 == components.len();
+            let found = match self.table.get(&cur) {
+                Some(found) => *found,
+                // A directory a tar names only as its files' parent (no entry of its own).
+                None if !last && self.implies_dir(&cur) => {
+                    loc = None;
+                    continue;
+                }
+                None => return Err(Error::NotFound(format!("/{cur}"))),
+            };
             let entry = self
                 .entry(found)
                 .ok_or_else(|| Error::NotFound(format!("/{cur}")))?;
-            let last = i + 1 == components.len();
             if entry.kind == EntryKind::Symlink && (!last || follow_last) {
                 if *budget == 0 {
                     return Err(Error::NotAFile {
@@ -164,6 +169,15 @@ impl MergedImage {
                 .copied()
                 .ok_or_else(|| Error::NotFound(format!("/{}", stack.join("/")))),
         }
+    }
+
+    /// Whether some path of the table lies under `dir` (a directory without an entry).
+    fn implies_dir(&self, dir: &str) -> bool {
+        let prefix = format!("{dir}/");
+        self.table
+            .range(prefix.clone()..)
+            .next()
+            .is_some_and(|(k, _)| k.starts_with(&prefix))
     }
 
     /// Resolves a hard link to the entry holding the data (same layer first, then the
