@@ -1,5 +1,5 @@
 //! What a dynamic loader reads of a shared library or program at load time, from the
-//! ELF header and program headers at its start: the parts of the file its loadable
+//! ELF header and program headers at its start, and what it loads next: the parts of the file its loadable
 //! segments map that are not code (symbol and string tables, relocations, read-only
 //! data, the data segment and `.dynamic`). The loader touches those by page faults all
 //! over a large library as it relocates it, each a round trip on a lazy mount; the code
@@ -7,7 +7,9 @@
 //!
 //! The bytes come from a file in an image, so from a stranger: parsing is bounded (at
 //! most [`MAX_PROGRAM_HEADERS`] headers, all inside the bytes given), never panics and
-//! allocates nothing a header merely claims. It reads no file itself.
+//! allocates nothing a header merely claims. It reads no file itself: [`dependencies`]
+//! (the `PT_INTERP` and `DT_NEEDED` names, for following a program's libraries ahead of
+//! its loader) asks its caller for the few bounded pieces it needs.
 
 use std::ops::Range;
 
@@ -32,10 +34,19 @@ pub enum ElfError {
     Malformed(String),
 }
 
-/// The file ranges of `file_len`-byte ELF file `head` (its first bytes) that its
-/// loadable segments map and that are not executable, in file order, clamped to the
-/// file and merged where they touch.
-pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfError> {
+/// One program header, the fields this module uses.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    kind: u32,
+    flags: u32,
+    offset: u64,
+    vaddr: u64,
+    filesz: u64,
+}
+
+/// The header's reader and its program headers (at most [`MAX_PROGRAM_HEADERS`], all
+/// inside `head`).
+fn segments(head: &[u8]) -> Result<(Reader<'_>, Vec<Segment>), ElfError> {
     let e = Reader::of(head)?;
     let (phoff, phentsize, phnum) = if e.wide {
         (e.u64(0x20)?, e.u16(0x36)?, e.u16(0x38)?)
@@ -60,29 +71,170 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
                 head.len(),
             )
         })?;
-    let mut out: Vec<Range<u64>> = Vec::new();
+    let mut out = Vec::with_capacity(phnum);
     for i in 0..phnum {
         let at = table.start + i * phentsize;
-        let (kind, flags, offset, filesz) = if e.wide {
-            (e.u32(at)?, e.u32(at + 4)?, e.u64(at + 8)?, e.u64(at + 32)?)
+        out.push(if e.wide {
+            Segment {
+                kind: e.u32(at)?,
+                flags: e.u32(at + 4)?,
+                offset: e.u64(at + 8)?,
+                vaddr: e.u64(at + 16)?,
+                filesz: e.u64(at + 32)?,
+            }
         } else {
-            (
-                e.u32(at)?,
-                e.u32(at + 24)?,
-                u64::from(e.u32(at + 4)?),
-                u64::from(e.u32(at + 16)?),
-            )
-        };
-        if kind != PT_LOAD || flags & PF_X != 0 || filesz == 0 {
+            Segment {
+                kind: e.u32(at)?,
+                offset: u64::from(e.u32(at + 4)?),
+                vaddr: u64::from(e.u32(at + 8)?),
+                filesz: u64::from(e.u32(at + 16)?),
+                flags: e.u32(at + 24)?,
+            }
+        });
+    }
+    Ok((e, out))
+}
+
+/// The file ranges of `file_len`-byte ELF file `head` (its first bytes) that its
+/// loadable segments map and that are not executable, in file order, clamped to the
+/// file and merged where they touch.
+pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfError> {
+    let (_, segments) = segments(head)?;
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for s in segments {
+        if s.kind != PT_LOAD || s.flags & PF_X != 0 || s.filesz == 0 {
             continue;
         }
-        let start = offset.min(file_len);
-        let end = offset.saturating_add(filesz).min(file_len);
+        let start = s.offset.min(file_len);
+        let end = s.offset.saturating_add(s.filesz).min(file_len);
         if start < end {
             out.push(start..end);
         }
     }
     Ok(crate::warm::merge_ranges(out))
+}
+
+/// What a program or library asks the dynamic loader for, from its `PT_INTERP` and
+/// `.dynamic`: the names as the file gives them, unresolved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Dependencies {
+    /// The loader a program names (`/lib64/ld-linux-x86-64.so.2`); none for a library.
+    pub interpreter: Option<String>,
+    /// `DT_NEEDED` names (sonames such as `libc.so.6`), in the file's order, at most
+    /// [`MAX_NEEDED`].
+    pub needed: Vec<String>,
+    /// `DT_RUNPATH`, or `DT_RPATH` without one: the directories searched first,
+    /// `$ORIGIN` and all, as written.
+    pub search: Vec<String>,
+    /// `e_machine`, which picks the multiarch directories ([`crate::needed`]).
+    pub machine: u16,
+    /// A 64-bit file.
+    pub wide: bool,
+}
+
+/// `DT_NEEDED` names taken from one file, at most.
+pub const MAX_NEEDED: usize = 64;
+/// Bytes of `.dynamic` looked at, at most (a library's is a few hundred).
+const MAX_DYNAMIC_BYTES: u64 = 64 << 10;
+/// Longest string read from the string table or `PT_INTERP`.
+const MAX_STRING: usize = 4096;
+const PT_DYNAMIC: u32 = 2;
+const PT_INTERP: u32 = 3;
+const DT_NULL: u64 = 0;
+const DT_NEEDED: u64 = 1;
+const DT_STRTAB: u64 = 5;
+const DT_STRSZ: u64 = 10;
+const DT_RPATH: u64 = 15;
+const DT_RUNPATH: u64 = 29;
+
+/// The dependencies of `file_len`-byte ELF file `head` (its first bytes, holding its
+/// program headers). `read(offset, len)` returns up to `len` bytes of the file at
+/// `offset` (fewer at its end), or `None` when they cannot be had: it is called for
+/// `PT_INTERP`, `.dynamic` (at most 64 KiB) and each string, never for more than that.
+/// A file without `.dynamic` (static) has none; names that are not UTF-8, hold a `/`
+/// (a path, not a soname) or lie outside the string table are left out.
+pub fn dependencies(
+    head: &[u8],
+    file_len: u64,
+    read: &mut dyn FnMut(u64, usize) -> Option<Vec<u8>>,
+) -> Result<Dependencies, ElfError> {
+    let (e, segments) = segments(head)?;
+    let mut deps = Dependencies {
+        machine: e.u16(0x12)?,
+        wide: e.wide,
+        ..Dependencies::default()
+    };
+    let string_at = |read: &mut dyn FnMut(u64, usize) -> Option<Vec<u8>>, at: u64| {
+        if at >= file_len {
+            return None;
+        }
+        let bytes = read(at, MAX_STRING)?;
+        let end = bytes.iter().position(|&b| b == 0)?;
+        String::from_utf8(bytes[..end].to_vec()).ok()
+    };
+    if let Some(interp) = segments.iter().find(|s| s.kind == PT_INTERP) {
+        deps.interpreter = string_at(read, interp.offset).filter(|p| p.starts_with('/'));
+    }
+    let Some(dynamic) = segments.iter().find(|s| s.kind == PT_DYNAMIC) else {
+        return Ok(deps);
+    };
+    let len = dynamic.filesz.min(MAX_DYNAMIC_BYTES) as usize;
+    let table = read(dynamic.offset, len)
+        .ok_or_else(|| ElfError::Beyond(format!(".dynamic at offset {}", dynamic.offset), 0))?;
+    let table = Reader {
+        bytes: &table,
+        wide: e.wide,
+        big_endian: e.big_endian,
+    };
+    let step = if e.wide { 16 } else { 8 };
+    let (mut strtab, mut strsz) = (None, None);
+    let (mut needed, mut runpath, mut rpath) = (Vec::new(), None, None);
+    let mut at = 0;
+    while at + step <= table.bytes.len() {
+        let (tag, val) = if e.wide {
+            (table.u64(at)?, table.u64(at + 8)?)
+        } else {
+            (u64::from(table.u32(at)?), u64::from(table.u32(at + 4)?))
+        };
+        at += step;
+        match tag {
+            DT_NULL => break,
+            DT_NEEDED if needed.len() < MAX_NEEDED => needed.push(val),
+            DT_STRTAB => strtab = Some(val),
+            DT_STRSZ => strsz = Some(val),
+            DT_RPATH => rpath = Some(val),
+            DT_RUNPATH => runpath = Some(val),
+            _ => {}
+        }
+    }
+    // The string table is named by its address: where a loadable segment maps it.
+    let Some(strtab) = strtab.and_then(|v| {
+        segments
+            .iter()
+            .find(|s| s.kind == PT_LOAD && s.vaddr <= v && v - s.vaddr < s.filesz)
+            .and_then(|s| s.offset.checked_add(v - s.vaddr))
+    }) else {
+        return Ok(deps);
+    };
+    let mut string = |off: u64| {
+        if strsz.is_some_and(|n| off >= n) {
+            return None;
+        }
+        string_at(read, strtab.checked_add(off)?)
+    };
+    deps.needed = needed
+        .into_iter()
+        .filter_map(&mut string)
+        .filter(|n| !n.is_empty() && !n.contains('/'))
+        .collect();
+    if let Some(path) = runpath.or(rpath).and_then(string) {
+        deps.search = path
+            .split(':')
+            .filter(|d| !d.is_empty())
+            .map(str::to_string)
+            .collect();
+    }
+    Ok(deps)
 }
 
 /// Readers of unsigned fields of each width, in the header's byte order.
@@ -156,6 +308,41 @@ pub(crate) fn test_header(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
     }
     b
 }
+/// The first 4 KiB of a 64-bit x86-64 ELF file with one `PT_LOAD` over `len` bytes
+/// (addresses are offsets), `interp` as its `PT_INTERP` and a `.dynamic` naming
+/// `needed`, for tests.
+#[cfg(test)]
+pub(crate) fn test_program(interp: Option<&str>, needed: &[&str], len: u64) -> Vec<u8> {
+    let mut strtab = vec![0u8];
+    let mut dynamic: Vec<(u64, u64)> = Vec::new();
+    for n in needed {
+        dynamic.push((DT_NEEDED, strtab.len() as u64));
+        strtab.extend_from_slice(n.as_bytes());
+        strtab.push(0);
+    }
+    dynamic.push((DT_STRTAB, 512));
+    dynamic.push((DT_STRSZ, strtab.len() as u64));
+    dynamic.push((DT_NULL, 0));
+    let mut phdrs = vec![(PT_LOAD, 5, 0, len)];
+    if let Some(i) = interp {
+        phdrs.push((PT_INTERP, 4, 256, i.len() as u64 + 1));
+    }
+    phdrs.push((PT_DYNAMIC, 6, 1024, 16 * dynamic.len() as u64));
+    let mut f = test_header(&phdrs);
+    f[0x12..0x14].copy_from_slice(&62u16.to_le_bytes());
+    f.resize(4096, 0);
+    if let Some(i) = interp {
+        f[256..256 + i.len()].copy_from_slice(i.as_bytes());
+    }
+    f[512..512 + strtab.len()].copy_from_slice(&strtab);
+    for (k, (tag, val)) in dynamic.iter().enumerate() {
+        let at = 1024 + k * 16;
+        f[at..at + 8].copy_from_slice(&tag.to_le_bytes());
+        f[at + 8..at + 16].copy_from_slice(&val.to_le_bytes());
+    }
+    f
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -235,6 +422,117 @@ mod tests {
         let head = elf64(&[(PT_LOAD, 6, 0, 100), (PT_LOAD, 4, 200, 100)]);
         for n in 0..head.len() {
             assert!(loader_ranges(&head[..n], 1000).is_err(), "{n}");
+        }
+    }
+
+    /// A 64-bit x86-64 program: PT_LOAD over the whole file (so addresses are offsets),
+    /// PT_INTERP, and a `.dynamic` naming `needed` (string offsets into `strtab`).
+    fn program(needed: &[u64], strtab: &[u8], extra: &[(u64, u64)]) -> Vec<u8> {
+        let mut f = elf64(&[
+            (PT_LOAD, 4, 0, 4096),
+            (PT_INTERP, 4, 256, 28),
+            (PT_DYNAMIC, 6, 1024, 512),
+        ]);
+        f[0x12..0x14].copy_from_slice(&62u16.to_le_bytes());
+        f.resize(4096, 0);
+        f[256..256 + 28].copy_from_slice(b"/lib64/ld-linux-x86-64.so.2\0");
+        f[512..512 + strtab.len()].copy_from_slice(strtab);
+        let mut dynamic: Vec<(u64, u64)> = needed.iter().map(|&n| (DT_NEEDED, n)).collect();
+        dynamic.extend_from_slice(extra);
+        dynamic.push((DT_STRTAB, 512));
+        dynamic.push((DT_STRSZ, strtab.len() as u64));
+        dynamic.push((DT_NULL, 0));
+        for (i, (tag, val)) in dynamic.iter().enumerate() {
+            let at = 1024 + i * 16;
+            f[at..at + 8].copy_from_slice(&tag.to_le_bytes());
+            f[at + 8..at + 16].copy_from_slice(&val.to_le_bytes());
+        }
+        f
+    }
+
+    fn reader(file: &[u8]) -> impl FnMut(u64, usize) -> Option<Vec<u8>> + '_ {
+        |off, len| {
+            let off = usize::try_from(off).ok()?;
+            let end = off.saturating_add(len).min(file.len());
+            file.get(off..end).map(<[u8]>::to_vec)
+        }
+    }
+
+    #[test]
+    fn a_programs_interpreter_libraries_and_run_path() {
+        let strtab = b"\0libm.so.6\0libc.so.6\0$ORIGIN/../lib:/opt/x\0";
+        let f = program(&[1, 11], strtab, &[(DT_RUNPATH, 21)]);
+        let deps = dependencies(&f[..512], f.len() as u64, &mut reader(&f)).unwrap();
+        assert_eq!(
+            deps,
+            Dependencies {
+                interpreter: Some("/lib64/ld-linux-x86-64.so.2".into()),
+                needed: vec!["libm.so.6".into(), "libc.so.6".into()],
+                search: vec!["$ORIGIN/../lib".into(), "/opt/x".into()],
+                machine: 62,
+                wide: true,
+            }
+        );
+        // RPATH counts only without RUNPATH.
+        let f = program(&[1], strtab, &[(DT_RPATH, 1), (DT_RUNPATH, 21)]);
+        let deps = dependencies(&f[..512], f.len() as u64, &mut reader(&f)).unwrap();
+        assert_eq!(deps.search, vec!["$ORIGIN/../lib", "/opt/x"]);
+        let f = program(&[1], strtab, &[(DT_RPATH, 11)]);
+        let deps = dependencies(&f[..512], f.len() as u64, &mut reader(&f)).unwrap();
+        assert_eq!(deps.search, vec!["libc.so.6"]);
+    }
+
+    #[test]
+    fn names_outside_the_table_paths_and_bad_strings_are_left_out() {
+        // Offsets: 1 a path, 9 past the table's size, 100 beyond it, 0 the empty name.
+        let strtab = b"\0a/b.so\0";
+        let f = program(&[1, 9, 100, 0], strtab, &[]);
+        let deps = dependencies(&f[..512], f.len() as u64, &mut reader(&f)).unwrap();
+        assert!(deps.needed.is_empty(), "{deps:?}");
+        // A string without its NUL within the bytes read.
+        let f = program(&[1], b"\0libz.so.1\0", &[]);
+        let mut short = |off: u64, len: usize| {
+            let got = reader(&f)(off, len)?;
+            Some(if (512..1024).contains(&off) {
+                got[..3].to_vec()
+            } else {
+                got
+            })
+        };
+        let deps = dependencies(&f[..512], 4096, &mut short).unwrap();
+        assert!(deps.needed.is_empty(), "{deps:?}");
+    }
+
+    #[test]
+    fn a_static_file_has_none_and_an_unreadable_dynamic_is_an_error() {
+        let head = elf64(&[(PT_LOAD, 5, 0, 4096)]);
+        let deps = dependencies(&head, 4096, &mut |_, _| None).unwrap();
+        assert_eq!((deps.interpreter, deps.needed.len()), (None, 0));
+        let f = program(&[1], b"\0libm.so.6\0", &[]);
+        assert!(dependencies(&f[..512], 4096, &mut |_, _| None).is_err());
+    }
+
+    #[test]
+    fn at_most_max_needed_names_and_no_panic_on_any_truncation() {
+        // A .dynamic of 100 DT_NEEDED entries (2 KiB; its header rewritten to say so).
+        let mut f = program(&[], b"\0libm.so.6\0", &[]);
+        f[208..216].copy_from_slice(&2048u64.to_le_bytes());
+        let mut at = 1024;
+        for (tag, val) in std::iter::repeat_n((DT_NEEDED, 1u64), 100).chain([
+            (DT_STRTAB, 512),
+            (DT_STRSZ, 11),
+            (DT_NULL, 0),
+        ]) {
+            f[at..at + 8].copy_from_slice(&tag.to_le_bytes());
+            f[at + 8..at + 16].copy_from_slice(&val.to_le_bytes());
+            at += 16;
+        }
+        let deps = dependencies(&f[..512], 4096, &mut reader(&f)).unwrap();
+        assert_eq!(deps.needed.len(), MAX_NEEDED);
+        let f = program(&[1, 11], b"\0libm.so.6\0libc.so.6\0", &[]);
+        for n in 0..f.len() {
+            let cut = &f[..n];
+            let _ = dependencies(cut, n as u64, &mut reader(cut));
         }
     }
 }

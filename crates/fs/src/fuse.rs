@@ -176,10 +176,10 @@ impl FerryFs {
         // From here: a read's first miss in a file may fetch the file whole first.
         let started = std::time::Instant::now();
         // Only reads that wait ask for more (a start served by its trace adds nothing):
-        // a first read's header, after it lands, may ask for its loader's segments.
-        // (Checked in that order: most first reads are of small files, with no lookup.)
+        // a first read's header, after it lands, may ask for its libraries and its
+        // loader's segments.
         let header_waits = offset == 0
-            && self.image.nearby.may_ask_loader(node.size)
+            && self.image.nearby.follows_headers()
             && !self.image.read_is_local(node, 0, len as u64);
         self.image.read_nearby(ino, node, offset, len as u64);
         let mut buf = vec![0u8; len];

@@ -579,12 +579,20 @@ impl MountedImage {
     }
 
     /// After a read of file `ino` at `offset` that waited returned `data`: what its bytes tell of
-    /// reads to come. An ELF header of a file too large to come whole: its loader's
-    /// segments go to the background ([`crate::nearby::Nearby::plan_loader`]).
-    pub(crate) fn read_landed(&self, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
+    /// reads to come. An ELF header: the libraries it names are followed
+    /// ([`crate::needed`]); of a file too large to come whole, its loader's segments go to
+    /// the background too ([`crate::nearby::Nearby::plan_loader`]).
+    pub(crate) fn read_landed(self: &Arc<Self>, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
         if offset != 0 || !data.starts_with(b"\x7fELF") {
             return;
         }
+        self.read_landed_loader(ino, node, offset, data);
+        if let Some(loc) = node.data {
+            self.follow_libraries(loc);
+        }
+    }
+
+    fn read_landed_loader(&self, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
         let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
             return;
         };
@@ -606,7 +614,13 @@ impl MountedImage {
             bytes = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
             "nearby: loader segments asked"
         );
-        crate::nearby::submit(source, &self.stats, ranges, crate::stats::Guess::Rest);
+        crate::nearby::submit(
+            source,
+            &self.stats,
+            ranges,
+            crate::stats::Guess::Rest,
+            crate::nearby::Urgency::Now,
+        );
     }
 
     /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
@@ -645,6 +659,7 @@ impl MountedImage {
             &self.stats,
             asks.neighbours,
             crate::stats::Guess::Neighbours,
+            crate::nearby::Urgency::Later,
         );
         if let Some(range) = asks.whole {
             match source.fetch_for_read(range.clone()) {

@@ -34,6 +34,7 @@ pub mod fuse;
 pub mod image;
 mod localfiles;
 pub mod nearby;
+mod needed;
 pub mod range_source;
 mod readahead;
 pub mod stats;

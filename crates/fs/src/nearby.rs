@@ -32,9 +32,8 @@
 //! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
 //! data or keep any.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -102,7 +101,14 @@ struct Seen {
     dirs: HashSet<Ino>,
     /// Large ELF files whose loader segments were asked for.
     loaders: HashSet<Ino>,
+    /// Programs and libraries (layer, entry) whose dependencies were followed
+    /// ([`crate::needed`]).
+    libraries: HashSet<(usize, usize)>,
 }
+
+/// Programs and libraries a mount follows the dependencies of, at most (a pandas start
+/// loads about sixty).
+pub const MAX_LIBRARIES: usize = 512;
 
 /// What a mount has spent when a read asks ([`Nearby::plan`]), from its counters.
 #[derive(Debug, Default, Clone, Copy)]
@@ -247,6 +253,27 @@ impl Nearby {
         Asks { whole, neighbours }
     }
 
+    /// Whether file `at` (layer, entry) has not had its dependencies followed yet, and
+    /// may (marks it: once per file per mount, at most [`MAX_LIBRARIES`]).
+    pub(crate) fn first_library(&self, at: (usize, usize)) -> bool {
+        if self.whole_file_bytes == 0 {
+            return false;
+        }
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        seen.libraries.len() < MAX_LIBRARIES && seen.libraries.insert(at)
+    }
+
+    /// Whether a first read's header may ask for more once it lands (the loader's
+    /// segments, the libraries): while whole files are on.
+    pub(crate) fn follows_headers(&self) -> bool {
+        self.whole_file_bytes > 0
+    }
+
+    /// The bound of a file fetched whole ([`FetchConfig::whole_file_bytes`]).
+    pub(crate) fn whole_file_bytes(&self) -> u64 {
+        self.whole_file_bytes
+    }
+
     /// Whether a file of `size` bytes may ask for its loader's segments
     /// ([`Self::plan_loader`]): one too large to come whole, while whole files are on.
     pub(crate) fn may_ask_loader(&self, size: u64) -> bool {
@@ -277,7 +304,7 @@ impl Nearby {
         }
         // Parsed before it counts as the file's ask: a short first read (a `file` probe
         // of 64 bytes) does not use up the loader's.
-        let mut segments = match crate::elf::loader_ranges(head, read.node.size) {
+        let segments = match crate::elf::loader_ranges(head, read.node.size) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "an ELF header without usable segments");
@@ -291,8 +318,19 @@ impl Nearby {
         if !first {
             return Vec::new();
         }
-        // At most a whole file's worth, smallest segments first: the data segment and
-        // the tables the loader relocates with before the bulk of read-only data.
+        self.loader_segments(layers, loc, segments)
+    }
+
+    /// The missing compressed ranges of `segments` (a large file's loader ranges,
+    /// [`crate::elf::loader_ranges`]) of the file at `loc`: at most a whole file's worth,
+    /// smallest segments first (the data segment and the tables the loader relocates with
+    /// before the bulk of read-only data).
+    pub(crate) fn loader_segments(
+        &self,
+        layers: &dyn Layers,
+        loc: Location,
+        mut segments: Vec<Range<u64>>,
+    ) -> Vec<Range<u64>> {
         segments.sort_by_key(|s| s.end - s.start);
         let mut left = self.whole_file_bytes;
         let mut ranges = Vec::new();
@@ -330,6 +368,11 @@ impl Nearby {
         };
         let wanted =
             |e: &Entry| e.kind == EntryKind::File && e.size > 0 && e.size <= MAX_NEARBY_FILE;
+        // A package's `__init__` read first: its subpackages' come next, wherever they
+        // lie in the subtree ([`package_init`]); up to as many bytes again, nearest first.
+        let init_suffix = package_init_suffix(&entry.path, scope);
+        let mut init_bytes = 0u64;
+        let mut inits = Vec::new();
         let here = entry.offset;
         let (mut down, mut up) = (loc.entry, loc.entry + 1);
         let (mut down_open, mut up_open) = (true, true);
@@ -386,16 +429,23 @@ impl Nearby {
                 .filter(|r| !counted.contains(&(r.start, r.end)) && layers.missing(layer, r))
                 .collect();
             let add: u64 = ranges.iter().map(|r| r.end - r.start).sum();
-            if bytes + add > self.nearby_bytes {
+            let init = init_suffix.is_some_and(|suffix| package_init(&e.path, scope, suffix));
+            let (spent, into) = if init {
+                (&mut init_bytes, &mut inits)
+            } else {
+                (&mut bytes, &mut out)
+            };
+            if *spent + add > self.nearby_bytes {
                 continue; // a smaller one further out may still fit
             }
-            bytes += add;
+            *spent += add;
             for r in ranges {
                 counted.insert((r.start, r.end));
-                out.push(r);
+                into.push(r);
             }
         }
-        out
+        inits.extend(out);
+        inits
     }
 }
 
@@ -412,6 +462,35 @@ fn neighbourhood(path: &str) -> &str {
     } else {
         dir
     }
+}
+
+/// For a package's `__init__` module at `path` (`pkg/__init__.py`, or compiled,
+/// `pkg/__pycache__/__init__.cpython-311.pyc`) whose neighbourhood is `scope` (`pkg`): the
+/// part of the path below it, which a subpackage's `__init__` shares.
+fn package_init_suffix<'a>(path: &'a str, scope: &str) -> Option<&'a str> {
+    let name = path.rsplit('/').next()?;
+    if !name.starts_with("__init__.") || scope.is_empty() {
+        return None;
+    }
+    path.strip_prefix(scope)?.strip_prefix('/')
+}
+
+/// Whether `path` is the `__init__` of a subpackage of `scope` (at any depth) with the
+/// same `suffix` as the one read ([`package_init_suffix`]), outside test packages (which
+/// an import of the package does not load).
+fn package_init(path: &str, scope: &str, suffix: &str) -> bool {
+    let Some(dirs) = path
+        .strip_prefix(scope)
+        .and_then(|p| p.strip_prefix('/'))
+        .and_then(|p| p.strip_suffix(suffix))
+        .and_then(|p| p.strip_suffix('/'))
+    else {
+        return false;
+    };
+    !dirs.is_empty()
+        && dirs
+            .split('/')
+            .all(|d| !d.is_empty() && !matches!(d, "tests" | "test" | "testing" | "__pycache__"))
 }
 
 /// `num/den` of `bytes` (unbounded for `den` 0).
@@ -461,28 +540,62 @@ impl Layers for MountLayers<'_> {
     }
 }
 
-/// A fetch for the pool.
-struct Job {
-    source: Weak<LayerSource>,
-    range: Range<u64>,
-    guess: Guess,
-    stats: Weak<MountStats>,
+/// Work for the pool: a fetch, or a task that plans and submits more
+/// ([`crate::needed`]).
+enum Job {
+    Fetch {
+        source: Weak<LayerSource>,
+        range: Range<u64>,
+        guess: Guess,
+        stats: Weak<MountStats>,
+    },
+    Task(Box<dyn FnOnce() + Send>),
+}
+
+/// How soon a job of the pool should run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Urgency {
+    /// What a program will read next for certain (the libraries its loader opens, their
+    /// loader segments): ahead of everything queued later.
+    Now,
+    /// A guess that may go unread (a miss's neighbours).
+    Later,
+}
+
+#[derive(Default)]
+struct Queues {
+    now: VecDeque<Job>,
+    later: VecDeque<Job>,
+    /// Jobs queued or running, for [`wait_idle`].
+    pending: usize,
 }
 
 struct Pool {
-    queue: SyncSender<Job>,
-    /// Jobs queued or running, for [`wait_idle`].
-    pending: Mutex<usize>,
+    queues: Mutex<Queues>,
+    /// Signalled when a job is queued.
+    ready: Condvar,
+    /// Signalled when no job is queued or running.
     idle: Condvar,
 }
 
 impl Pool {
     /// One job fewer queued or running.
     fn done(&self) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        *pending = pending.saturating_sub(1);
-        if *pending == 0 {
+        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        q.pending = q.pending.saturating_sub(1);
+        if q.pending == 0 {
             self.idle.notify_all();
+        }
+    }
+
+    /// The next job, the urgent ones first; waits for one.
+    fn next(&self) -> Job {
+        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(job) = q.now.pop_front().or_else(|| q.later.pop_front()) {
+                return job;
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         }
     }
 }
@@ -491,53 +604,93 @@ static POOL: OnceLock<Option<Pool>> = OnceLock::new();
 
 fn pool() -> Option<&'static Pool> {
     POOL.get_or_init(|| {
-        let (queue, jobs) = std::sync::mpsc::sync_channel::<Job>(POOL_QUEUE);
-        let jobs = Arc::new(Mutex::new(jobs));
         let mut started = 0;
         for i in 0..POOL_THREADS {
-            let jobs = jobs.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("ferry-nearby-{i}"))
-                .spawn(move || work(&jobs));
+                .spawn(work);
             match spawned {
                 Ok(_) => started += 1,
                 Err(e) => tracing::warn!(error = %e, "cannot start a nearby-file fetch thread"),
             }
         }
         (started > 0).then(|| Pool {
-            queue,
-            pending: Mutex::new(0),
+            queues: Mutex::default(),
+            ready: Condvar::new(),
             idle: Condvar::new(),
         })
     })
     .as_ref()
 }
 
-fn work(jobs: &Mutex<Receiver<Job>>) {
+fn work() {
+    // The pool is set once its threads are spawned; they wait for it here.
+    let pool = loop {
+        match POOL.get() {
+            Some(Some(pool)) => break pool,
+            Some(None) => return,
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    };
     loop {
-        let job = {
-            let rx = jobs.lock().unwrap_or_else(|e| e.into_inner());
-            rx.recv()
-        };
-        let Ok(job) = job else { return };
-        if let Some(source) = job.source.upgrade() {
-            match source.warm_guessed(job.range.clone(), job.guess) {
-                Ok(n) => {
-                    if let Some(stats) = job.stats.upgrade() {
-                        MountStats::add(&stats.bytes_nearby, n);
-                    }
+        match pool.next() {
+            Job::Fetch {
+                source,
+                range,
+                guess,
+                stats,
+            } => fetch(&source, range, guess, &stats),
+            Job::Task(task) => {
+                // A task parses a stranger's bytes; whatever happens, the pool stays.
+                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)).is_err() {
+                    tracing::warn!("a nearby planning task panicked; skipped");
                 }
-                Err(e) => tracing::debug!(
-                    start = job.range.start,
-                    end = job.range.end,
-                    error = %e,
-                    "nearby fetch failed; the bytes are fetched when read"
-                ),
             }
         }
-        if let Some(pool) = POOL.get().and_then(Option::as_ref) {
-            pool.done();
+        pool.done();
+    }
+}
+
+fn fetch(source: &Weak<LayerSource>, range: Range<u64>, guess: Guess, stats: &Weak<MountStats>) {
+    let Some(source) = source.upgrade() else {
+        return;
+    };
+    match source.warm_guessed(range.clone(), guess) {
+        Ok(n) => {
+            if let Some(stats) = stats.upgrade() {
+                MountStats::add(&stats.bytes_nearby, n);
+            }
         }
+        Err(e) => tracing::debug!(
+            start = range.start,
+            end = range.end,
+            error = %e,
+            "nearby fetch failed; the bytes are fetched when read"
+        ),
+    }
+}
+
+/// Queues `job` for the pool (dropped when [`POOL_QUEUE`] jobs wait already).
+fn queue(pool: &Pool, job: Job, urgency: Urgency) {
+    let mut q = pool.queues.lock().unwrap_or_else(|e| e.into_inner());
+    if q.now.len() + q.later.len() >= POOL_QUEUE {
+        tracing::debug!("nearby-file queue full; hint dropped");
+        return;
+    }
+    q.pending += 1;
+    match urgency {
+        Urgency::Now => q.now.push_back(job),
+        Urgency::Later => q.later.push_back(job),
+    }
+    drop(q);
+    pool.ready.notify_one();
+}
+
+/// Queues `task` for the pool, ahead of the guesses (dropped when it is full):
+/// planning that reads what has landed and submits fetches of its own.
+pub(crate) fn submit_task(task: Box<dyn FnOnce() + Send>) {
+    if let Some(pool) = pool() {
+        queue(pool, Job::Task(task), Urgency::Now);
     }
 }
 
@@ -548,24 +701,20 @@ pub(crate) fn submit(
     stats: &Arc<MountStats>,
     ranges: Vec<Range<u64>>,
     guess: Guess,
+    urgency: Urgency,
 ) {
     if ranges.is_empty() {
         return;
     }
     let Some(pool) = pool() else { return };
     for range in ranges {
-        *pool.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        let job = Job {
+        let job = Job::Fetch {
             source: Arc::downgrade(source),
             range,
             guess,
             stats: Arc::downgrade(stats),
         };
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = pool.queue.try_send(job)
-        {
-            tracing::debug!("nearby-file queue full; hint dropped");
-            pool.done();
-        }
+        queue(pool, job, urgency);
     }
 }
 
@@ -576,15 +725,15 @@ pub fn wait_idle(timeout: Duration) -> bool {
         return true;
     };
     let deadline = Instant::now() + timeout;
-    let mut pending = pool.pending.lock().unwrap_or_else(|e| e.into_inner());
-    while *pending > 0 {
+    let mut q = pool.queues.lock().unwrap_or_else(|e| e.into_inner());
+    while q.pending > 0 {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return false;
         }
-        pending = pool
+        q = pool
             .idle
-            .wait_timeout(pending, left)
+            .wait_timeout(q, left)
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }

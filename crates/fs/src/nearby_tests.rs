@@ -66,6 +66,11 @@ fn rig(whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
     files.push(("app/lib/__pycache__/c0".into(), noise(24 << 10, 40)));
     files.push(("app/lib/__pycache__/c1".into(), noise(24 << 10, 41)));
     files.push(("app/lib/deep/__pycache__/d0".into(), noise(24 << 10, 42)));
+    rig_of(&files, whole_file_bytes, nearby_bytes)
+}
+
+/// A rig over a layer of `files` (in that order); spans of 64 KiB, no readahead.
+fn rig_of(files: &[(String, Vec<u8>)], whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
     let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, d)| (p.as_str(), d.clone())).collect();
     let (blob, index) = indexed_gzip_layer(&named);
     let backend = Arc::new(LogBackend {
@@ -549,4 +554,126 @@ fn only_a_large_files_elf_header_at_its_start_within_budget_asks() {
     // None of those used the file's one ask.
     assert!(!ask("lib.so", 0, &head, Spent::default()).is_empty());
     assert!(ask("lib.so", 0, &head, Spent::default()).is_empty());
+}
+
+#[test]
+fn a_packages_init_names_its_subpackages_inits_but_not_its_tests() {
+    let init = "__pycache__/__init__.cpython-311.pyc";
+    assert_eq!(package_init_suffix(&format!("p/{init}"), "p"), Some(init));
+    assert_eq!(
+        package_init_suffix("p/__init__.py", "p"),
+        Some("__init__.py")
+    );
+    assert_eq!(package_init_suffix("p/__pycache__/m.pyc", "p"), None);
+    assert_eq!(package_init_suffix("__init__.py", ""), None);
+    assert!(package_init(&format!("p/a/{init}"), "p", init));
+    assert!(package_init(&format!("p/a/b/{init}"), "p", init));
+    assert!(!package_init(&format!("p/{init}"), "p", init), "its own");
+    assert!(!package_init(&format!("p/tests/{init}"), "p", init));
+    assert!(!package_init(&format!("p/a/tests/b/{init}"), "p", init));
+    assert!(!package_init(
+        "p/a/__pycache__/__init__.cpython-312.pyc",
+        "p",
+        init
+    ));
+    assert!(!package_init(&format!("q/a/{init}"), "p", init));
+    assert!(!package_init(&format!("pp/a/{init}"), "p", init));
+}
+
+#[test]
+fn a_packages_first_miss_brings_its_subpackages_inits_beyond_the_nearest_files() {
+    let init = "__pycache__/__init__.cpython-311.pyc";
+    let mut files: Vec<(String, Vec<u8>)> = vec![(format!("pkg/{init}"), noise(8 << 10, 1))];
+    for i in 0..12 {
+        files.push((format!("pkg/__pycache__/m{i}.pyc"), noise(24 << 10, 10 + i)));
+    }
+    files.push((format!("pkg/core/{init}"), noise(8 << 10, 2)));
+    for i in 0..12 {
+        files.push((
+            format!("pkg/core/__pycache__/c{i}.pyc"),
+            noise(24 << 10, 30 + i),
+        ));
+    }
+    files.push((format!("pkg/core/deep/{init}"), noise(8 << 10, 3)));
+    files.push((
+        "pkg/core/deep/__pycache__/d.pyc".into(),
+        noise(200 << 10, 4),
+    ));
+    files.push((format!("pkg/tests/{init}"), noise(8 << 10, 5)));
+    files.push(("pkg/tests/__pycache__/t.pyc".into(), noise(200 << 10, 6)));
+    files.push((format!("other/{init}"), noise(8 << 10, 7)));
+    // Neighbours get about three spans (of 64 KiB): only the nearest modules.
+    let rig = rig_of(&files, 0, 200 << 10);
+    rig.read(&format!("pkg/{init}"), 0, 100);
+    assert!(!rig.missing(&format!("pkg/core/{init}")));
+    assert!(!rig.missing(&format!("pkg/core/deep/{init}")));
+    assert!(
+        rig.missing(&format!("pkg/tests/{init}")),
+        "a test package came"
+    );
+    assert!(rig.missing(&format!("other/{init}")));
+    assert!(
+        rig.missing("pkg/core/__pycache__/c6.pyc"),
+        "the subpackage's modules came too: the neighbours' budget did not hold"
+    );
+    // A module that is not an `__init__` asks for no subpackage's.
+    let rig = rig_of(&files, 0, 200 << 10);
+    rig.read("pkg/__pycache__/m11.pyc", 0, 100);
+    assert!(rig.missing(&format!("pkg/core/deep/{init}")));
+}
+
+#[test]
+fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
+    // prog → interpreter + libfoo (in the multiarch dir) → libbar (in /usr/lib);
+    // libbaz is named by nothing.
+    let elf = |interp: Option<&str>, needed: &[&str], len: usize, seed: u64| {
+        let mut f = noise(len, seed);
+        let head = crate::elf::test_program(interp, needed, len as u64);
+        f[..head.len()].copy_from_slice(&head);
+        f
+    };
+    let files: Vec<(String, Vec<u8>)> = vec![
+        (
+            "usr/bin/prog".into(),
+            elf(Some("/lib64/ld.so"), &["libfoo.so.1"], 100 << 10, 1),
+        ),
+        ("pad0".into(), noise(300 << 10, 2)),
+        ("lib64/ld.so".into(), elf(None, &[], 100 << 10, 3)),
+        ("pad1".into(), noise(300 << 10, 4)),
+        (
+            "usr/lib/x86_64-linux-gnu/libfoo.so.1".into(),
+            elf(None, &["libbar.so", "libmissing.so"], 100 << 10, 5),
+        ),
+        ("pad2".into(), noise(300 << 10, 6)),
+        ("usr/lib/libbar.so".into(), elf(None, &[], 100 << 10, 7)),
+        ("pad3".into(), noise(300 << 10, 8)),
+        ("usr/lib/libbaz.so".into(), elf(None, &[], 100 << 10, 9)),
+    ];
+    let rig = rig_of(&files, 8 << 20, 0);
+    // The program's own read: it came whole, as a first read does.
+    rig.read("usr/bin/prog", 0, 4096);
+    assert!(rig.missing("usr/lib/libbar.so"));
+    let ino = rig.image.tree.resolve("usr/bin/prog").unwrap();
+    let loc = rig.image.tree.get(ino).unwrap().data.unwrap();
+    rig.image.follow_libraries(loc);
+    assert!(wait_idle(Duration::from_secs(30)));
+    for lib in [
+        "lib64/ld.so",
+        "usr/lib/x86_64-linux-gnu/libfoo.so.1",
+        "usr/lib/libbar.so",
+    ] {
+        assert!(!rig.missing(lib), "{lib} was not fetched");
+    }
+    assert!(
+        rig.missing("usr/lib/libbaz.so"),
+        "a library nobody names came"
+    );
+    let stats = rig.image.stats.snapshot();
+    assert_eq!(stats.read_waits, 1, "only the program's own read waited");
+    assert!(stats.guesses.rest.fetched > 0, "{stats:?}");
+    // Once per file: following again fetches nothing.
+    let calls = rig.calls();
+    rig.image.follow_libraries(loc);
+    assert!(wait_idle(Duration::from_secs(30)));
+    assert_eq!(rig.calls(), calls);
 }
