@@ -18,7 +18,6 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-pub(crate) use blob_body::collect_body;
 use ferry_index::estargz::EstargzLayer;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_index::inflated::InflatedSpans;
@@ -270,7 +269,7 @@ pub fn find_trace(
     manifest_digest: &str,
     client: &Client,
     runtime: &RangeRuntime,
-) -> Result<Option<crate::warm::Trace>> {
+) -> Result<Option<crate::trace::Trace>> {
     match ImageRef::parse(image)? {
         ImageRef::Layout { dir, .. } => {
             let layout = OciLayout::open(&dir)?;
@@ -289,31 +288,6 @@ pub fn find_trace(
             manifest_digest,
             runtime,
         ),
-    }
-}
-
-mod blob_body {
-    use ferry_registry_client::{BlobStream, ClientError};
-    use futures_util::StreamExt;
-
-    /// Collects a blob body, refusing more than `max` bytes.
-    pub async fn collect_body(stream: BlobStream, max: u64) -> Result<Vec<u8>, ClientError> {
-        let mut body = stream.body;
-        let mut out = Vec::new();
-        while let Some(piece) = body.next().await {
-            let piece = piece.map_err(|e| ClientError::Invalid {
-                what: "index blob".into(),
-                reason: e.to_string(),
-            })?;
-            if (out.len() + piece.len()) as u64 > max {
-                return Err(ClientError::Invalid {
-                    what: "index blob".into(),
-                    reason: format!("larger than {max} bytes"),
-                });
-            }
-            out.extend_from_slice(&piece);
-        }
-        Ok(out)
     }
 }
 
@@ -414,7 +388,7 @@ pub async fn fetch_index_blob(
     }
     let digest = blob.digest().to_string();
     let stream = client.blob_stream(repo, &digest, None).await?;
-    let bytes = collect_body(stream, blob.size()).await?;
+    let bytes = stream.collect_body("index blob", blob.size()).await?;
     if ferry_oci::sha256_digest(&bytes).to_string() != digest {
         return Err(Error::Invalid(format!(
             "index blob {digest} does not match its digest"
@@ -445,7 +419,7 @@ pub struct MountedImage {
     /// Digest of the image manifest.
     pub manifest_digest: String,
     /// The image's published startup trace, when one was found (prefetched first).
-    pub trace: Option<crate::warm::Trace>,
+    pub trace: Option<crate::trace::Trace>,
     /// The layer a single-layer mount shows (`None`: merged).
     pub view_layer: Option<usize>,
     /// Per layer, its device-level source when it has one (indexed and eStargz
@@ -541,7 +515,7 @@ impl MountedImage {
     }
 
     /// Stops recording and returns the reads recorded, in first-touch order.
-    pub fn take_trace(&self) -> crate::warm::Trace {
+    pub fn take_trace(&self) -> crate::trace::Trace {
         self.recorder.take()
     }
 

@@ -53,5 +53,6 @@ pub use image::{
 };
 pub use range_source::HttpRangeSource;
 pub use stats::{Guess, GuessBytes, Guesses, MountStats, StatsSnapshot};
+pub use trace::{Trace, TraceRead};
 pub use tree::{InodeTree, Node, NodeKind, ROOT_INO};
-pub use warm::{Trace, TraceRead, WarmConfig, WarmHandle};
+pub use warm::{WarmConfig, WarmHandle};

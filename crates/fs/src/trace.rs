@@ -18,7 +18,9 @@ use ferry_registry_client::{Client, RangeRuntime, Repo};
 
 use crate::error::{Error, Result};
 use crate::tree::{Ino, InodeTree};
-use crate::warm::{TRACE_MEDIA_TYPE, Trace, TraceRead};
+
+/// Media type of a published startup trace (artifactType of its manifest).
+pub const TRACE_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE_ARTIFACT;
 
 /// Media type of the trace JSON blob (the artifact's one layer).
 pub const TRACE_BLOB_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE;
@@ -33,6 +35,24 @@ pub const MAX_TRACE_PATH: usize = 4096;
 /// Annotation on a trace artifact: when it was recorded (seconds since the epoch); the
 /// newest of several traces of one image wins.
 pub const ANNOTATION_TRACE_CREATED: &str = ferry_oci::media::ANNOTATION_TRACE_CREATED;
+
+/// A recorded startup trace.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Trace {
+    /// Reads in first-touch order.
+    pub reads: Vec<TraceRead>,
+}
+
+/// One recorded read: `len` bytes at `offset` of the file at `path` in the merged tree.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TraceRead {
+    /// Absolute path in the image's root filesystem.
+    pub path: String,
+    /// Offset of the read within the file.
+    pub offset: u64,
+    /// Bytes read.
+    pub len: u64,
+}
 
 /// Trace JSON as written: `{"version":1,"reads":[{"path","offset","len"}…]}`. A missing
 /// version is read as 1 (what `Trace`'s own serde derive writes).
@@ -523,7 +543,7 @@ fn fetch_trace_blob(
     let digest = blob.digest().to_string();
     let bytes = runtime.handle().block_on(async {
         let stream = client.blob_stream(repo, &digest, None).await?;
-        crate::image::collect_body(stream, blob.size()).await
+        stream.collect_body("trace blob", blob.size()).await
     })?;
     if ferry_oci::sha256_digest(&bytes).to_string() != digest {
         return Err(Error::Invalid(format!(

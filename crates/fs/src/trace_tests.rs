@@ -248,7 +248,7 @@ fn layout_trace_is_stored_as_a_referrer_and_found_again() {
     let desc = store_layout_trace(&layout, &subject, &sample()).unwrap();
     assert_eq!(
         desc.artifact_type().as_ref().unwrap().to_string(),
-        crate::warm::TRACE_MEDIA_TYPE
+        crate::trace::TRACE_MEDIA_TYPE
     );
     assert_eq!(
         find_layout_trace(&layout, &subject).unwrap(),

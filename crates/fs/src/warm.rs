@@ -3,7 +3,7 @@
 //!
 //! CONTRACT (signatures are binding for the daemon):
 //! * [`Trace`]: which byte ranges of which files a workload read, in order; JSON on disk
-//!   and as an OCI artifact (media type [`TRACE_MEDIA_TYPE`]) whose subject is the image
+//!   and as an OCI artifact (media type [`crate::trace::TRACE_MEDIA_TYPE`]) whose subject is the image
 //!   (format, recording and publishing in [`crate::trace`]).
 //! * [`start`]: begins prefetch (trace first, then eStargz landmarks) and, when enabled,
 //!   throttled background fill; the returned [`WarmHandle`] stops it on drop.
@@ -50,9 +50,7 @@ use crate::device::{FillWork, LayerSource};
 use crate::filecache::FileCache;
 use crate::image::MountedImage;
 use crate::stats::MountStats;
-
-/// Media type of a published startup trace (artifactType of its manifest).
-pub const TRACE_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE_ARTIFACT;
+use crate::trace::Trace;
 
 /// What to warm and how hard.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -99,24 +97,6 @@ pub const DEFAULT_FILL_LINK_PERCENT: u64 = 50;
 pub const DEFAULT_FILL_AFTER_QUIET_SECS: u64 = 3;
 /// Fill's pace while the link has not been measured yet (bytes per second).
 pub const FILL_UNMEASURED_BYTES_PER_SEC: u64 = 8 << 20;
-
-/// A recorded startup trace.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Trace {
-    /// Reads in first-touch order.
-    pub reads: Vec<TraceRead>,
-}
-
-/// One recorded read: `len` bytes at `offset` of the file at `path` in the merged tree.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TraceRead {
-    /// Absolute path in the image's root filesystem.
-    pub path: String,
-    /// Offset of the read within the file.
-    pub offset: u64,
-    /// Bytes read.
-    pub len: u64,
-}
 
 /// Where a live mount pins its hot set: an owner name in a chunk store.
 #[derive(Debug, Clone)]

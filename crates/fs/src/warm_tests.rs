@@ -18,6 +18,7 @@ use super::*;
 use crate::device::FetchConfig;
 use crate::device::tests::{gzip_layer, indexed_gzip_layer, noise, open_store};
 use crate::image::{ImageSource, LayerSpec, View};
+use crate::trace::TraceRead;
 
 /// A backend that logs every range asked of it and can hold calls until opened.
 #[derive(Default)]

@@ -140,6 +140,29 @@ impl std::fmt::Debug for BlobStream {
     }
 }
 
+impl BlobStream {
+    /// The whole body in memory, refusing more than `max` bytes (`what` names the blob in
+    /// the error): for small documents such as index and trace blobs.
+    pub async fn collect_body(self, what: &str, max: u64) -> Result<Vec<u8>, ClientError> {
+        let mut body = self.body;
+        let mut out = Vec::new();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| ClientError::Invalid {
+                what: what.into(),
+                reason: e.to_string(),
+            })?;
+            if (out.len() + piece.len()) as u64 > max {
+                return Err(ClientError::Invalid {
+                    what: what.into(),
+                    reason: format!("larger than {max} bytes"),
+                });
+            }
+            out.extend_from_slice(&piece);
+        }
+        Ok(out)
+    }
+}
+
 /// Errors talking to a registry. Messages say what to do next where there is something.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
