@@ -28,7 +28,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use ferry_fs::Trace;
-use ferry_fs::trace::{MAX_TRACE_BYTES, Recorder};
+use ferry_fs::image::recorder::Recorder;
+use ferry_fs::trace::MAX_TRACE_BYTES;
 use ferry_oci::ImageRef;
 use serde::{Deserialize, Serialize};
 

@@ -830,7 +830,7 @@ impl MountManager {
         image: &str,
         manifest: &str,
         traces: &Arc<ImageTraces>,
-    ) -> Option<Arc<ferry_fs::trace::Recorder>> {
+    ) -> Option<Arc<ferry_fs::image::recorder::Recorder>> {
         if !self.config.trace.auto_record || traces.has_own_trace() {
             return None;
         }
@@ -838,7 +838,7 @@ impl MountManager {
         if let Some(r) = &*slot {
             return Some(r.clone());
         }
-        let recorder = Arc::new(ferry_fs::trace::Recorder::default());
+        let recorder = Arc::new(ferry_fs::image::recorder::Recorder::default());
         recorder.start_passive();
         let rule = StopRule {
             quiet: self.config.trace.quiet,

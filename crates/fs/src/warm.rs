@@ -49,6 +49,7 @@ use sha2::{Digest as _, Sha256};
 use crate::device::{FillWork, LayerSource};
 use crate::filecache::FileCache;
 use crate::image::MountedImage;
+use crate::ranges::{merge_ranges, subtract_ranges};
 use crate::stats::MountStats;
 use crate::trace::Trace;
 
@@ -686,41 +687,6 @@ fn prefetch_steps(
 /// walks through), and cached, the kernel serves all of it.
 const MISSING_DIVISOR: u64 = 4;
 
-/// The parts of `want` outside `have` (sorted and disjoint, as [`merge_ranges`] gives).
-pub(crate) fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> {
-    let mut out = Vec::new();
-    for w in want {
-        let mut at = w.start;
-        let first = have.partition_point(|h| h.end <= w.start);
-        for h in &have[first..] {
-            if h.start >= w.end {
-                break;
-            }
-            if h.start > at {
-                out.push(at..h.start);
-            }
-            at = at.max(h.end);
-        }
-        if at < w.end {
-            out.push(at..w.end);
-        }
-    }
-    out
-}
-
-/// Sorted, disjoint ranges covering the same bytes as `ranges`.
-pub(crate) fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
-    ranges.sort_by_key(|r| r.start);
-    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
-    for r in ranges {
-        match out.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => out.push(r),
-        }
-    }
-    out
-}
-
 /// Writes the file at `loc` to `files` unless it is there already. Its pieces were
 /// fetched by earlier steps or are in flight (the copy then waits for them).
 fn materialize(image: &MountedImage, files: &FileCache, loc: Location, size: u64) {
@@ -912,7 +878,7 @@ impl MountedImage {
 
     /// True while a trace is recorded that must see every read: the FUSE layer then
     /// serves every read itself (no passthrough, no page cache kept from before the
-    /// open). A passive recording ([`crate::trace::Recorder::start_passive`]) leaves
+    /// open). A passive recording ([`crate::image::recorder::Recorder::start_passive`]) leaves
     /// the read path alone.
     pub fn records_every_read(&self) -> bool {
         self.recorder.records_every_read()

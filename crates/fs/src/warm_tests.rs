@@ -15,9 +15,10 @@ use ferry_oci::layout::descriptor;
 use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LAYER_TAR_GZIP};
 
 use super::*;
+use crate::backend::{ImageSource, LayerSpec};
 use crate::device::FetchConfig;
 use crate::device::tests::{gzip_layer, indexed_gzip_layer, noise, open_store};
-use crate::image::{ImageSource, LayerSpec, View};
+use crate::image::View;
 use crate::trace::TraceRead;
 
 /// A backend that logs every range asked of it and can hold calls until opened.
@@ -925,15 +926,6 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
     assert_eq!(fetched, traced);
 }
 
-#[test]
-fn merge_ranges_joins_overlapping_and_touching_ranges() {
-    assert_eq!(
-        merge_ranges(vec![5..9, 0..2, 2..3, 8..12, 20..21]),
-        vec![0..3, 5..12, 20..21]
-    );
-    assert!(merge_ranges(Vec::new()).is_empty());
-}
-
 /// A file the trace reads most of is cached too, its missing pieces fetched just before.
 #[test]
 fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
@@ -969,18 +961,6 @@ fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
     assert!(total(&missing) * MISSING_DIVISOR > total(&a_all));
     assert_eq!(steps.len(), jobs.len());
     assert!(steps.iter().all(|s| matches!(s, Step::Fetch(..))));
-}
-
-#[test]
-#[allow(clippy::single_range_in_vec_init)] // one-range slices are the point
-fn subtract_ranges_keeps_what_is_not_had() {
-    assert_eq!(
-        subtract_ranges(&[0..10], &[2..3, 5..7]),
-        vec![0..2, 3..5, 7..10]
-    );
-    assert_eq!(subtract_ranges(&[0..10, 20..30], &[0..25]), vec![25..30]);
-    assert!(subtract_ranges(&[4..6], &[0..10]).is_empty());
-    assert_eq!(subtract_ranges(&[4..6], &[]), vec![4..6]);
 }
 
 #[test]

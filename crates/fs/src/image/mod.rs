@@ -1,401 +1,41 @@
-//! The backend layer: where an image's manifest, indexes and layer bytes come from (an
-//! OCI layout on disk or a registry over HTTP Range), and how each layer's reader is
-//! wired to the device and cache layers.
+//! The mounted image: an image's layers wired through the device and cache layers (per
+//! layer the best way in), their merged table, the inode tree a mount shows
+//! ([`tree`]), the reads a recording notes ([`recorder`]), and the guesses a read that
+//! misses makes of the reads to come ([`nearby`], with [`elf`] for a library's loader).
 //!
-//! Per layer, the best way in: a ferry index referring to the image (found in a layout
-//! through the `sha256-<hex>` tag fallback, in a registry through the referrers API or
-//! its tag fallback) → span-by-span lazy reads through the chunk store (a version-2
+//! Per layer, the best way in: a ferry index referring to the image (found by
+//! [`crate::backend`]) → span-by-span lazy reads through the chunk store (a version-2
 //! index's windows blob is reached beside the layer blob, [`RangeSource::sibling`]: the
 //! mount fetches only the index blob, windows come with the spans that need them); an eStargz TOC
 //! annotation → lazy reads of the members the TOC names; neither → the whole blob,
 //! fetched once (in parallel Range requests from a registry), verified against the
 //! layer digest, kept in the chunk store and served from there.
 //!
-//! The image's startup trace ([`crate::trace`]) is found beside the index artifact, the
-//! same way, by [`find_trace`].
+//! It must not speak to a registry or a layout itself (that is [`crate::backend`]) nor
+//! know the transport ([`crate::fuse`] sits on top of it).
 
-use std::collections::HashMap;
-use std::path::Path;
+pub mod elf;
+pub mod nearby;
+pub mod recorder;
+pub mod tree;
+
 use std::sync::Arc;
 
 use ferry_index::estargz::EstargzLayer;
-use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{FileSource, RangeSource};
-use ferry_oci::media::{
-    ANNOTATION_ESTARGZ_TOC, FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX, layer_compression,
-};
-use ferry_oci::{Descriptor, ImageIndex, ImageManifest, ImageRef, OciLayout, Platform};
-use ferry_registry_client::{Client, DownloadOptions, RangeRuntime, Repo};
+use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, layer_compression};
+use ferry_registry_client::{Client, RangeRuntime};
 use ferry_store::{ChunkKey, Store};
 
+use crate::backend::{ImageSource, LayerSpec, find_trace};
 use crate::device::{ChunkSource, FetchConfig, LayerSource, Limiter};
 use crate::error::{Error, Result};
-use crate::range_source::HttpRangeSource;
 use crate::stats::MountStats;
-use crate::trace::Recorder;
-use crate::tree::{Ino, InodeTree, Node};
-
-/// Most bytes of a manifest or index document accepted.
-const MAX_DOCUMENT_BYTES: u64 = ferry_oci::MAX_MANIFEST_BYTES;
-
-/// One layer as the backend offers it.
-pub struct LayerSpec {
-    /// The manifest's descriptor of the layer.
-    pub descriptor: Descriptor,
-    /// Its ferry index, when one refers to the image.
-    pub index: Option<Arc<LayerIndex>>,
-    /// The layer blob's bytes.
-    pub source: Arc<dyn RangeSource>,
-    /// Set for registry layers: how to download the whole blob in parallel.
-    remote: Option<RemoteBlob>,
-    /// Where spans that do not verify are fetched again: the registry itself, when
-    /// `source` may be served by a pull mirror.
-    fallback: Option<Arc<dyn RangeSource>>,
-}
-
-impl std::fmt::Debug for LayerSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LayerSpec")
-            .field("digest", &self.descriptor.digest().to_string())
-            .field("indexed", &self.index.is_some())
-            .finish()
-    }
-}
-
-impl LayerSpec {
-    /// A layer read through `source` (a local blob, or anything else with random
-    /// access), with its ferry index when one is known.
-    pub fn new(
-        descriptor: Descriptor,
-        index: Option<Arc<LayerIndex>>,
-        source: Arc<dyn RangeSource>,
-    ) -> LayerSpec {
-        LayerSpec {
-            descriptor,
-            index,
-            source,
-            remote: None,
-            fallback: None,
-        }
-    }
-
-    /// A layer of a registry image: HTTP Range reads of its blob (and of the registry
-    /// itself for spans that do not verify, when a pull mirror may serve the blob), the
-    /// parallel whole-blob download, and its ferry index when one is known. Nothing is
-    /// asked of the registry here.
-    pub fn from_registry(
-        client: &Client,
-        repo: &Repo,
-        descriptor: Descriptor,
-        index: Option<Arc<LayerIndex>>,
-        runtime: &RangeRuntime,
-    ) -> Result<LayerSpec> {
-        let source = HttpRangeSource::with_runtime(
-            client.clone(),
-            repo.clone(),
-            descriptor.digest().as_ref(),
-            descriptor.size(),
-            runtime,
-        )?;
-        let fallback = source
-            .origin_fallback()
-            .map(|f| Arc::new(f) as Arc<dyn RangeSource>);
-        Ok(LayerSpec {
-            descriptor,
-            index,
-            source: Arc::new(source),
-            fallback,
-            remote: Some(RemoteBlob {
-                client: client.clone(),
-                repo: repo.clone(),
-                runtime: runtime.clone(),
-            }),
-        })
-    }
-}
-
-#[derive(Clone)]
-struct RemoteBlob {
-    client: Client,
-    repo: Repo,
-    runtime: RangeRuntime,
-}
-
-/// An image as the backend offers it: its layers, lowest first.
-#[derive(Debug)]
-pub struct ImageSource {
-    /// Digest of the image manifest.
-    pub manifest_digest: String,
-    /// The layers.
-    pub layers: Vec<LayerSpec>,
-}
-
-impl ImageSource {
-    /// Opens an image in an OCI layout (`reference` a tag or manifest digest).
-    pub fn from_layout(dir: &Path, reference: &str) -> Result<ImageSource> {
-        let layout = OciLayout::open(dir)?;
-        let (mdesc, manifest) = layout.image_manifest(reference)?;
-        let indexes = ferry_index::image::layout_indexes(&layout, &mdesc)?;
-        let mut layers = Vec::new();
-        for layer in manifest.layers() {
-            let path = layout.blob_path(layer.digest())?;
-            let file = FileSource::open(&path)
-                .map_err(|e| Error::io(format!("opening layer blob {}", path.display()), e))?;
-            if file.len() != layer.size() {
-                return Err(Error::Invalid(format!(
-                    "layer {} is {} bytes, the manifest says {}",
-                    layer.digest(),
-                    file.len(),
-                    layer.size()
-                )));
-            }
-            layers.push(LayerSpec {
-                descriptor: layer.clone(),
-                index: indexes.get(layer.digest().as_ref()).cloned(),
-                source: Arc::new(file),
-                remote: None,
-                fallback: None,
-            });
-        }
-        Ok(ImageSource {
-            manifest_digest: mdesc.digest().to_string(),
-            layers,
-        })
-    }
-
-    /// Opens an image in a registry: the manifest (for an image index, the entry for
-    /// this machine's platform), the ferry index artifact referring to it (referrers API
-    /// or tag fallback), and an HTTP Range source per layer. Call from a thread that is
-    /// not inside a tokio runtime.
-    pub fn from_registry(
-        client: &Client,
-        repo: &Repo,
-        reference: &str,
-        runtime: &RangeRuntime,
-    ) -> Result<ImageSource> {
-        let (mdesc, manifest) = registry_manifest(client, repo, reference, runtime)?;
-        let digest = mdesc.digest().to_string();
-        let indexes = registry_indexes(client, repo, &digest, runtime)?;
-        let mut layers = Vec::new();
-        for layer in manifest.layers() {
-            let index = indexes.get(layer.digest().as_ref()).cloned();
-            layers.push(LayerSpec::from_registry(
-                client,
-                repo,
-                layer.clone(),
-                index,
-                runtime,
-            )?);
-        }
-        Ok(ImageSource {
-            manifest_digest: digest,
-            layers,
-        })
-    }
-
-    /// Opens `image` (`oci:DIR[:TAG]` or a registry reference) with `client` for
-    /// registries.
-    pub fn open(image: &str, client: &Client, runtime: &RangeRuntime) -> Result<ImageSource> {
-        let image = ImageRef::parse(image)?;
-        match &image {
-            ImageRef::Layout { dir, reference } => Self::from_layout(dir, reference.as_str()),
-            ImageRef::Registry {
-                registry,
-                repository,
-                ..
-            } => Self::from_registry(
-                client,
-                &Repo::new(registry.clone(), repository.clone()),
-                image.reference(),
-                runtime,
-            ),
-        }
-    }
-}
-
-/// The image manifest `reference` names in a registry (for an image index, the entry
-/// for this machine's platform) and its descriptor. Call from a thread that is not
-/// inside a tokio runtime.
-pub fn registry_manifest(
-    client: &Client,
-    repo: &Repo,
-    reference: &str,
-    runtime: &RangeRuntime,
-) -> Result<(Descriptor, ImageManifest)> {
-    runtime
-        .handle()
-        .block_on(fetch_registry_manifest(client, repo, reference))
-}
-
-/// [`registry_manifest`], for callers already in an async context (on `client`'s
-/// runtime).
-pub async fn fetch_registry_manifest(
-    client: &Client,
-    repo: &Repo,
-    reference: &str,
-) -> Result<(Descriptor, ImageManifest)> {
-    let mut doc = client.get_manifest(repo, reference, &[]).await?;
-    if is_index(&doc.bytes) {
-        let index: ImageIndex = serde_json::from_slice(&doc.bytes)
-            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
-        // Never "the first manifest": a mount of another architecture would fail later
-        // and obscurely; the error names the platforms the index has.
-        let pick = ferry_oci::choose_manifest(&index, &Platform::host())
-            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?
-            .digest()
-            .to_string();
-        doc = client.get_manifest(repo, &pick, &[]).await?;
-    }
-    let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
-        .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
-    let digest = ferry_oci::layout::digest(&doc.digest)?;
-    let media = if doc.media_type.is_empty() {
-        ferry_oci::media::OCI_MANIFEST
-    } else {
-        doc.media_type.as_str()
-    };
-    let desc = ferry_oci::layout::descriptor(media, digest, doc.bytes.len() as u64, &[]);
-    Ok((desc, manifest))
-}
-
-/// The startup trace published for the image manifest `manifest_digest` of `image`
-/// (`oci:DIR[:TAG]` or a registry reference), found like its ferry index (layout
-/// referrers tag; registry referrers API or tag fallback). `None` when there is none.
-pub fn find_trace(
-    image: &str,
-    manifest_digest: &str,
-    client: &Client,
-    runtime: &RangeRuntime,
-) -> Result<Option<crate::trace::Trace>> {
-    match ImageRef::parse(image)? {
-        ImageRef::Layout { dir, .. } => {
-            let layout = OciLayout::open(&dir)?;
-            let digest = ferry_oci::layout::digest(manifest_digest)?;
-            let subject =
-                ferry_oci::layout::descriptor(ferry_oci::media::OCI_MANIFEST, digest, 0, &[]);
-            crate::trace::find_layout_trace(&layout, &subject)
-        }
-        ImageRef::Registry {
-            registry,
-            repository,
-            ..
-        } => crate::trace::find_registry_trace(
-            client,
-            &Repo::new(registry, repository),
-            manifest_digest,
-            runtime,
-        ),
-    }
-}
-
-fn is_index(bytes: &[u8]) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Probe {
-        #[serde(default)]
-        manifests: Option<serde_json::Value>,
-    }
-    serde_json::from_slice::<Probe>(bytes).is_ok_and(|p| p.manifests.is_some())
-}
-
-/// Most index blobs [`registry_indexes`] fetches at once.
-const INDEX_FETCHES: usize = 8;
-
-/// The ferry indexes referring to manifest `subject` in a registry: layer digest → index.
-/// The index blobs are fetched at once (they are independent), so opening an image
-/// costs the same round trips however many layers it has.
-fn registry_indexes(
-    client: &Client,
-    repo: &Repo,
-    subject: &str,
-    runtime: &RangeRuntime,
-) -> Result<HashMap<String, Arc<LayerIndex>>> {
-    use futures_util::{StreamExt, TryStreamExt};
-    runtime.handle().block_on(async {
-        let blobs = registry_index_blobs(client, repo, subject).await?;
-        futures_util::stream::iter(
-            blobs
-                .iter()
-                .map(|blob| fetch_index_blob(client, repo, blob)),
-        )
-        .buffer_unordered(INDEX_FETCHES)
-        .map_ok(|index| (index.layer_digest.clone(), Arc::new(index)))
-        .try_collect()
-        .await
-    })
-}
-
-/// The ferry index blobs of the index artifacts that refer to manifest `subject` in a
-/// registry (referrers API or its tag fallback, then each artifact's manifest), each
-/// checked for size. Fetch one with [`fetch_index_blob`].
-pub async fn registry_index_blobs(
-    client: &Client,
-    repo: &Repo,
-    subject: &str,
-) -> Result<Vec<Descriptor>> {
-    let referrers = client
-        .referrers(repo, subject, Some(FERRY_INDEX_ARTIFACT))
-        .await?;
-    let mut out = Vec::new();
-    for referrer in referrers.manifests() {
-        let doc = client
-            .get_manifest(repo, referrer.digest().as_ref(), &[])
-            .await?;
-        if doc.bytes.len() as u64 > MAX_DOCUMENT_BYTES {
-            continue;
-        }
-        let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
-            .map_err(|e| Error::Invalid(format!("index artifact {}: {e}", doc.digest)))?;
-        if artifact
-            .subject()
-            .as_ref()
-            .map(|s| s.digest().to_string())
-            .as_deref()
-            != Some(subject)
-        {
-            continue;
-        }
-        for blob in artifact.layers() {
-            if blob.media_type().to_string() != FERRY_LAYER_INDEX {
-                continue;
-            }
-            if blob.size() > MAX_INDEX_BYTES as u64 {
-                return Err(Error::Invalid(format!(
-                    "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
-                    blob.digest()
-                )));
-            }
-            out.push(blob.clone());
-        }
-    }
-    Ok(out)
-}
-
-/// Fetches one ferry index blob (as [`registry_index_blobs`] lists it), checks it against
-/// its digest and decodes it.
-pub async fn fetch_index_blob(
-    client: &Client,
-    repo: &Repo,
-    blob: &Descriptor,
-) -> Result<LayerIndex> {
-    if blob.size() > MAX_INDEX_BYTES as u64 {
-        return Err(Error::Invalid(format!(
-            "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
-            blob.digest()
-        )));
-    }
-    let digest = blob.digest().to_string();
-    let stream = client.blob_stream(repo, &digest, None).await?;
-    let bytes = stream.collect_body("index blob", blob.size()).await?;
-    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
-        return Err(Error::Invalid(format!(
-            "index blob {digest} does not match its digest"
-        )));
-    }
-    Ok(ferry_index::image::decode_index_blob(blob, &bytes)?)
-}
+use recorder::Recorder;
+use tree::{Ino, InodeTree, Node};
 
 /// Which tree a mount shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -430,8 +70,8 @@ pub struct MountedImage {
     pub(crate) recorder: Arc<Recorder>,
     /// This mount's id in a shared recorder ([`Recorder::note`]'s `view`).
     pub(crate) recorder_view: u64,
-    /// What this mount's misses have asked of [`crate::nearby`] already.
-    pub(crate) nearby: crate::nearby::Nearby,
+    /// What this mount's misses have asked of [`nearby`] already.
+    pub(crate) nearby: nearby::Nearby,
 }
 
 /// Source of [`MountedImage::recorder_view`] ids (unique in the process).
@@ -483,7 +123,7 @@ impl MountedImage {
             sources,
             recorder: Arc::default(),
             recorder_view: NEXT_RECORDER_VIEW.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            nearby: crate::nearby::Nearby::new(&config),
+            nearby: nearby::Nearby::new(&config),
         })
     }
 
@@ -530,9 +170,9 @@ impl MountedImage {
         &self.recorder
     }
 
-    /// The mount's layers as [`crate::nearby`]'s planner sees them.
-    pub(crate) fn nearby_layers(&self) -> crate::nearby::MountLayers<'_> {
-        crate::nearby::MountLayers {
+    /// The mount's layers as [`nearby`]'s planner sees them.
+    pub(crate) fn nearby_layers(&self) -> nearby::MountLayers<'_> {
+        nearby::MountLayers {
             image: &self.image,
             sources: &self.sources,
         }
@@ -541,7 +181,7 @@ impl MountedImage {
     /// Whether `[offset, offset + len)` of file `node` is all local: a read of it would
     /// not wait for the network.
     pub(crate) fn read_is_local(&self, node: &Node, offset: u64, len: u64) -> bool {
-        use crate::nearby::Layers as _;
+        use nearby::Layers as _;
         let Some(loc) = node.data else {
             return true;
         };
@@ -554,7 +194,7 @@ impl MountedImage {
 
     /// After a read of file `ino` at `offset` that waited returned `data`: what its bytes tell of
     /// reads to come. An ELF header of a file too large to come whole: its loader's
-    /// segments go to the background ([`crate::nearby::Nearby::plan_loader`]).
+    /// segments go to the background ([`nearby::Nearby::plan_loader`]).
     pub(crate) fn read_landed(&self, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
         if offset != 0 || !data.starts_with(b"\x7fELF") {
             return;
@@ -562,13 +202,13 @@ impl MountedImage {
         let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
             return;
         };
-        let read = crate::nearby::Read {
+        let read = nearby::Read {
             ino,
             node,
             offset,
             len: data.len() as u64,
         };
-        let spent = crate::nearby::Spent::of(&self.stats);
+        let spent = nearby::Spent::of(&self.stats);
         let ranges = self
             .nearby
             .plan_loader(&self.nearby_layers(), &read, data, spent);
@@ -580,25 +220,25 @@ impl MountedImage {
             bytes = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
             "nearby: loader segments asked"
         );
-        crate::nearby::submit(source, &self.stats, ranges, crate::stats::Guess::Rest);
+        nearby::submit(source, &self.stats, ranges, crate::stats::Guess::Rest);
     }
 
-    /// Asks [`crate::nearby`] for what belongs with a read of `[offset, offset + len)` of
+    /// Asks [`nearby`] for what belongs with a read of `[offset, offset + len)` of
     /// file `ino` (nothing unless the read misses): its neighbours go to the background,
     /// its whole file is fetched here, as the read's own request, before it reads.
     pub(crate) fn read_nearby(&self, ino: Ino, node: &Node, offset: u64, len: u64) {
         let Some(source) = node.data.and_then(|loc| self.layer_source(loc.layer)) else {
             return;
         };
-        let spent = crate::nearby::Spent::of(&self.stats);
-        let read = crate::nearby::Read {
+        let spent = nearby::Spent::of(&self.stats);
+        let read = nearby::Read {
             ino,
             node,
             offset,
             len,
         };
         let asks = self.nearby.plan(&self.nearby_layers(), &read, spent);
-        if asks == crate::nearby::Asks::default() {
+        if asks == nearby::Asks::default() {
             return;
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
@@ -614,7 +254,7 @@ impl MountedImage {
             );
         }
         // The neighbours first, so they travel while the read waits for its file.
-        crate::nearby::submit(
+        nearby::submit(
             source,
             &self.stats,
             asks.neighbours,
@@ -770,27 +410,17 @@ fn whole_blob(
         return Ok(Arc::new(ChunkSource(chunk)));
     }
     MountStats::add(&stats.cache_misses, 1);
-    let Some(remote) = &layer.remote else {
+    if !layer.is_remote() {
         // A local layout blob: already on this machine, read it in place.
         return Ok(layer.source.clone());
-    };
+    }
     let tmp_dir = store
         .map(|s| s.root().to_path_buf())
         .unwrap_or_else(std::env::temp_dir);
     let tmp = tempfile::NamedTempFile::new_in(&tmp_dir)
         .or_else(|_| tempfile::NamedTempFile::new())
         .map_err(|e| Error::io("creating a temporary file for a whole layer", e))?;
-    let opts = DownloadOptions::from_config(remote.client.config());
-    remote
-        .runtime
-        .handle()
-        .block_on(remote.client.download_blob(
-            &remote.repo,
-            &digest,
-            layer.descriptor.size(),
-            tmp.path(),
-            &opts,
-        ))?;
+    layer.download_whole(tmp.path())?;
     MountStats::add(&stats.bytes_fetched, layer.descriptor.size());
     if let Some(store) = store {
         let mut file = std::fs::File::open(tmp.path())

@@ -82,7 +82,7 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
             out.push(start..end);
         }
     }
-    Ok(crate::warm::merge_ranges(out))
+    Ok(crate::ranges::merge_ranges(out))
 }
 
 /// Readers of unsigned fields of each width, in the header's byte order.

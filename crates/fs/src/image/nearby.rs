@@ -1,5 +1,5 @@
 //! Fetching what a start reads next from what it reads now, for an image without a
-//! trace (readahead along the stream, [`crate::readahead`], covers what *follows* a miss;
+//! trace (readahead along the stream, [`crate::device::readahead`], covers what *follows* a miss;
 //! this covers what belongs with it):
 //!
 //! * the first read of a file that misses brings the **whole file** when the file is at
@@ -42,9 +42,9 @@ use ferry_index::entry::{Entry, EntryKind};
 use ferry_index::merged::{Location, MergedImage};
 
 use crate::device::{FetchConfig, LayerSource};
+use crate::image::tree::{Ino, Node};
+use crate::ranges::{merge_ranges, subtract_ranges};
 use crate::stats::{Guess, MountStats};
-use crate::tree::{Ino, Node};
-use crate::warm::{merge_ranges, subtract_ranges};
 
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
@@ -256,7 +256,7 @@ impl Nearby {
     /// For a read at the start of a file too large to come whole that shows an ELF
     /// header (`head`: the bytes it read), the missing compressed ranges of what the
     /// loader will fault in as it maps and relocates it: the file's segments that are
-    /// not code ([`crate::elf::loader_ranges`]). A 36 MB BLAS library took nine round
+    /// not code ([`crate::image::elf::loader_ranges`]). A 36 MB BLAS library took nine round
     /// trips at a numpy import, five of them in those segments. They are its rest, a
     /// guess within [`Self::within_rest_budget`]; once per file per mount.
     pub(crate) fn plan_loader(
@@ -277,7 +277,7 @@ impl Nearby {
         }
         // Parsed before it counts as the file's ask: a short first read (a `file` probe
         // of 64 bytes) does not use up the loader's.
-        let mut segments = match crate::elf::loader_ranges(head, read.node.size) {
+        let mut segments = match crate::image::elf::loader_ranges(head, read.node.size) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "an ELF header without usable segments");

@@ -11,7 +11,7 @@
 //! the digests again before inflating, so wrong bytes never reach a process.
 //!
 //! Reads of an indexed layer with a store read ahead along the layer's stream
-//! ([`crate::readahead`]): a miss extends its request by a window of the spans after it,
+//! ([`readahead`]): a miss extends its request by a window of the spans after it,
 //! and a read reaching a window's first span starts the next window in the background,
 //! so a start moving through the stream waits for few round trips. Readahead fetches
 //! spans only: the miss fetches its own checkpoint's inflate window, and reads moving on
@@ -42,6 +42,8 @@
 //! (waiting for a concurrency slot included) and fails with `TimedOut` after it; a
 //! backend that never answers holds one slot, never a reader.
 
+mod readahead;
+
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
@@ -56,8 +58,8 @@ use ferry_index::windows::WindowSource;
 use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
-use crate::readahead::{Readahead, SpanMap};
 use crate::stats::{Guess, MountStats};
+use readahead::{Readahead, SpanMap};
 
 /// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
 /// so service resumes promptly when the registry is back. Each further failure of the
@@ -100,10 +102,10 @@ pub struct FetchConfig {
     /// double while reads keep landing in them.
     pub readahead_bytes: u64,
     /// A file at most this large (uncompressed) is fetched whole at its first read that
-    /// misses (0: off); see [`crate::nearby`].
+    /// misses (0: off); see [`crate::image::nearby`].
     pub whole_file_bytes: u64,
     /// The first miss in a directory fetches the directory's other small files, up to
-    /// this many compressed bytes (0: off); see [`crate::nearby`].
+    /// this many compressed bytes (0: off); see [`crate::image::nearby`].
     pub nearby_bytes: u64,
 }
 
@@ -728,7 +730,7 @@ impl LayerSource {
         self.warm(range, None)
     }
 
-    /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::nearby`]): the spans
+    /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::image::nearby`]): the spans
     /// it fetches count in [`MountStats::bytes_guessed`] until a read uses them.
     pub(crate) fn warm_guessed(&self, range: Range<u64>, guess: Guess) -> io::Result<u64> {
         self.warm(range, Some(guess))
@@ -1839,5 +1841,5 @@ impl RangeSource for ChunkSource {
 }
 
 #[cfg(test)]
-#[path = "device_tests.rs"]
+#[path = "tests.rs"]
 pub(crate) mod tests;
