@@ -26,8 +26,8 @@ use ferry_fs::{
     WarmHandle,
 };
 use ferry_index::ferryidx::LayerIndex;
+use ferry_index::image::LayerWay;
 use ferry_index::source::RangeSource;
-use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
 use ferry_oci::{Descriptor, ImageRef};
 use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
@@ -193,17 +193,10 @@ impl ImageTemplate {
 
 /// What a layer's descriptor and index say about lazy serving.
 pub fn layer_kind_of(descriptor: &Descriptor, has_index: bool) -> LayerKind {
-    if has_index {
-        return LayerKind::FerryIndex;
-    }
-    let toc = descriptor
-        .annotations()
-        .as_ref()
-        .is_some_and(|a| a.contains_key(ANNOTATION_ESTARGZ_TOC));
-    if toc {
-        LayerKind::Estargz
-    } else {
-        LayerKind::Plain
+    match LayerWay::of(descriptor, has_index.then_some(())) {
+        LayerWay::Indexed(()) => LayerKind::FerryIndex,
+        LayerWay::Estargz { .. } => LayerKind::Estargz,
+        LayerWay::Whole => LayerKind::Plain,
     }
 }
 
@@ -1393,6 +1386,8 @@ mod tests {
 
     #[test]
     fn layer_kind_follows_index_then_toc_annotation() {
+        use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
+
         let plain: Descriptor = serde_json::from_value(serde_json::json!({
             "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
             "digest": format!("sha256:{}", "2".repeat(64)),

@@ -42,7 +42,7 @@
 //! (waiting for a concurrency slot included) and fails with `TimedOut` after it; a
 //! backend that never answers holds one slot, never a reader.
 
-mod readahead;
+pub(crate) mod readahead;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;

@@ -22,11 +22,11 @@ pub mod tree;
 use std::sync::Arc;
 
 use ferry_index::estargz::EstargzLayer;
+use ferry_index::image::{LayerWay, check_index_size, whole_compression};
 use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::{FileSource, RangeSource};
-use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, layer_compression};
 use ferry_registry_client::{Client, RangeRuntime};
 use ferry_store::{ChunkKey, Store};
 
@@ -330,67 +330,56 @@ fn layer_reader(
     stats: Arc<MountStats>,
 ) -> Result<(LayerReader, Option<Arc<LayerSource>>)> {
     let digest = layer.descriptor.digest().to_string();
-    if let Some(index) = layer.index {
-        if index.compressed_size != layer.descriptor.size() {
-            return Err(Error::Invalid(format!(
-                "the index of {digest} is for a {}-byte blob",
-                index.compressed_size
-            )));
-        }
-        let windows = match &index.windows {
-            Some(w) => {
-                let backend = layer.source.sibling(&w.digest, w.size).ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "the index of {digest} keeps its windows in blob {}, which cannot be \
-                         reached beside the layer",
-                        w.digest
-                    ))
-                })?;
-                let fallback = layer
-                    .fallback
-                    .as_ref()
-                    .and_then(|f| f.sibling(&w.digest, w.size));
-                Some((backend, fallback))
+    match LayerWay::of(&layer.descriptor, layer.index.clone()) {
+        LayerWay::Indexed(index) => {
+            check_index_size(&layer.descriptor, &index)?;
+            let windows = match &index.windows {
+                Some(w) => {
+                    let backend = layer.source.sibling(&w.digest, w.size).ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "the index of {digest} keeps its windows in blob {}, which cannot \
+                             be reached beside the layer",
+                            w.digest
+                        ))
+                    })?;
+                    let fallback = layer
+                        .fallback
+                        .as_ref()
+                        .and_then(|f| f.sibling(&w.digest, w.size));
+                    Some((backend, fallback))
+                }
+                None => None,
+            };
+            let mut source =
+                LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
+            if let Some(fallback) = layer.fallback {
+                source = source.with_fallback(fallback);
             }
-            None => None,
-        };
-        let mut source = LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
-        if let Some(fallback) = layer.fallback {
-            source = source.with_fallback(fallback);
+            if let Some((backend, fallback)) = windows {
+                source = source.with_windows(backend, fallback);
+            }
+            let source = source.into_shared();
+            let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
+                .with_windows(source.clone())
+                .with_inflated_cache(inflated_spans().clone());
+            Ok((reader, Some(source)))
         }
-        if let Some((backend, fallback)) = windows {
-            source = source.with_windows(backend, fallback);
+        LayerWay::Estargz { toc } => {
+            let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
+            if let Some(store) = store {
+                source = source.with_whole_blob(store, &digest);
+            }
+            let source = Arc::new(source);
+            let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
+            let reader = LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source.clone());
+            Ok((reader, Some(source)))
         }
-        let source = source.into_shared();
-        let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
-            .with_windows(source.clone())
-            .with_inflated_cache(inflated_spans().clone());
-        return Ok((reader, Some(source)));
+        LayerWay::Whole => {
+            let compression = whole_compression(&layer.descriptor)?;
+            let whole = whole_blob(&layer, store.as_deref(), &stats)?;
+            Ok((LayerReader::whole(whole, compression)?, None))
+        }
     }
-    let toc = layer
-        .descriptor
-        .annotations()
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
-        .cloned();
-    if let Some(toc) = toc {
-        let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
-        if let Some(store) = store {
-            source = source.with_whole_blob(store, &digest);
-        }
-        let source = Arc::new(source);
-        let esgz = EstargzLayer::open(source.as_ref(), Some(&toc))?;
-        let reader = LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source.clone());
-        return Ok((reader, Some(source)));
-    }
-    let media = layer.descriptor.media_type().to_string();
-    let compression = layer_compression(&media).ok_or_else(|| {
-        Error::Invalid(format!(
-            "layer {digest} has media type {media}, which is not a layer ferry can read"
-        ))
-    })?;
-    let whole = whole_blob(&layer, store.as_deref(), &stats)?;
-    Ok((LayerReader::whole(whole, compression)?, None))
 }
 
 /// The whole blob of an unindexed layer: from the chunk store when there, else fetched
