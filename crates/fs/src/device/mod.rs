@@ -55,6 +55,7 @@ use std::time::{Duration, Instant};
 use ferry_index::ferryidx::{LayerIndex, WindowRef};
 use ferry_index::source::RangeSource;
 use ferry_index::windows::WindowSource;
+use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
 use sha2::{Digest as _, Sha256};
 
@@ -287,38 +288,17 @@ fn timed_out(what: &str) -> io::Error {
 /// What a fetch ended with, shareable between the threads waiting for it.
 type FlightOutcome = Result<Arc<Vec<u8>>, (io::ErrorKind, String)>;
 
-/// One fetch in progress; followers wait for its outcome.
-#[derive(Debug, Default)]
-struct Flight {
-    outcome: Mutex<Option<FlightOutcome>>,
-    cv: Condvar,
-}
+/// One fetch in progress, led by the reader that claimed it; followers wait for its
+/// outcome.
+type Flight = flight::Flight<FlightOutcome>;
+type Lead = flight::Lead<FlightKey, FlightOutcome>;
 
-impl Flight {
-    fn finish(&self, outcome: FlightOutcome) {
-        let mut o = lock(&self.outcome);
-        if o.is_none() {
-            *o = Some(outcome);
-        }
-        self.cv.notify_all();
-    }
-
-    fn wait(&self, deadline: Instant) -> io::Result<Arc<Vec<u8>>> {
-        let mut o = lock(&self.outcome);
-        loop {
-            if let Some(r) = o.as_ref() {
-                return r.clone().map_err(|(k, m)| io::Error::new(k, m));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(timed_out("waiting for another reader's fetch"));
-            }
-            o = self
-                .cv
-                .wait_timeout(o, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+/// Waits for another reader's fetch until `deadline`.
+fn follow(flight: &Flight, deadline: Instant) -> io::Result<Arc<Vec<u8>>> {
+    match flight.wait(deadline) {
+        Some(Ok(outcome)) => outcome.map_err(|(k, m)| io::Error::new(k, m)),
+        Some(Err(aborted)) => Err(io::Error::other(aborted)),
+        None => Err(timed_out("waiting for another reader's fetch")),
     }
 }
 
@@ -498,7 +478,7 @@ pub struct LayerSource {
     limiter: Arc<Limiter>,
     config: FetchConfig,
     stats: Arc<MountStats>,
-    flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
+    flights: flight::Flights<FlightKey, FlightOutcome>,
     whole: Option<WholeBlob>,
     held: Mutex<Held>,
     readahead: Mutex<Readahead>,
@@ -566,7 +546,7 @@ impl LayerSource {
             limiter,
             config,
             stats,
-            flights: Mutex::new(HashMap::new()),
+            flights: flight::Flights::new(),
             whole: None,
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
@@ -594,7 +574,7 @@ impl LayerSource {
             limiter,
             config,
             stats,
-            flights: Mutex::new(HashMap::new()),
+            flights: flight::Flights::new(),
             whole: None,
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
@@ -1040,20 +1020,16 @@ impl LayerSource {
         result
     }
 
-    /// Claims `key`: `Ok(flight)` to lead (fetch and finish it), `Err(flight)` to follow.
-    fn claim(&self, key: FlightKey) -> Result<Arc<Flight>, Arc<Flight>> {
-        let mut flights = lock(&self.flights);
-        if let Some(f) = flights.get(&key) {
-            return Err(f.clone());
+    /// Claims `key`: `Ok(lead)` to lead (fetch and land it), `Err(flight)` to follow.
+    fn claim(&self, key: FlightKey) -> Result<Lead, Arc<Flight>> {
+        match self.flights.claim(key) {
+            flight::Claim::Lead(lead) => Ok(lead),
+            flight::Claim::Follow(flight) => Err(flight),
         }
-        let f = Arc::new(Flight::default());
-        flights.insert(key, f.clone());
-        Ok(f)
     }
 
-    fn land(&self, key: &FlightKey, flight: &Flight, outcome: io::Result<Arc<Vec<u8>>>) {
-        flight.finish(outcome.map_err(|e| (e.kind(), e.to_string())));
-        lock(&self.flights).remove(key);
+    fn land(lead: &mut Lead, outcome: io::Result<Arc<Vec<u8>>>) {
+        lead.land(outcome.map_err(|e| (e.kind(), e.to_string())));
     }
 
     fn cached(&self, spans: &Spans, k: usize) -> Option<Arc<Vec<u8>>> {
@@ -1080,7 +1056,7 @@ impl LayerSource {
     ) -> io::Result<Vec<Arc<Vec<u8>>>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut out: Vec<Option<Arc<Vec<u8>>>> = vec![None; ks.len()];
-        let mut led: Vec<(usize, Arc<Flight>)> = Vec::new();
+        let mut led: Vec<(usize, Lead)> = Vec::new();
         let mut followed: Vec<(usize, Arc<Flight>)> = Vec::new();
         for (slot, k) in ks.clone().enumerate() {
             if let Some(b) = self.cached(spans, k) {
@@ -1089,11 +1065,11 @@ impl LayerSource {
                 continue;
             }
             match self.claim(FlightKey::Piece(spans.kind, k)) {
-                Ok(f) => {
+                Ok(mut f) => {
                     // Another reader may have stored it between the check and the claim.
                     if let Some(b) = self.cached(spans, k) {
                         MountStats::add(&self.stats.cache_hits, 1);
-                        self.land(&FlightKey::Piece(spans.kind, k), &f, Ok(b.clone()));
+                        Self::land(&mut f, Ok(b.clone()));
                         out[slot] = Some(b);
                     } else {
                         MountStats::add(&self.stats.cache_misses, 1);
@@ -1118,7 +1094,7 @@ impl LayerSource {
             {
                 j += 1;
             }
-            let run = &led[i..j];
+            let run = &mut led[i..j];
             let start = spans.ranges[run[0].0].start;
             let end = spans.ranges[run[run.len() - 1].0].end;
             let landed = if first_err.is_some() {
@@ -1149,7 +1125,7 @@ impl LayerSource {
             match landed {
                 Ok(data) => {
                     fetched.bytes += data.len() as u64;
-                    for (k, f) in run {
+                    for (k, f) in run.iter_mut() {
                         let r = &spans.ranges[*k];
                         let piece = data
                             .get((r.start - start) as usize..(r.end - start) as usize)
@@ -1177,16 +1153,12 @@ impl LayerSource {
                                 first_err = Some(io::Error::new(e.kind(), e.to_string()));
                             }
                         });
-                        self.land(&FlightKey::Piece(spans.kind, *k), f, outcome);
+                        Self::land(f, outcome);
                     }
                 }
                 Err(e) => {
-                    for (k, f) in run {
-                        self.land(
-                            &FlightKey::Piece(spans.kind, *k),
-                            f,
-                            Err(io::Error::new(e.kind(), e.to_string())),
-                        );
+                    for (_, f) in run.iter_mut() {
+                        Self::land(f, Err(io::Error::new(e.kind(), e.to_string())));
                     }
                     first_err.get_or_insert(e);
                 }
@@ -1198,7 +1170,7 @@ impl LayerSource {
         }
         for (k, f) in followed {
             MountStats::add(&self.stats.shared_waits, 1);
-            out[k - ks.start] = Some(f.wait(deadline)?);
+            out[k - ks.start] = Some(follow(&f, deadline)?);
         }
         out.into_iter()
             .map(|b| b.ok_or_else(|| io::Error::other("span missing after fetch")))
@@ -1281,7 +1253,7 @@ impl LayerSource {
             return false;
         };
         !store.contains(&ChunkKey::from_raw(*digest))
-            && !lock(&self.flights).contains_key(&FlightKey::Piece(pieces.kind, k))
+            && !self.flights.contains(&FlightKey::Piece(pieces.kind, k))
     }
 
     /// [`Self::spans_and_windows`] for spans `ks`, in pieces of at most
@@ -1588,8 +1560,8 @@ impl LayerSource {
         }
         let deadline = Instant::now() + self.config.timeout;
         let key = FlightKey::Range(range.start, range.end);
-        match self.claim(key.clone()) {
-            Ok(f) => {
+        match self.claim(key) {
+            Ok(mut f) => {
                 let outcome = self.fetch(range.clone(), deadline).map(Arc::new);
                 if let Ok(bytes) = &outcome {
                     self.hold_read(range.start, bytes);
@@ -1598,12 +1570,12 @@ impl LayerSource {
                     .as_ref()
                     .map(|b| b.as_ref().clone())
                     .map_err(|e| io::Error::new(e.kind(), e.to_string()));
-                self.land(&key, &f, outcome);
+                Self::land(&mut f, outcome);
                 copy
             }
             Err(f) => {
                 MountStats::add(&self.stats.shared_waits, 1);
-                f.wait(deadline).map(|b| b.as_ref().clone())
+                follow(&f, deadline).map(|b| b.as_ref().clone())
             }
         }
     }
