@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_fs::{
@@ -31,6 +31,7 @@ use ferry_index::source::RangeSource;
 use ferry_oci::{Descriptor, ImageRef};
 use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::autotrace::{
@@ -224,7 +225,7 @@ impl WarmCell {
     /// Leaves the hot set pinned for the next daemon (see [`WarmHandle::keep_pins`]).
     fn keep_pins(&self) {
         let handle = {
-            let mut slot = lock(&self.0);
+            let mut slot = self.0.lock();
             slot.closed = true;
             slot.handle.take()
         };
@@ -234,14 +235,14 @@ impl WarmCell {
     }
 
     fn trace(&self) -> Option<TraceUse> {
-        lock(&self.0).trace.clone()
+        self.0.lock().trace.clone()
     }
 }
 
 impl Drop for WarmCell {
     fn drop(&mut self) {
         let handle = {
-            let mut slot = lock(&self.0);
+            let mut slot = self.0.lock();
             slot.closed = true;
             slot.handle.take()
         };
@@ -323,7 +324,7 @@ pub struct ResumeReport {
 static SERVED_HERE: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 
 fn mark_served(mountpoint: &Path, served: bool) {
-    let mut set = lock(&SERVED_HERE);
+    let mut set = SERVED_HERE.lock();
     if served {
         set.insert(mountpoint.to_path_buf());
     } else {
@@ -332,7 +333,7 @@ fn mark_served(mountpoint: &Path, served: bool) {
 }
 
 fn served_here(mountpoint: &Path) -> bool {
-    lock(&SERVED_HERE).contains(mountpoint)
+    SERVED_HERE.lock().contains(mountpoint)
 }
 
 /// True when the FUSE connection behind `device` is still up (a connection whose mount
@@ -373,14 +374,9 @@ impl std::fmt::Debug for MountManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MountManager")
             .field("store", &self.store.root())
-            .field("mounts", &lock(&self.mounts).keys().collect::<Vec<_>>())
+            .field("mounts", &self.mounts.lock().keys().collect::<Vec<_>>())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The maps stay consistent across a panic (single inserts/removes).
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The absolute path of `path` with its parent resolved, without touching `path`
@@ -687,7 +683,7 @@ impl MountManager {
     /// Serves the kept connection `device` of `record`'s mount from this process.
     fn resume_one(&self, mut record: KeptMount, device: OwnedFd) -> Result<()> {
         let mountpoint = record.info.mountpoint.clone();
-        if lock(&self.mounts).contains_key(&mountpoint) {
+        if self.mounts.lock().contains_key(&mountpoint) {
             return Err(Error::AlreadyMounted(mountpoint));
         }
         let image_ref = record.pinned_image()?;
@@ -721,7 +717,7 @@ impl MountManager {
             "resumed the kept FUSE connection"
         );
         mark_served(&mountpoint, true);
-        lock(&self.mounts).insert(
+        self.mounts.lock().insert(
             mountpoint,
             ActiveMount {
                 info: record.info,
@@ -773,8 +769,8 @@ impl MountManager {
     /// [`IMAGE_CACHE_TTL`] on a background thread (see [`crate::autotrace::lookup`]);
     /// with prefetch off, no trace. A state whose image is being recorded is kept.
     fn image_traces(&self, image: &str, manifest: &str) -> Arc<ImageTraces> {
-        let mut map = lock(&self.traces);
-        let recording = |t: &ImageTraces| lock(&t.recorder).is_some();
+        let mut map = self.traces.lock();
+        let recording = |t: &ImageTraces| t.recorder.lock().is_some();
         if let Some((at, t)) = map.get(manifest)
             && (at.elapsed() < IMAGE_CACHE_TTL || recording(t))
         {
@@ -801,7 +797,7 @@ impl MountManager {
                 }
                 if let Some(f) = &found
                     && f.info.source != TraceSource::PreviousVersion
-                    && let Some(recorder) = lock(&answer.recorder).take()
+                    && let Some(recorder) = answer.recorder.lock().take()
                 {
                     // The image has its own trace after all: no need to record one.
                     recorder.take();
@@ -827,7 +823,7 @@ impl MountManager {
         if !self.config.trace.auto_record || traces.has_own_trace() {
             return None;
         }
-        let mut slot = lock(&traces.recorder);
+        let mut slot = traces.recorder.lock();
         if let Some(r) = &*slot {
             return Some(r.clone());
         }
@@ -856,7 +852,7 @@ impl MountManager {
                     crate::autotrace::watch(&watched, &rule, &crate::autotrace::SystemClock, &alive);
                 let trace = watched.take();
                 if reason == StopReason::Cancelled || trace.reads.is_empty() {
-                    lock(&state.recorder).take();
+                    state.recorder.lock().take();
                     return;
                 }
                 tracing::info!(image = %image, ?reason, reads = trace.reads.len(), files = trace.files(), bytes = trace.bytes(), "recorded a startup trace");
@@ -870,7 +866,7 @@ impl MountManager {
                     trace: trace.clone(),
                 }));
                 // After the answer: a mount made meanwhile sees the trace, not a gap.
-                lock(&state.recorder).take();
+                state.recorder.lock().take();
                 let shared =
                     crate::autotrace::share(&*remote, node.as_deref(), &image, &manifest, &trace);
                 tracing::info!(image = %image, ?shared, "shared the startup trace");
@@ -926,7 +922,7 @@ impl MountManager {
     /// [`IMAGE_CACHE_TTL`].
     fn open_image(&self, image: &str) -> Result<ImageSource> {
         let source = ImageSource::open(image, &self.client, &self.runtime)?;
-        let mut images = lock(&self.images);
+        let mut images = self.images.lock();
         images.retain(|_, t| t.opened.elapsed() < IMAGE_CACHE_TTL);
         if images.len() >= IMAGE_CACHE_ENTRIES
             && let Some(oldest) = images
@@ -941,7 +937,8 @@ impl MountManager {
     }
 
     fn cached(&self, image: &str) -> Option<Arc<ImageTemplate>> {
-        lock(&self.images)
+        self.images
+            .lock()
             .get(image)
             .filter(|t| t.opened.elapsed() < IMAGE_CACHE_TTL)
             .cloned()
@@ -997,7 +994,7 @@ impl MountManager {
         mountpoint: &Path,
         origin: MountOrigin,
     ) -> Result<MountInfo> {
-        if lock(&self.mounts).contains_key(mountpoint) || ferry_fs::is_mounted(mountpoint) {
+        if self.mounts.lock().contains_key(mountpoint) || ferry_fs::is_mounted(mountpoint) {
             return Err(Error::AlreadyMounted(mountpoint.to_path_buf()));
         }
         if !mountpoint.is_dir() {
@@ -1041,7 +1038,7 @@ impl MountManager {
             ?origin,
             "mounted"
         );
-        lock(&self.mounts).insert(
+        self.mounts.lock().insert(
             mountpoint.to_path_buf(),
             ActiveMount {
                 info: info.clone(),
@@ -1057,7 +1054,7 @@ impl MountManager {
     /// Forgets mounts whose FUSE session ended (unmounted from outside, e.g. `umount`
     /// or `fusermount3 -u`), so status and new mounts see the truth.
     fn reap(&self) {
-        let mut mounts = lock(&self.mounts);
+        let mut mounts = self.mounts.lock();
         let ended: Vec<PathBuf> = mounts
             .iter()
             .filter(|(_, m)| m.session.guard.is_finished())
@@ -1100,7 +1097,7 @@ impl MountManager {
             .name("ferry-warm-start".into())
             .spawn(move || {
                 let found = traces.wait(TRACE_LOOKUP_WAIT);
-                if lock(&filled).closed {
+                if filled.lock().closed {
                     return;
                 }
                 if let Some(f) = &found {
@@ -1114,7 +1111,7 @@ impl MountManager {
                     Some(pins),
                     files,
                 );
-                let mut slot = lock(&filled);
+                let mut slot = filled.lock();
                 if slot.closed {
                     drop(slot);
                     drop(handle);
@@ -1135,7 +1132,7 @@ impl MountManager {
     /// the next start's restore detaches and remounts them.
     pub fn shutdown(&self) {
         self.reap();
-        let all = std::mem::take(&mut *lock(&self.mounts));
+        let all = std::mem::take(&mut *self.mounts.lock());
         for (mountpoint, mount) in all {
             match mount.origin {
                 MountOrigin::Control => {
@@ -1187,18 +1184,18 @@ impl MountBackend for MountManager {
         }
         let mountpoint = canonical_mountpoint(&request.mountpoint)?;
         self.reap();
-        if !lock(&self.pending).insert(mountpoint.clone()) {
+        if !self.pending.lock().insert(mountpoint.clone()) {
             return Err(Error::AlreadyMounted(mountpoint));
         }
         let result = self.mount_reserved(request, &mountpoint, origin);
-        lock(&self.pending).remove(&mountpoint);
+        self.pending.lock().remove(&mountpoint);
         result
     }
 
     fn unmount(&self, mountpoint: &Path) -> Result<()> {
         let mountpoint = canonical_mountpoint(mountpoint)?;
         self.reap();
-        let Some(mount) = lock(&self.mounts).remove(&mountpoint) else {
+        let Some(mount) = self.mounts.lock().remove(&mountpoint) else {
             return Err(Error::NotMounted(mountpoint));
         };
         match finish(&mountpoint, mount) {
@@ -1209,7 +1206,7 @@ impl MountBackend for MountManager {
             Err(failed) => {
                 let (e, mount) = *failed;
                 // Still mounted (busy): keep serving it.
-                lock(&self.mounts).insert(mountpoint, mount);
+                self.mounts.lock().insert(mountpoint, mount);
                 Err(e)
             }
         }
@@ -1217,7 +1214,8 @@ impl MountBackend for MountManager {
 
     fn list(&self) -> Vec<MountStatus> {
         self.reap();
-        lock(&self.mounts)
+        self.mounts
+            .lock()
             .values()
             .map(|m| MountStatus {
                 info: m.info.clone(),

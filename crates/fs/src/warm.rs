@@ -36,14 +36,15 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_index::merged::Location;
 use ferry_index::reader::LayerFormat;
 use ferry_store::{ChunkKey, Store};
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest as _, Sha256};
 
 use crate::device::{FillWork, LayerSource};
@@ -147,7 +148,7 @@ impl Pins {
     /// Pins `keys` (also with none: that re-registers an owner restored by the store
     /// from a previous process, keeping what it pinned then). False once closed.
     fn pin(&self, keys: &[ChunkKey]) -> bool {
-        let closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        let closed = self.closed.lock();
         if *closed {
             return false;
         }
@@ -160,7 +161,7 @@ impl Pins {
 
     /// Releases the owner's pins (the mount went away); idempotent.
     fn release(&self) {
-        let mut closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut closed = self.closed.lock();
         if std::mem::replace(&mut *closed, true) {
             return;
         }
@@ -174,7 +175,7 @@ impl Pins {
 
     /// Leaves the pins in the store and stops pinning.
     fn keep(&self) {
-        *self.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.closed.lock() = true;
     }
 }
 
@@ -194,14 +195,14 @@ impl Control {
 
     fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock.lock();
         self.cv.notify_all();
     }
 
     /// Sleeps `d` unless stopped first; returns false when stopped.
     fn sleep(&self, d: Duration) -> bool {
         let deadline = Instant::now() + d;
-        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.lock.lock();
         loop {
             if self.stopped() {
                 return false;
@@ -210,11 +211,7 @@ impl Control {
             if now >= deadline {
                 return true;
             }
-            guard = self
-                .cv
-                .wait_timeout(guard, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            self.cv.wait_for(&mut guard, deadline - now);
         }
     }
 }
@@ -774,7 +771,7 @@ impl Quiet {
         if bytes_served == 0 {
             return Some(self.quiet);
         }
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = self.last.lock();
         if last.0 != read_waits {
             *last = (read_waits, now);
             return Some(self.quiet);
@@ -837,7 +834,7 @@ impl Throttle {
             return true;
         }
         let start = {
-            let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+            let mut next = self.next.lock();
             let start = (*next).max(Instant::now());
             *next = start + Duration::from_secs_f64(n as f64 / rate as f64);
             start

@@ -428,7 +428,7 @@ fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
     let unlimited = Throttle::new(0, 0);
     assert!(unlimited.take(u64::MAX, &control));
     let slow = Arc::new(Throttle::new(1, 0)); // one byte per second
-    let before = *slow.next.lock().unwrap();
+    let before = *slow.next.lock();
     assert!(slow.take(0, &control));
     // 10 bytes reserve 10 s: the next taker would wait that long, unless stopped.
     let waiter = {
@@ -439,7 +439,7 @@ fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
             (first, second)
         })
     };
-    while *slow.next.lock().unwrap() < before + Duration::from_secs(10) {
+    while *slow.next.lock() < before + Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(2));
     }
     control.stop();
@@ -600,7 +600,7 @@ fn stopping_releases_the_pins_and_nothing_is_pinned_after_a_release_or_keep() {
     let key = span_keys(&image, "/a", 0, 10).0[0];
     let pins = |owner: &str| Pins {
         target: pins_in(&store, owner).unwrap(),
-        closed: Mutex::new(false),
+        closed: parking_lot::Mutex::new(false),
     };
     let released = pins("released");
     released.release();

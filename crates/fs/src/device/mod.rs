@@ -49,7 +49,7 @@ use std::io;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::{LayerIndex, WindowRef};
@@ -57,6 +57,7 @@ use ferry_index::source::RangeSource;
 use ferry_index::windows::WindowSource;
 use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest as _, Sha256};
 
 use crate::stats::{Guess, MountStats};
@@ -170,7 +171,7 @@ const LINK_MIN_BUSY: Duration = Duration::from_millis(50);
 impl LinkMeter {
     /// A fetch starts at `now`.
     pub fn begin(&self, now: Instant) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         if s.in_flight == 0 {
             s.busy_since = Some(now);
         }
@@ -179,7 +180,7 @@ impl LinkMeter {
 
     /// A fetch that began earlier ends at `now` having delivered `bytes`.
     pub fn end(&self, now: Instant, bytes: u64) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         s.bytes = s.bytes.saturating_add(bytes);
         s.in_flight = s.in_flight.saturating_sub(1);
         if s.in_flight == 0
@@ -195,7 +196,7 @@ impl LinkMeter {
 
     /// Bytes per second of busy time, once enough has been seen.
     pub fn bytes_per_sec(&self) -> Option<u64> {
-        let s = lock(&self.state);
+        let s = self.state.lock();
         (s.busy >= LINK_MIN_BUSY).then(|| (s.bytes as f64 / s.busy.as_secs_f64()) as u64)
     }
 }
@@ -246,7 +247,7 @@ impl Limiter {
     }
 
     fn acquire(self: &Arc<Self>, deadline: Instant) -> io::Result<Slot> {
-        let mut free = lock(&self.free);
+        let mut free = self.free.lock();
         if *free == 0 {
             self.waiting.fetch_add(1, Ordering::Relaxed);
             while *free == 0 {
@@ -255,11 +256,7 @@ impl Limiter {
                     self.waiting.fetch_sub(1, Ordering::Relaxed);
                     return Err(timed_out("waiting for a fetch slot"));
                 }
-                free = self
-                    .cv
-                    .wait_timeout(free, deadline - now)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|e| e.into_inner().0);
+                self.cv.wait_for(&mut free, deadline - now);
             }
             self.waiting.fetch_sub(1, Ordering::Relaxed);
         }
@@ -272,13 +269,9 @@ struct Slot(Arc<Limiter>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        *lock(&self.0.free) += 1;
+        *self.0.free.lock() += 1;
         self.0.cv.notify_one();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -739,7 +732,7 @@ impl LayerSource {
             return Ok(0);
         }
         {
-            let held = lock(&self.held);
+            let held = self.held.lock();
             if held.get(&range).is_some() {
                 return Ok(0);
             }
@@ -754,7 +747,7 @@ impl LayerSource {
         }
         let data = Arc::new(self.read_shared(range.clone())?);
         let n = data.len() as u64;
-        let mut held = lock(&self.held);
+        let mut held = self.held.lock();
         if held.bytes + n <= MAX_HELD_BYTES {
             held.bytes += n;
             if let Some(old) = held.ranges.insert(range.start, data) {
@@ -788,7 +781,9 @@ impl LayerSource {
             return Ok(0);
         }
         let plan =
-            lock(&self.readahead).plan(demand.clone(), true, self.config.readahead_bytes, &map);
+            self.readahead
+                .lock()
+                .plan(demand.clone(), true, self.config.readahead_bytes, &map);
         let end = plan.sync_end.max(demand.end);
         let mut fetched = Fetched::default();
         // A file is at most `whole_file_bytes`: one request (and its windows) in practice.
@@ -953,7 +948,7 @@ impl LayerSource {
         match store.open_chunk(&whole.key) {
             Ok(Some(chunk)) if chunk.len() == self.backend.len() => {
                 let _ = whole.local.set(ChunkSource(chunk));
-                *lock(&self.held) = Held::default();
+                *self.held.lock() = Held::default();
             }
             Ok(_) => return Err(io::Error::other("whole layer missing from the store")),
             Err(e) => return Err(io::Error::other(e.to_string())),
@@ -1306,7 +1301,7 @@ impl LayerSource {
         kind: PieceKind,
         ks: impl Iterator<Item = usize>,
     ) -> Option<io::Error> {
-        let failures = lock(&self.recent_failures);
+        let failures = self.recent_failures.lock();
         if failures.is_empty() {
             return None;
         }
@@ -1334,7 +1329,7 @@ impl LayerSource {
     /// Notes that pieces `ks` failed now: each failure in a row doubles how long they
     /// are left alone. Failures older than twice [`MAX_FAILURE_MEMORY`] are forgotten.
     fn remember_failure(&self, kind: PieceKind, ks: impl Iterator<Item = usize>) {
-        let mut failures = lock(&self.recent_failures);
+        let mut failures = self.recent_failures.lock();
         let now = Instant::now();
         let forget = MAX_FAILURE_MEMORY.saturating_mul(2);
         failures.retain(|_, f| now.saturating_duration_since(f.at) < forget);
@@ -1352,7 +1347,7 @@ impl LayerSource {
 
     /// Forgets the failures of piece `k` (it just verified).
     fn forget_failure(&self, kind: PieceKind, k: usize) {
-        let mut failures = lock(&self.recent_failures);
+        let mut failures = self.recent_failures.lock();
         if !failures.is_empty() {
             failures.remove(&(kind, k));
         }
@@ -1450,7 +1445,9 @@ impl LayerSource {
         };
         let missed = demand.clone().any(|k| map.is_missing(k));
         let plan =
-            lock(&self.readahead).plan(demand.clone(), missed, self.config.readahead_bytes, &map);
+            self.readahead
+                .lock()
+                .plan(demand.clone(), missed, self.config.readahead_bytes, &map);
         let mut fetched = Fetched::default();
         let bytes = if plan.sync_end > demand.end {
             let ahead: u64 = (demand.end..plan.sync_end)
@@ -1554,7 +1551,7 @@ impl LayerSource {
         if let Some(local) = self.whole.as_ref().and_then(|w| w.local.get()) {
             return local.read_range(range);
         }
-        if let Some(bytes) = lock(&self.held).get(&range) {
+        if let Some(bytes) = self.held.lock().get(&range) {
             MountStats::add(&self.stats.cache_hits, 1);
             return Ok(bytes);
         }
@@ -1590,7 +1587,7 @@ impl LayerSource {
     /// what they hold (the format reader verifies every chunk it inflates).
     fn hold_read(&self, start: u64, bytes: &Arc<Vec<u8>>) {
         let n = bytes.len() as u64;
-        let mut held = lock(&self.held);
+        let mut held = self.held.lock();
         if held.bytes + n <= MAX_HELD_READ_BYTES && !held.ranges.contains_key(&start) {
             held.bytes += n;
             held.ranges.insert(start, bytes.clone());

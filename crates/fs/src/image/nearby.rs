@@ -35,11 +35,12 @@
 use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use ferry_index::entry::{Entry, EntryKind};
 use ferry_index::merged::{Location, MergedImage};
+use parking_lot::{Condvar, Mutex};
 
 use crate::device::{FetchConfig, LayerSource};
 use crate::image::tree::{Ino, Node};
@@ -197,7 +198,7 @@ impl Nearby {
         let served = spent.served;
         let guess = self.within_budget(spent.neighbours_unused, served);
         let (whole, dir) = {
-            let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let seen = self.seen.lock();
             (
                 self.whole_file_bytes > 0
                     && read.node.size <= self.whole_file_bytes
@@ -216,7 +217,7 @@ impl Nearby {
         if own.iter().all(|r| layers.local(loc.layer, r)) {
             return none;
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.seen.lock();
         let whole = whole && seen.files.insert(read.ino);
         let dir = dir && seen.dirs.insert(read.node.parent);
         drop(seen);
@@ -285,7 +286,7 @@ impl Nearby {
             }
         };
         let first = {
-            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = self.seen.lock();
             seen.loaders.insert(read.ino)
         };
         if !first {
@@ -479,7 +480,7 @@ struct Pool {
 impl Pool {
     /// One job fewer queued or running.
     fn done(&self) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock();
         *pending = pending.saturating_sub(1);
         if *pending == 0 {
             self.idle.notify_all();
@@ -516,7 +517,7 @@ fn pool() -> Option<&'static Pool> {
 fn work(jobs: &Mutex<Receiver<Job>>) {
     loop {
         let job = {
-            let rx = jobs.lock().unwrap_or_else(|e| e.into_inner());
+            let rx = jobs.lock();
             rx.recv()
         };
         let Ok(job) = job else { return };
@@ -554,7 +555,7 @@ pub(crate) fn submit(
     }
     let Some(pool) = pool() else { return };
     for range in ranges {
-        *pool.pending.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        *pool.pending.lock() += 1;
         let job = Job {
             source: Arc::downgrade(source),
             range,
@@ -576,17 +577,13 @@ pub fn wait_idle(timeout: Duration) -> bool {
         return true;
     };
     let deadline = Instant::now() + timeout;
-    let mut pending = pool.pending.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pending = pool.pending.lock();
     while *pending > 0 {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return false;
         }
-        pending = pool
-            .idle
-            .wait_timeout(pending, left)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        pool.idle.wait_for(&mut pending, left);
     }
     true
 }

@@ -6,8 +6,9 @@
 //! recording.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use super::tree::{Ino, InodeTree};
 use crate::trace::{MAX_TRACE_READS, Trace, TraceRead};
@@ -56,14 +57,14 @@ impl Recorder {
     /// Starts (or restarts, discarding what was recorded) recording, with the FUSE layer
     /// serving every read itself so that none is missed.
     pub fn start(&self) {
-        *lock(&self.state) = Recording::default();
+        *self.state.lock() = Recording::default();
         self.every_read.store(true, Ordering::Release);
         self.on.store(true, Ordering::Release);
     }
 
     /// Starts (or restarts) recording without changing how reads are served.
     pub fn start_passive(&self) {
-        *lock(&self.state) = Recording::default();
+        *self.state.lock() = Recording::default();
         self.every_read.store(false, Ordering::Release);
         self.on.store(true, Ordering::Release);
     }
@@ -87,7 +88,7 @@ impl Recorder {
     /// Reads recorded so far (a read later joined into another still counts: the bound
     /// is on what the recording holds).
     pub fn len(&self) -> usize {
-        lock(&self.state).reads.len()
+        self.state.lock().reads.len()
     }
 
     /// True when nothing was recorded yet.
@@ -104,7 +105,7 @@ impl Recorder {
     pub fn take(&self) -> Trace {
         self.on.store(false, Ordering::Release);
         self.every_read.store(false, Ordering::Release);
-        let rec = std::mem::take(&mut *lock(&self.state));
+        let rec = std::mem::take(&mut *self.state.lock());
         if rec.dropped > 0 {
             tracing::warn!(
                 dropped = rec.dropped,
@@ -130,7 +131,7 @@ impl Recorder {
         if offset >= end {
             return;
         }
-        let mut guard = lock(&self.state);
+        let mut guard = self.state.lock();
         let rec = &mut *guard;
         let file = match rec.files.entry((view, ino)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -186,10 +187,6 @@ impl Recorder {
         });
         self.touches.fetch_add(1, Ordering::AcqRel);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
