@@ -145,6 +145,9 @@ pub trait MountBackend: Send + Sync {
     fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo>;
     /// Unmounts what this backend mounted at `mountpoint`.
     fn unmount(&self, mountpoint: &Path) -> Result<()>;
+    /// Detaches a mount at `mountpoint` that this backend does not serve (a previous
+    /// daemon's leftover); nothing there is not an error.
+    fn detach_stale(&self, mountpoint: &Path) -> Result<()>;
     /// Every live mount.
     fn list(&self) -> Vec<MountStatus>;
     /// The chunk store, if there is one.
@@ -438,7 +441,8 @@ pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
 /// this process serves (e.g. one resumed from the fd holder): that one is not stale and
 /// is left alone.
 pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
-    use std::os::unix::ffi::OsStrExt;
+    use nix::errno::Errno;
+    use nix::mount::{MntFlags, umount2};
     if !ferry_fs::is_mounted(mountpoint) {
         return Ok(());
     }
@@ -446,21 +450,25 @@ pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
         tracing::debug!(mountpoint = %mountpoint.display(), "served by this daemon: not detached");
         return Ok(());
     }
-    let path = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| {
-        Error::InvalidRequest(format!("{} contains a NUL byte", mountpoint.display()))
-    })?;
-    // SAFETY: path is a valid NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
-    if rc == 0 {
-        tracing::info!(mountpoint = %mountpoint.display(), "detached a stale mount");
-        return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
-    if err.raw_os_error() != Some(libc::EPERM) {
-        return Err(Error::io(
-            format!("detaching the stale mount at {}", mountpoint.display()),
-            err,
-        ));
+    match umount2(mountpoint, MntFlags::MNT_DETACH) {
+        Ok(()) => {
+            tracing::info!(mountpoint = %mountpoint.display(), "detached a stale mount");
+            return Ok(());
+        }
+        Err(Errno::EPERM) => {}
+        // A path with a NUL byte cannot name a mount point.
+        Err(Errno::EINVAL) if mountpoint.as_os_str().as_encoded_bytes().contains(&0) => {
+            return Err(Error::InvalidRequest(format!(
+                "{} contains a NUL byte",
+                mountpoint.display()
+            )));
+        }
+        Err(e) => {
+            return Err(Error::io(
+                format!("detaching the stale mount at {}", mountpoint.display()),
+                e.into(),
+            ));
+        }
     }
     let status = std::process::Command::new("fusermount3")
         .arg("-uz")
@@ -1190,6 +1198,10 @@ impl MountBackend for MountManager {
         let result = self.mount_reserved(request, &mountpoint, origin);
         self.pending.lock().remove(&mountpoint);
         result
+    }
+
+    fn detach_stale(&self, mountpoint: &Path) -> Result<()> {
+        detach_stale_mount(mountpoint)
     }
 
     fn unmount(&self, mountpoint: &Path) -> Result<()> {
