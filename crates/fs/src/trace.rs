@@ -370,4 +370,4 @@ fn fetch_trace_blob(
 
 #[cfg(test)]
 #[path = "trace_tests.rs"]
-mod tests;
+pub(crate) mod tests;

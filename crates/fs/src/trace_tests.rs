@@ -8,7 +8,8 @@ use ferry_registry_client::{Client, ClientConfig, RangeRuntime};
 
 use super::*;
 
-fn read(path: &str, offset: u64, len: u64) -> TraceRead {
+/// A trace read (for the recorder's tests too).
+pub(crate) fn read(path: &str, offset: u64, len: u64) -> TraceRead {
     TraceRead {
         path: path.into(),
         offset,

@@ -12,8 +12,9 @@
 //! - [`RangeRuntime`], a tokio runtime on its own thread for synchronous callers (FUSE
 //!   threads) that drive the client;
 //! - [`ByteStream`], the body type blobs are streamed as, here and in ferry's registry;
-//! - [`cache`]: single-flight and a byte-bounded document LRU, for callers that fetch
-//!   through the client and must not fetch the same thing twice at once.
+//! - [`cache`]: ferry's one single flight (ferry-fs's span fetches use it too) and a
+//!   byte-bounded document LRU, for callers that must not fetch the same thing twice
+//!   at once.
 //!
 //! It must not know layer formats, filesystems or containerd: it moves bytes and
 //! documents, verified by digest, and nothing else (reading a layer lazily through it is

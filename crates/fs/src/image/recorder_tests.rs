@@ -8,14 +8,7 @@ use ferry_index::reader::LayerReader;
 
 use super::*;
 use crate::image::tree::ROOT_INO;
-
-fn read(path: &str, offset: u64, len: u64) -> TraceRead {
-    TraceRead {
-        path: path.into(),
-        offset,
-        len,
-    }
-}
+use crate::trace::tests::read;
 
 /// A merged tree over a whole (uncompressed tar) layer with `etc/a`, `usr/lib/b` and a
 /// hard link `bin/h` to `usr/lib/b`.
