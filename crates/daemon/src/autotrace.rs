@@ -24,12 +24,13 @@ use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use ferry_fs::Trace;
-use ferry_fs::trace::{MAX_TRACE_BYTES, Recorder};
+use ferry_fs::image::recorder::Recorder;
+use ferry_fs::trace::MAX_TRACE_BYTES;
 use ferry_oci::ImageRef;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -460,7 +461,7 @@ impl NodeTraces {
                 self.max_bytes
             )));
         }
-        let _writing = self.writing.lock().unwrap_or_else(|e| e.into_inner());
+        let _writing = self.writing.lock();
         // Another repository's file of the same manifest goes too: one per manifest.
         for s in self.list()?.into_iter().filter(|s| s.manifest == manifest) {
             let _ = fs::remove_file(&s.path);
@@ -589,7 +590,7 @@ impl RemoteTraces for RegistryTraces {
 #[derive(Debug, Default)]
 pub struct ImageTraces {
     state: Mutex<LookupState>,
-    ready: std::sync::Condvar,
+    ready: parking_lot::Condvar,
     /// The shared recorder, while this image's first start is recorded.
     pub recorder: Mutex<Option<std::sync::Arc<Recorder>>>,
 }
@@ -604,14 +605,14 @@ enum LookupState {
 impl ImageTraces {
     /// Sets the lookup's answer (a later one replaces it: a recording that finished).
     pub fn set(&self, found: Option<FoundTrace>) {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = LookupState::Done(found);
+        *self.state.lock() = LookupState::Done(found);
         self.ready.notify_all();
     }
 
     /// The lookup's answer, waiting at most `timeout` for it (`None` then).
     pub fn wait(&self, timeout: Duration) -> Option<FoundTrace> {
         let deadline = Instant::now() + timeout;
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self.state.lock();
         loop {
             if let LookupState::Done(found) = &*state {
                 return found.clone();
@@ -620,18 +621,14 @@ impl ImageTraces {
             if left.is_zero() {
                 return None;
             }
-            state = self
-                .ready
-                .wait_timeout(state, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            self.ready.wait_for(&mut state, left);
         }
     }
 
     /// True when this image's own trace (not another version's) is known.
     pub fn has_own_trace(&self) -> bool {
         matches!(
-            &*self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            &*self.state.lock(),
             LookupState::Done(Some(f)) if f.info.source != TraceSource::PreviousVersion
         )
     }

@@ -23,6 +23,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use std::io::{IoSlice, IoSliceMut};
+
+use nix::errno::Errno;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::socket::{
+    self, AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag,
+    SockType, UnixAddr, sockopt,
+};
+use nix::sys::time::TimeVal;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -129,79 +138,52 @@ pub struct HeldEntry {
 /// socket whose peer closed) reports an error or hang-up on poll. Never reads from it
 /// (a read on `/dev/fuse` would take a request).
 pub fn fd_alive(fd: BorrowedFd<'_>) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: pfd is one valid pollfd; a zero timeout never blocks.
-    let rc = unsafe { libc::poll(&mut pfd, 1, 0) };
-    rc >= 0 && pfd.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) == 0
-}
-
-fn cvt(rc: libc::c_int) -> io::Result<libc::c_int> {
-    if rc < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(rc)
-    }
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::ZERO).is_ok()
+        && !fds[0].revents().is_some_and(|r| {
+            r.intersects(PollFlags::POLLERR | PollFlags::POLLHUP | PollFlags::POLLNVAL)
+        })
 }
 
 /// A connected pair of `SOCK_SEQPACKET` unix sockets (close-on-exec).
 pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: fds is a valid array of two ints the call fills in.
-    cvt(unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    })?;
-    // SAFETY: on success both descriptors are new and owned by nobody else.
-    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+    Ok(socket::socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?)
 }
 
 fn seqpacket_socket() -> io::Result<OwnedFd> {
-    // SAFETY: plain syscall; the result is checked before use.
-    let fd =
-        cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) })?;
-    // SAFETY: a new descriptor owned by nobody else.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    Ok(socket::socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
 }
 
-fn sockaddr(path: &Path) -> io::Result<(libc::sockaddr_un, libc::socklen_t)> {
+/// Bytes of a unix socket path, its terminating NUL included (`sun_path` on Linux).
+const SUN_PATH_LEN: usize = 108;
+
+fn sockaddr(path: &Path) -> io::Result<UnixAddr> {
     use std::os::unix::ffi::OsStrExt;
-    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
     let bytes = path.as_os_str().as_bytes();
-    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+    if bytes.is_empty() || bytes.len() >= SUN_PATH_LEN || bytes.contains(&0) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("{} cannot be a unix socket path", path.display()),
         ));
     }
-    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
-        *dst = *src as libc::c_char;
-    }
-    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
-    Ok((addr, len as libc::socklen_t))
+    Ok(UnixAddr::new(path)?)
 }
 
 /// Connects to the holder listening at `path`.
 pub fn connect(path: &Path) -> io::Result<OwnedFd> {
     let sock = seqpacket_socket()?;
-    let (addr, len) = sockaddr(path)?;
-    // SAFETY: addr is a valid sockaddr_un of `len` bytes.
-    cvt(unsafe {
-        libc::connect(
-            sock.as_raw_fd(),
-            (&raw const addr).cast::<libc::sockaddr>(),
-            len,
-        )
-    })?;
+    let addr = sockaddr(path)?;
+    socket::connect(sock.as_raw_fd(), &addr)?;
     Ok(sock)
 }
 
@@ -209,62 +191,31 @@ pub fn connect(path: &Path) -> io::Result<OwnedFd> {
 pub fn listen(path: &Path) -> io::Result<OwnedFd> {
     use std::os::unix::fs::PermissionsExt;
     let sock = seqpacket_socket()?;
-    let (addr, len) = sockaddr(path)?;
+    let addr = sockaddr(path)?;
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    // SAFETY: addr is a valid sockaddr_un of `len` bytes.
-    cvt(unsafe {
-        libc::bind(
-            sock.as_raw_fd(),
-            (&raw const addr).cast::<libc::sockaddr>(),
-            len,
-        )
-    })?;
+    socket::bind(sock.as_raw_fd(), &addr)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    // SAFETY: plain syscall on a descriptor we own.
-    cvt(unsafe { libc::listen(sock.as_raw_fd(), 16) })?;
+    socket::listen(&sock, Backlog::new(16)?)?;
     Ok(sock)
 }
 
 fn set_timeout(sock: BorrowedFd<'_>, timeout: Duration) -> io::Result<()> {
-    let tv = libc::timeval {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_usec: libc::suseconds_t::from(timeout.subsec_micros() as i32),
-    };
-    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
-        // SAFETY: tv is a valid timeval for the duration of the call.
-        cvt(unsafe {
-            libc::setsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&raw const tv).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        })?;
-    }
+    let tv = TimeVal::new(
+        timeout.as_secs() as nix::libc::time_t,
+        nix::libc::suseconds_t::from(timeout.subsec_micros() as i32),
+    );
+    socket::setsockopt(&sock, sockopt::ReceiveTimeout, &tv)?;
+    socket::setsockopt(&sock, sockopt::SendTimeout, &tv)?;
     Ok(())
 }
 
 /// The peer's user id (`SO_PEERCRED`).
 fn peer_uid(sock: BorrowedFd<'_>) -> io::Result<u32> {
-    // SAFETY: ucred is plain data; all-zero is valid.
-    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred and len are valid for writes of the sizes given.
-    cvt(unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &mut len,
-        )
-    })?;
-    Ok(cred.uid)
+    Ok(socket::getsockopt(&sock, sockopt::PeerCredentials)?.uid())
 }
 
 /// Sends one message, with `fd` attached when given.
@@ -279,104 +230,69 @@ pub fn send_message(
             format!("message of {} bytes is too large", bytes.len()),
         ));
     }
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr().cast_mut().cast(),
-        iov_len: bytes.len(),
+    let iov = [IoSlice::new(bytes)];
+    let raw = fd.map(|fd| [fd.as_raw_fd()]);
+    let cmsgs: &[ControlMessage<'_>] = match &raw {
+        Some(raw) => &[ControlMessage::ScmRights(raw)],
+        None => &[],
     };
-    // Room for one descriptor's control message, aligned as cmsghdr wants.
-    let mut control = [0u64; 8];
-    // SAFETY: msghdr is plain data; all-zero is valid.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &raw mut iov;
-    msg.msg_iovlen = 1;
-    if let Some(fd) = fd {
-        // SAFETY: CMSG_SPACE/CMSG_LEN only compute sizes.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-        if space > std::mem::size_of_val(&control) {
-            return Err(io::Error::other("control buffer too small"));
-        }
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        // SAFETY: msg_control points at `space` zeroed, aligned bytes, enough for one
-        // cmsghdr with one int of data; CMSG_FIRSTHDR is therefore non-null.
-        unsafe {
-            let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-            std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
-        }
-    }
     loop {
-        // SAFETY: msg and everything it points to live across the call.
-        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            return if n as usize == bytes.len() {
-                Ok(())
-            } else {
-                Err(io::Error::other("short send on a seqpacket socket"))
-            };
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
+        match socket::sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+            Ok(n) if n == bytes.len() => return Ok(()),
+            Ok(_) => return Err(io::Error::other("short send on a seqpacket socket")),
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
 }
+
+/// Descriptors one message may carry before its control message is truncated: room
+/// for a few, so extra ones are received (then closed), not lost.
+const RECV_FDS: usize = 28;
 
 /// Receives one message: its bytes and the descriptor attached, if any. `None` when the
 /// peer closed. A message that is too large, or carries more than one descriptor, is
 /// an error (any descriptors it carried are closed).
 pub fn recv_message(sock: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Option<OwnedFd>)>> {
     let mut buf = vec![0u8; MAX_MESSAGE];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
-    // Room for a few descriptors, so extra ones are received (then closed), not lost
-    // in a truncated control message.
-    let mut control = [0u64; 16];
-    // SAFETY: msghdr is plain data; all-zero is valid.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &raw mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control) as _;
-    let n = loop {
-        // SAFETY: msg points at live buffers of the sizes it states.
-        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    };
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled msg_control with msg_controllen bytes of well-formed
-    // cmsghdrs; the CMSG_* macros walk exactly those, and each SCM_RIGHTS payload is an
-    // array of descriptors that are now ours.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(cmsg);
-                let payload = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
-                for i in 0..payload / std::mem::size_of::<RawFd>() {
-                    let raw = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(raw));
+    let mut control = nix::cmsg_space!([RawFd; RECV_FDS]);
+    let (n, truncated, fds) = loop {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        match socket::recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut control),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => {
+                let mut fds = Vec::new();
+                // A truncated control message cannot be walked (nix refuses): its
+                // descriptors, if any, stay unknown; the message is refused below.
+                if let Ok(cmsgs) = msg.cmsgs() {
+                    for cmsg in cmsgs {
+                        if let ControlMessageOwned::ScmRights(raw) = cmsg {
+                            // SAFETY: descriptors received by SCM_RIGHTS are new in this
+                            // process and owned by nobody else.
+                            fds.extend(raw.into_iter().map(|r| unsafe { OwnedFd::from_raw_fd(r) }));
+                        }
+                    }
                 }
+                let truncated = msg
+                    .flags
+                    .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC);
+                break (msg.bytes, truncated, fds);
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            Err(Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
         }
-    }
-    if msg.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 {
+    };
+    if truncated {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             "message or its descriptors truncated",
         ));
     }
+    let mut fds = fds;
     if n == 0 && fds.is_empty() {
         return Ok(None);
     }
@@ -521,8 +437,7 @@ impl Holder {
     /// came and went, none is connected and nothing is held — or forever when
     /// `persistent` (a holder run on its own, e.g. as a pod's second container).
     pub fn serve(self: &Arc<Self>, listener: OwnedFd, persistent: bool) -> io::Result<()> {
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
+        let me = nix::unistd::geteuid().as_raw();
         let mut served_one = false;
         let mut ticks = 0u32;
         loop {
@@ -533,37 +448,19 @@ impl Holder {
             if !persistent && served_one && self.idle() {
                 return Ok(());
             }
-            let mut pfd = libc::pollfd {
-                fd: listener.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: pfd is one valid pollfd.
-            let ready = unsafe { libc::poll(&mut pfd, 1, IDLE_CHECK.as_millis() as libc::c_int) };
-            if ready < 0 {
-                let err = io::Error::last_os_error();
-                if err.kind() == io::ErrorKind::Interrupted {
+            let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::from(IDLE_CHECK.as_millis() as u16)) {
+                Ok(0) | Err(Errno::EINTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let raw = match socket::accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
+                Ok(raw) => raw,
+                Err(e) => {
+                    tracing::warn!(error = %io::Error::from(e), "fd holder: accept failed");
                     continue;
                 }
-                return Err(err);
-            }
-            if ready == 0 {
-                continue;
-            }
-            // SAFETY: accept4 with null address arguments.
-            let raw = unsafe {
-                libc::accept4(
-                    listener.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    libc::SOCK_CLOEXEC,
-                )
             };
-            if raw < 0 {
-                let err = io::Error::last_os_error();
-                tracing::warn!(error = %err, "fd holder: accept failed");
-                continue;
-            }
             // SAFETY: a new descriptor owned by nobody else.
             let client = unsafe { OwnedFd::from_raw_fd(raw) };
             match peer_uid(client.as_fd()) {
@@ -899,25 +796,15 @@ mod tests {
         // Hand-build one message with two descriptors.
         let raw = [f1.as_raw_fd(), f2.as_raw_fd()];
         let body = b"{}";
-        let mut iov = libc::iovec {
-            iov_base: body.as_ptr().cast_mut().cast(),
-            iov_len: body.len(),
-        };
-        let mut control = [0u64; 8];
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = &raw mut iov;
-        msg.msg_iovlen = 1;
-        unsafe {
-            let space = libc::CMSG_SPACE(std::mem::size_of_val(&raw) as u32) as usize;
-            msg.msg_control = control.as_mut_ptr().cast();
-            msg.msg_controllen = space as _;
-            let cmsg = libc::CMSG_FIRSTHDR(&msg);
-            (*cmsg).cmsg_level = libc::SOL_SOCKET;
-            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-            (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&raw) as u32) as _;
-            std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(cmsg).cast::<RawFd>(), 2);
-            assert!(libc::sendmsg(a.as_raw_fd(), &msg, 0) > 0);
-        }
+        let sent = socket::sendmsg::<()>(
+            a.as_raw_fd(),
+            &[IoSlice::new(body)],
+            &[ControlMessage::ScmRights(&raw)],
+            MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        assert!(sent > 0);
         let err = recv_message(b.as_fd()).unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
     }

@@ -119,7 +119,7 @@ impl IndexRegistry for ClientIndexRegistry {
         reference: &str,
     ) -> Result<(String, Vec<Descriptor>), ResolveError> {
         let (desc, manifest) =
-            ferry_fs::image::fetch_registry_manifest(&self.client, repo, reference).await?;
+            ferry_fs::backend::fetch_registry_manifest(&self.client, repo, reference).await?;
         Ok((desc.digest().to_string(), manifest.layers().clone()))
     }
 
@@ -128,11 +128,11 @@ impl IndexRegistry for ClientIndexRegistry {
         repo: &Repo,
         subject: &str,
     ) -> Result<Vec<Descriptor>, ResolveError> {
-        Ok(ferry_fs::image::registry_index_blobs(&self.client, repo, subject).await?)
+        Ok(ferry_fs::backend::registry_index_blobs(&self.client, repo, subject).await?)
     }
 
     async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
-        Ok(ferry_fs::image::fetch_index_blob(&self.client, repo, blob).await?)
+        Ok(ferry_fs::backend::fetch_index_blob(&self.client, repo, blob).await?)
     }
 }
 

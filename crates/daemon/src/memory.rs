@@ -25,6 +25,8 @@ struct State {
     images: HashMap<String, (String, Vec<(String, LayerKind)>)>,
     mounts: BTreeMap<PathBuf, MountStatus>,
     unmounted: Vec<PathBuf>,
+    /// Every `detach_stale` call, in order.
+    detached: Vec<PathBuf>,
     /// Every `layer_kind` call: (image, layer, the layers named ahead of it).
     asked: Vec<(String, String, Vec<String>)>,
 }
@@ -66,6 +68,11 @@ impl MemoryBackend {
     /// Mount points unmounted so far, in order.
     pub fn unmounted(&self) -> Vec<PathBuf> {
         self.state().unmounted.clone()
+    }
+
+    /// Mount points asked to be detached as stale so far, in order.
+    pub fn detached(&self) -> Vec<PathBuf> {
+        self.state().detached.clone()
     }
 }
 
@@ -118,6 +125,12 @@ impl MountBackend for MemoryBackend {
             return Err(Error::NotMounted(mountpoint.to_path_buf()));
         }
         state.unmounted.push(mountpoint.to_path_buf());
+        Ok(())
+    }
+
+    /// Records the call; nothing is stale in memory (a mount it serves stays).
+    fn detach_stale(&self, mountpoint: &Path) -> Result<()> {
+        self.state().detached.push(mountpoint.to_path_buf());
         Ok(())
     }
 

@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry_fs::{
@@ -26,11 +26,12 @@ use ferry_fs::{
     WarmHandle,
 };
 use ferry_index::ferryidx::LayerIndex;
+use ferry_index::image::LayerWay;
 use ferry_index::source::RangeSource;
-use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
 use ferry_oci::{Descriptor, ImageRef};
 use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::autotrace::{
@@ -144,6 +145,9 @@ pub trait MountBackend: Send + Sync {
     fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo>;
     /// Unmounts what this backend mounted at `mountpoint`.
     fn unmount(&self, mountpoint: &Path) -> Result<()>;
+    /// Detaches a mount at `mountpoint` that this backend does not serve (a previous
+    /// daemon's leftover); nothing there is not an error.
+    fn detach_stale(&self, mountpoint: &Path) -> Result<()>;
     /// Every live mount.
     fn list(&self) -> Vec<MountStatus>;
     /// The chunk store, if there is one.
@@ -193,17 +197,10 @@ impl ImageTemplate {
 
 /// What a layer's descriptor and index say about lazy serving.
 pub fn layer_kind_of(descriptor: &Descriptor, has_index: bool) -> LayerKind {
-    if has_index {
-        return LayerKind::FerryIndex;
-    }
-    let toc = descriptor
-        .annotations()
-        .as_ref()
-        .is_some_and(|a| a.contains_key(ANNOTATION_ESTARGZ_TOC));
-    if toc {
-        LayerKind::Estargz
-    } else {
-        LayerKind::Plain
+    match LayerWay::of(descriptor, has_index.then_some(())) {
+        LayerWay::Indexed(()) => LayerKind::FerryIndex,
+        LayerWay::Estargz { .. } => LayerKind::Estargz,
+        LayerWay::Whole => LayerKind::Plain,
     }
 }
 
@@ -231,7 +228,7 @@ impl WarmCell {
     /// Leaves the hot set pinned for the next daemon (see [`WarmHandle::keep_pins`]).
     fn keep_pins(&self) {
         let handle = {
-            let mut slot = lock(&self.0);
+            let mut slot = self.0.lock();
             slot.closed = true;
             slot.handle.take()
         };
@@ -241,14 +238,14 @@ impl WarmCell {
     }
 
     fn trace(&self) -> Option<TraceUse> {
-        lock(&self.0).trace.clone()
+        self.0.lock().trace.clone()
     }
 }
 
 impl Drop for WarmCell {
     fn drop(&mut self) {
         let handle = {
-            let mut slot = lock(&self.0);
+            let mut slot = self.0.lock();
             slot.closed = true;
             slot.handle.take()
         };
@@ -330,7 +327,7 @@ pub struct ResumeReport {
 static SERVED_HERE: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 
 fn mark_served(mountpoint: &Path, served: bool) {
-    let mut set = lock(&SERVED_HERE);
+    let mut set = SERVED_HERE.lock();
     if served {
         set.insert(mountpoint.to_path_buf());
     } else {
@@ -339,7 +336,7 @@ fn mark_served(mountpoint: &Path, served: bool) {
 }
 
 fn served_here(mountpoint: &Path) -> bool {
-    lock(&SERVED_HERE).contains(mountpoint)
+    SERVED_HERE.lock().contains(mountpoint)
 }
 
 /// True when the FUSE connection behind `device` is still up (a connection whose mount
@@ -380,14 +377,9 @@ impl std::fmt::Debug for MountManager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MountManager")
             .field("store", &self.store.root())
-            .field("mounts", &lock(&self.mounts).keys().collect::<Vec<_>>())
+            .field("mounts", &self.mounts.lock().keys().collect::<Vec<_>>())
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The maps stay consistent across a panic (single inserts/removes).
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The absolute path of `path` with its parent resolved, without touching `path`
@@ -449,7 +441,8 @@ pub fn pin_image(image: &str, manifest_digest: &str) -> Result<String> {
 /// this process serves (e.g. one resumed from the fd holder): that one is not stale and
 /// is left alone.
 pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
-    use std::os::unix::ffi::OsStrExt;
+    use nix::errno::Errno;
+    use nix::mount::{MntFlags, umount2};
     if !ferry_fs::is_mounted(mountpoint) {
         return Ok(());
     }
@@ -457,21 +450,25 @@ pub fn detach_stale_mount(mountpoint: &Path) -> Result<()> {
         tracing::debug!(mountpoint = %mountpoint.display(), "served by this daemon: not detached");
         return Ok(());
     }
-    let path = std::ffi::CString::new(mountpoint.as_os_str().as_bytes()).map_err(|_| {
-        Error::InvalidRequest(format!("{} contains a NUL byte", mountpoint.display()))
-    })?;
-    // SAFETY: path is a valid NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
-    if rc == 0 {
-        tracing::info!(mountpoint = %mountpoint.display(), "detached a stale mount");
-        return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
-    if err.raw_os_error() != Some(libc::EPERM) {
-        return Err(Error::io(
-            format!("detaching the stale mount at {}", mountpoint.display()),
-            err,
-        ));
+    match umount2(mountpoint, MntFlags::MNT_DETACH) {
+        Ok(()) => {
+            tracing::info!(mountpoint = %mountpoint.display(), "detached a stale mount");
+            return Ok(());
+        }
+        Err(Errno::EPERM) => {}
+        // A path with a NUL byte cannot name a mount point.
+        Err(Errno::EINVAL) if mountpoint.as_os_str().as_encoded_bytes().contains(&0) => {
+            return Err(Error::InvalidRequest(format!(
+                "{} contains a NUL byte",
+                mountpoint.display()
+            )));
+        }
+        Err(e) => {
+            return Err(Error::io(
+                format!("detaching the stale mount at {}", mountpoint.display()),
+                e.into(),
+            ));
+        }
     }
     let status = std::process::Command::new("fusermount3")
         .arg("-uz")
@@ -694,7 +691,7 @@ impl MountManager {
     /// Serves the kept connection `device` of `record`'s mount from this process.
     fn resume_one(&self, mut record: KeptMount, device: OwnedFd) -> Result<()> {
         let mountpoint = record.info.mountpoint.clone();
-        if lock(&self.mounts).contains_key(&mountpoint) {
+        if self.mounts.lock().contains_key(&mountpoint) {
             return Err(Error::AlreadyMounted(mountpoint));
         }
         let image_ref = record.pinned_image()?;
@@ -728,7 +725,7 @@ impl MountManager {
             "resumed the kept FUSE connection"
         );
         mark_served(&mountpoint, true);
-        lock(&self.mounts).insert(
+        self.mounts.lock().insert(
             mountpoint,
             ActiveMount {
                 info: record.info,
@@ -780,8 +777,8 @@ impl MountManager {
     /// [`IMAGE_CACHE_TTL`] on a background thread (see [`crate::autotrace::lookup`]);
     /// with prefetch off, no trace. A state whose image is being recorded is kept.
     fn image_traces(&self, image: &str, manifest: &str) -> Arc<ImageTraces> {
-        let mut map = lock(&self.traces);
-        let recording = |t: &ImageTraces| lock(&t.recorder).is_some();
+        let mut map = self.traces.lock();
+        let recording = |t: &ImageTraces| t.recorder.lock().is_some();
         if let Some((at, t)) = map.get(manifest)
             && (at.elapsed() < IMAGE_CACHE_TTL || recording(t))
         {
@@ -808,7 +805,7 @@ impl MountManager {
                 }
                 if let Some(f) = &found
                     && f.info.source != TraceSource::PreviousVersion
-                    && let Some(recorder) = lock(&answer.recorder).take()
+                    && let Some(recorder) = answer.recorder.lock().take()
                 {
                     // The image has its own trace after all: no need to record one.
                     recorder.take();
@@ -830,15 +827,15 @@ impl MountManager {
         image: &str,
         manifest: &str,
         traces: &Arc<ImageTraces>,
-    ) -> Option<Arc<ferry_fs::trace::Recorder>> {
+    ) -> Option<Arc<ferry_fs::image::recorder::Recorder>> {
         if !self.config.trace.auto_record || traces.has_own_trace() {
             return None;
         }
-        let mut slot = lock(&traces.recorder);
+        let mut slot = traces.recorder.lock();
         if let Some(r) = &*slot {
             return Some(r.clone());
         }
-        let recorder = Arc::new(ferry_fs::trace::Recorder::default());
+        let recorder = Arc::new(ferry_fs::image::recorder::Recorder::default());
         recorder.start_passive();
         let rule = StopRule {
             quiet: self.config.trace.quiet,
@@ -863,7 +860,7 @@ impl MountManager {
                     crate::autotrace::watch(&watched, &rule, &crate::autotrace::SystemClock, &alive);
                 let trace = watched.take();
                 if reason == StopReason::Cancelled || trace.reads.is_empty() {
-                    lock(&state.recorder).take();
+                    state.recorder.lock().take();
                     return;
                 }
                 tracing::info!(image = %image, ?reason, reads = trace.reads.len(), files = trace.files(), bytes = trace.bytes(), "recorded a startup trace");
@@ -877,7 +874,7 @@ impl MountManager {
                     trace: trace.clone(),
                 }));
                 // After the answer: a mount made meanwhile sees the trace, not a gap.
-                lock(&state.recorder).take();
+                state.recorder.lock().take();
                 let shared =
                     crate::autotrace::share(&*remote, node.as_deref(), &image, &manifest, &trace);
                 tracing::info!(image = %image, ?shared, "shared the startup trace");
@@ -933,7 +930,7 @@ impl MountManager {
     /// [`IMAGE_CACHE_TTL`].
     fn open_image(&self, image: &str) -> Result<ImageSource> {
         let source = ImageSource::open(image, &self.client, &self.runtime)?;
-        let mut images = lock(&self.images);
+        let mut images = self.images.lock();
         images.retain(|_, t| t.opened.elapsed() < IMAGE_CACHE_TTL);
         if images.len() >= IMAGE_CACHE_ENTRIES
             && let Some(oldest) = images
@@ -948,7 +945,8 @@ impl MountManager {
     }
 
     fn cached(&self, image: &str) -> Option<Arc<ImageTemplate>> {
-        lock(&self.images)
+        self.images
+            .lock()
             .get(image)
             .filter(|t| t.opened.elapsed() < IMAGE_CACHE_TTL)
             .cloned()
@@ -1004,7 +1002,7 @@ impl MountManager {
         mountpoint: &Path,
         origin: MountOrigin,
     ) -> Result<MountInfo> {
-        if lock(&self.mounts).contains_key(mountpoint) || ferry_fs::is_mounted(mountpoint) {
+        if self.mounts.lock().contains_key(mountpoint) || ferry_fs::is_mounted(mountpoint) {
             return Err(Error::AlreadyMounted(mountpoint.to_path_buf()));
         }
         if !mountpoint.is_dir() {
@@ -1048,7 +1046,7 @@ impl MountManager {
             ?origin,
             "mounted"
         );
-        lock(&self.mounts).insert(
+        self.mounts.lock().insert(
             mountpoint.to_path_buf(),
             ActiveMount {
                 info: info.clone(),
@@ -1064,7 +1062,7 @@ impl MountManager {
     /// Forgets mounts whose FUSE session ended (unmounted from outside, e.g. `umount`
     /// or `fusermount3 -u`), so status and new mounts see the truth.
     fn reap(&self) {
-        let mut mounts = lock(&self.mounts);
+        let mut mounts = self.mounts.lock();
         let ended: Vec<PathBuf> = mounts
             .iter()
             .filter(|(_, m)| m.session.guard.is_finished())
@@ -1107,7 +1105,7 @@ impl MountManager {
             .name("ferry-warm-start".into())
             .spawn(move || {
                 let found = traces.wait(TRACE_LOOKUP_WAIT);
-                if lock(&filled).closed {
+                if filled.lock().closed {
                     return;
                 }
                 if let Some(f) = &found {
@@ -1121,7 +1119,7 @@ impl MountManager {
                     Some(pins),
                     files,
                 );
-                let mut slot = lock(&filled);
+                let mut slot = filled.lock();
                 if slot.closed {
                     drop(slot);
                     drop(handle);
@@ -1142,7 +1140,7 @@ impl MountManager {
     /// the next start's restore detaches and remounts them.
     pub fn shutdown(&self) {
         self.reap();
-        let all = std::mem::take(&mut *lock(&self.mounts));
+        let all = std::mem::take(&mut *self.mounts.lock());
         for (mountpoint, mount) in all {
             match mount.origin {
                 MountOrigin::Control => {
@@ -1194,18 +1192,22 @@ impl MountBackend for MountManager {
         }
         let mountpoint = canonical_mountpoint(&request.mountpoint)?;
         self.reap();
-        if !lock(&self.pending).insert(mountpoint.clone()) {
+        if !self.pending.lock().insert(mountpoint.clone()) {
             return Err(Error::AlreadyMounted(mountpoint));
         }
         let result = self.mount_reserved(request, &mountpoint, origin);
-        lock(&self.pending).remove(&mountpoint);
+        self.pending.lock().remove(&mountpoint);
         result
+    }
+
+    fn detach_stale(&self, mountpoint: &Path) -> Result<()> {
+        detach_stale_mount(mountpoint)
     }
 
     fn unmount(&self, mountpoint: &Path) -> Result<()> {
         let mountpoint = canonical_mountpoint(mountpoint)?;
         self.reap();
-        let Some(mount) = lock(&self.mounts).remove(&mountpoint) else {
+        let Some(mount) = self.mounts.lock().remove(&mountpoint) else {
             return Err(Error::NotMounted(mountpoint));
         };
         match finish(&mountpoint, mount) {
@@ -1216,7 +1218,7 @@ impl MountBackend for MountManager {
             Err(failed) => {
                 let (e, mount) = *failed;
                 // Still mounted (busy): keep serving it.
-                lock(&self.mounts).insert(mountpoint, mount);
+                self.mounts.lock().insert(mountpoint, mount);
                 Err(e)
             }
         }
@@ -1224,7 +1226,8 @@ impl MountBackend for MountManager {
 
     fn list(&self) -> Vec<MountStatus> {
         self.reap();
-        lock(&self.mounts)
+        self.mounts
+            .lock()
             .values()
             .map(|m| MountStatus {
                 info: m.info.clone(),
@@ -1393,6 +1396,8 @@ mod tests {
 
     #[test]
     fn layer_kind_follows_index_then_toc_annotation() {
+        use ferry_oci::media::ANNOTATION_ESTARGZ_TOC;
+
         let plain: Descriptor = serde_json::from_value(serde_json::json!({
             "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
             "digest": format!("sha256:{}", "2".repeat(64)),

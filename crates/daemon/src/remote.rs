@@ -19,9 +19,7 @@ use ferry_snapshotter::usage::Usage;
 use ferry_snapshotter::{LayerLabels, RemoteError, RemoteLayers, RemoteMount};
 
 use crate::error::Error;
-use crate::mounts::{
-    MountBackend, MountOrigin, MountRequest, canonical_mountpoint, detach_stale_mount, pin_image,
-};
+use crate::mounts::{MountBackend, MountOrigin, MountRequest, canonical_mountpoint, pin_image};
 
 /// The provider name in the snapshots' remote-mount records.
 pub const PROVIDER: &str = "ferry-fs";
@@ -138,7 +136,7 @@ impl RemoteLayers for LazyLayers {
         let layer = Self::state_of(mount, STATE_LAYER)?;
         let mountpoint = canonical_mountpoint(target_dir).map_err(failed)?;
         // A previous daemon's mount is dead once its process is gone; replace it.
-        detach_stale_mount(&mountpoint).map_err(failed)?;
+        self.backend.detach_stale(&mountpoint).map_err(failed)?;
         let request = MountRequest {
             image: image.to_owned(),
             mountpoint,
@@ -156,7 +154,7 @@ impl RemoteLayers for LazyLayers {
         match self.backend.unmount(&mountpoint) {
             Ok(()) => Ok(()),
             // Not ours (restore failed, or a dead leftover): make sure nothing stays.
-            Err(Error::NotMounted(_)) => detach_stale_mount(&mountpoint).map_err(failed),
+            Err(Error::NotMounted(_)) => self.backend.detach_stale(&mountpoint).map_err(failed),
             Err(e) => Err(failed(e)),
         }
     }
@@ -339,6 +337,9 @@ mod tests {
         // Releasing twice is fine.
         lazy.release(&mount, &target).unwrap();
         lazy.release(&mount, &target).unwrap();
+        // Each restore, and the release of a mount not served, went through the
+        // backend's detach of a stale mount (never the host's, in memory).
+        assert_eq!(backend.detached(), vec![canonical.clone(); 3]);
         // Someone else's record is refused.
         let foreign = RemoteMount {
             provider: "other".into(),

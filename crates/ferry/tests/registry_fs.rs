@@ -74,7 +74,7 @@ fn push_blob(rt: &RangeRuntime, client: &Client, repo: &Repo, bytes: &[u8]) -> S
 
 #[test]
 fn range_source_reads_from_plain_threads() {
-    use ferry_fs::range_source::HttpRangeSource;
+    use ferry_fs::backend::range_source::HttpRangeSource;
     use ferry_index::source::RangeSource;
     let rt = RangeRuntime::new().unwrap();
     let registry = Registry::start(&rt);
@@ -136,7 +136,7 @@ fn registry_trace_is_published_as_a_referrer_and_found_again() {
             .await
             .unwrap();
     });
-    let (subject, _) = ferry_fs::image::registry_manifest(&client, &repo, "v1", &rt).unwrap();
+    let (subject, _) = ferry_fs::backend::registry_manifest(&client, &repo, "v1", &rt).unwrap();
     assert_eq!(subject.size(), bytes.len() as u64);
     let digest = subject.digest().to_string();
     assert_eq!(
@@ -155,7 +155,7 @@ fn registry_trace_is_published_as_a_referrer_and_found_again() {
         Some(sample())
     );
     let image = format!("{addr}/lib/app:v1");
-    let found = ferry_fs::image::find_trace(&image, &digest, &client, &rt).unwrap();
+    let found = ferry_fs::backend::find_trace(&image, &digest, &client, &rt).unwrap();
     assert_eq!(found, Some(sample()));
     registry.stop(&rt);
 }
@@ -230,9 +230,9 @@ fn registry_manifest_chooses_this_platform_or_names_what_the_index_has() {
         "foreign",
         vec![entry(&other_digest, other_size, other, None)],
     );
-    let (chosen, _) = ferry_fs::image::registry_manifest(&client, &repo, "both", &rt).unwrap();
+    let (chosen, _) = ferry_fs::backend::registry_manifest(&client, &repo, "both", &rt).unwrap();
     assert_eq!(chosen.digest().to_string(), host_digest);
-    let err = ferry_fs::image::registry_manifest(&client, &repo, "foreign", &rt)
+    let err = ferry_fs::backend::registry_manifest(&client, &repo, "foreign", &rt)
         .err()
         .unwrap()
         .to_string();

@@ -34,9 +34,9 @@ use fuser::{
 use crate::error::{Error, Result};
 use crate::filecache::FileCache;
 use crate::image::MountedImage;
+use crate::image::tree::{Ino, Node, NodeKind};
 use crate::localfiles::{LocalFiles, OpenMode};
 use crate::stats::MountStats;
-use crate::tree::{Ino, Node, NodeKind};
 
 /// How long the kernel may cache entries and attributes: the image is immutable.
 const TTL: Duration = Duration::from_secs(24 * 3600);
@@ -980,9 +980,10 @@ mod tests {
     use ferry_oci::media::LAYER_TAR_GZIP;
 
     use super::*;
+    use crate::backend::{ImageSource, LayerSpec};
     use crate::device::FetchConfig;
     use crate::device::tests::{TestBackend, gzip_layer, open_store};
-    use crate::image::{ImageSource, LayerSpec, View};
+    use crate::image::View;
 
     /// A gzip layer (unindexed) that removes `b`, links `link -> a`, adds `dir/d` and
     /// hard-links `dir/hard` to it.
@@ -1344,10 +1345,11 @@ mod passthrough_tests {
 
     use super::tests::can_mount_fuse;
     use super::*;
+    use crate::backend::{ImageSource, LayerSpec};
     use crate::device::FetchConfig;
     use crate::device::tests::{TestBackend, gzip_layer, open_store};
     use crate::filecache::FileCacheConfig;
-    use crate::image::{ImageSource, LayerSpec, View};
+    use crate::image::View;
 
     fn run(cmd: &str, args: &[&str]) -> bool {
         std::process::Command::new(cmd)

@@ -33,7 +33,7 @@ use ferry_store::ChunkKey;
 
 use crate::filecache::{CachedFile, FileCache, FileKey, Materialize};
 use crate::image::MountedImage;
-use crate::tree::{Ino, Node, NodeKind};
+use crate::image::tree::{Ino, Node, NodeKind};
 
 /// Most inodes whose read-in-full progress is tracked at once (then the tracking
 /// restarts; a missed materialization is only a missed optimisation).
@@ -385,10 +385,11 @@ mod tests {
     use ferry_oci::media::LAYER_TAR_GZIP;
 
     use super::*;
+    use crate::backend::{ImageSource, LayerSpec};
     use crate::device::FetchConfig;
     use crate::device::tests::{TestBackend, gzip_layer, open_store};
     use crate::filecache::FileCacheConfig;
-    use crate::image::{ImageSource, LayerSpec, View};
+    use crate::image::View;
 
     /// A backing id stand-in that counts how many are alive.
     #[derive(Debug)]

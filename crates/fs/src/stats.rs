@@ -34,14 +34,14 @@ pub struct MountStats {
     /// Compressed bytes fetched by readahead along a layer's stream (ahead of misses).
     pub bytes_readahead: AtomicU64,
     /// Compressed bytes fetched as the rest of a file or the small files beside it, at a
-    /// miss ([`crate::nearby`]).
+    /// miss ([`crate::image::nearby`]).
     pub bytes_nearby: AtomicU64,
     /// Compressed bytes of spans fetched as guesses rather than for a read that wanted
     /// them, by [`Guess`] kind (its index in [`Guess::ALL`]).
     pub bytes_guessed: [AtomicU64; Guess::KINDS],
     /// Of [`Self::bytes_guessed`], the bytes of spans a read has used since: what each
     /// kind of guess was worth. Their difference is what guessing has cost so far, and
-    /// bounds further guesses of that kind ([`crate::nearby`]).
+    /// bounds further guesses of that kind ([`crate::image::nearby`]).
     pub bytes_guessed_used: [AtomicU64; Guess::KINDS],
     /// Compressed bytes of the hot set pinned in the chunk store for this mount (set
     /// once, before prefetch; 0 when the mount pins nothing).
@@ -57,11 +57,11 @@ pub struct MountStats {
 /// must not hold back the neighbours of the next package's first miss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Guess {
-    /// Along the layer's stream past a miss ([`crate::readahead`]).
+    /// Along the layer's stream past a miss ([`crate::device::readahead`]).
     Readahead,
-    /// The rest of a file a read started on ([`crate::nearby`]).
+    /// The rest of a file a read started on ([`crate::image::nearby`]).
     Rest,
-    /// The small files around a directory's first miss ([`crate::nearby`]).
+    /// The small files around a directory's first miss ([`crate::image::nearby`]).
     Neighbours,
 }
 

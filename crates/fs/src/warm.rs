@@ -3,7 +3,7 @@
 //!
 //! CONTRACT (signatures are binding for the daemon):
 //! * [`Trace`]: which byte ranges of which files a workload read, in order; JSON on disk
-//!   and as an OCI artifact (media type [`TRACE_MEDIA_TYPE`]) whose subject is the image
+//!   and as an OCI artifact (media type [`crate::trace::TRACE_MEDIA_TYPE`]) whose subject is the image
 //!   (format, recording and publishing in [`crate::trace`]).
 //! * [`start`]: begins prefetch (trace first, then eStargz landmarks) and, when enabled,
 //!   throttled background fill; the returned [`WarmHandle`] stops it on drop.
@@ -36,23 +36,23 @@ use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferry_index::merged::Location;
 use ferry_index::reader::LayerFormat;
 use ferry_store::{ChunkKey, Store};
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest as _, Sha256};
 
 use crate::device::{FillWork, LayerSource};
 use crate::filecache::FileCache;
 use crate::image::MountedImage;
+use crate::ranges::{merge_ranges, subtract_ranges};
 use crate::stats::MountStats;
-
-/// Media type of a published startup trace (artifactType of its manifest).
-pub const TRACE_MEDIA_TYPE: &str = ferry_oci::media::FERRY_TRACE_ARTIFACT;
+use crate::trace::Trace;
 
 /// What to warm and how hard.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -99,24 +99,6 @@ pub const DEFAULT_FILL_LINK_PERCENT: u64 = 50;
 pub const DEFAULT_FILL_AFTER_QUIET_SECS: u64 = 3;
 /// Fill's pace while the link has not been measured yet (bytes per second).
 pub const FILL_UNMEASURED_BYTES_PER_SEC: u64 = 8 << 20;
-
-/// A recorded startup trace.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Trace {
-    /// Reads in first-touch order.
-    pub reads: Vec<TraceRead>,
-}
-
-/// One recorded read: `len` bytes at `offset` of the file at `path` in the merged tree.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TraceRead {
-    /// Absolute path in the image's root filesystem.
-    pub path: String,
-    /// Offset of the read within the file.
-    pub offset: u64,
-    /// Bytes read.
-    pub len: u64,
-}
 
 /// Where a live mount pins its hot set: an owner name in a chunk store.
 #[derive(Debug, Clone)]
@@ -166,7 +148,7 @@ impl Pins {
     /// Pins `keys` (also with none: that re-registers an owner restored by the store
     /// from a previous process, keeping what it pinned then). False once closed.
     fn pin(&self, keys: &[ChunkKey]) -> bool {
-        let closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        let closed = self.closed.lock();
         if *closed {
             return false;
         }
@@ -179,7 +161,7 @@ impl Pins {
 
     /// Releases the owner's pins (the mount went away); idempotent.
     fn release(&self) {
-        let mut closed = self.closed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut closed = self.closed.lock();
         if std::mem::replace(&mut *closed, true) {
             return;
         }
@@ -193,7 +175,7 @@ impl Pins {
 
     /// Leaves the pins in the store and stops pinning.
     fn keep(&self) {
-        *self.closed.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.closed.lock() = true;
     }
 }
 
@@ -213,14 +195,14 @@ impl Control {
 
     fn stop(&self) {
         self.stop.store(true, Ordering::Release);
-        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.lock.lock();
         self.cv.notify_all();
     }
 
     /// Sleeps `d` unless stopped first; returns false when stopped.
     fn sleep(&self, d: Duration) -> bool {
         let deadline = Instant::now() + d;
-        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.lock.lock();
         loop {
             if self.stopped() {
                 return false;
@@ -229,11 +211,7 @@ impl Control {
             if now >= deadline {
                 return true;
             }
-            guard = self
-                .cv
-                .wait_timeout(guard, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
+            self.cv.wait_for(&mut guard, deadline - now);
         }
     }
 }
@@ -706,41 +684,6 @@ fn prefetch_steps(
 /// walks through), and cached, the kernel serves all of it.
 const MISSING_DIVISOR: u64 = 4;
 
-/// The parts of `want` outside `have` (sorted and disjoint, as [`merge_ranges`] gives).
-pub(crate) fn subtract_ranges(want: &[Range<u64>], have: &[Range<u64>]) -> Vec<Range<u64>> {
-    let mut out = Vec::new();
-    for w in want {
-        let mut at = w.start;
-        let first = have.partition_point(|h| h.end <= w.start);
-        for h in &have[first..] {
-            if h.start >= w.end {
-                break;
-            }
-            if h.start > at {
-                out.push(at..h.start);
-            }
-            at = at.max(h.end);
-        }
-        if at < w.end {
-            out.push(at..w.end);
-        }
-    }
-    out
-}
-
-/// Sorted, disjoint ranges covering the same bytes as `ranges`.
-pub(crate) fn merge_ranges(mut ranges: Vec<Range<u64>>) -> Vec<Range<u64>> {
-    ranges.sort_by_key(|r| r.start);
-    let mut out: Vec<Range<u64>> = Vec::with_capacity(ranges.len());
-    for r in ranges {
-        match out.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => out.push(r),
-        }
-    }
-    out
-}
-
 /// Writes the file at `loc` to `files` unless it is there already. Its pieces were
 /// fetched by earlier steps or are in flight (the copy then waits for them).
 fn materialize(image: &MountedImage, files: &FileCache, loc: Location, size: u64) {
@@ -828,7 +771,7 @@ impl Quiet {
         if bytes_served == 0 {
             return Some(self.quiet);
         }
-        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let mut last = self.last.lock();
         if last.0 != read_waits {
             *last = (read_waits, now);
             return Some(self.quiet);
@@ -891,7 +834,7 @@ impl Throttle {
             return true;
         }
         let start = {
-            let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+            let mut next = self.next.lock();
             let start = (*next).max(Instant::now());
             *next = start + Duration::from_secs_f64(n as f64 / rate as f64);
             start
@@ -932,7 +875,7 @@ impl MountedImage {
 
     /// True while a trace is recorded that must see every read: the FUSE layer then
     /// serves every read itself (no passthrough, no page cache kept from before the
-    /// open). A passive recording ([`crate::trace::Recorder::start_passive`]) leaves
+    /// open). A passive recording ([`crate::image::recorder::Recorder::start_passive`]) leaves
     /// the read path alone.
     pub fn records_every_read(&self) -> bool {
         self.recorder.records_every_read()

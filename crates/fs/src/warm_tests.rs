@@ -15,9 +15,11 @@ use ferry_oci::layout::descriptor;
 use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LAYER_TAR_GZIP};
 
 use super::*;
+use crate::backend::{ImageSource, LayerSpec};
 use crate::device::FetchConfig;
 use crate::device::tests::{gzip_layer, indexed_gzip_layer, noise, open_store};
-use crate::image::{ImageSource, LayerSpec, View};
+use crate::image::View;
+use crate::trace::TraceRead;
 
 /// A backend that logs every range asked of it and can hold calls until opened.
 #[derive(Default)]
@@ -426,7 +428,7 @@ fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
     let unlimited = Throttle::new(0, 0);
     assert!(unlimited.take(u64::MAX, &control));
     let slow = Arc::new(Throttle::new(1, 0)); // one byte per second
-    let before = *slow.next.lock().unwrap();
+    let before = *slow.next.lock();
     assert!(slow.take(0, &control));
     // 10 bytes reserve 10 s: the next taker would wait that long, unless stopped.
     let waiter = {
@@ -437,7 +439,7 @@ fn throttle_paces_by_reservation_and_a_stop_ends_its_wait() {
             (first, second)
         })
     };
-    while *slow.next.lock().unwrap() < before + Duration::from_secs(10) {
+    while *slow.next.lock() < before + Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(2));
     }
     control.stop();
@@ -598,7 +600,7 @@ fn stopping_releases_the_pins_and_nothing_is_pinned_after_a_release_or_keep() {
     let key = span_keys(&image, "/a", 0, 10).0[0];
     let pins = |owner: &str| Pins {
         target: pins_in(&store, owner).unwrap(),
-        closed: Mutex::new(false),
+        closed: parking_lot::Mutex::new(false),
     };
     let released = pins("released");
     released.release();
@@ -924,15 +926,6 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
     assert_eq!(fetched, traced);
 }
 
-#[test]
-fn merge_ranges_joins_overlapping_and_touching_ranges() {
-    assert_eq!(
-        merge_ranges(vec![5..9, 0..2, 2..3, 8..12, 20..21]),
-        vec![0..3, 5..12, 20..21]
-    );
-    assert!(merge_ranges(Vec::new()).is_empty());
-}
-
 /// A file the trace reads most of is cached too, its missing pieces fetched just before.
 #[test]
 fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
@@ -968,18 +961,6 @@ fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
     assert!(total(&missing) * MISSING_DIVISOR > total(&a_all));
     assert_eq!(steps.len(), jobs.len());
     assert!(steps.iter().all(|s| matches!(s, Step::Fetch(..))));
-}
-
-#[test]
-#[allow(clippy::single_range_in_vec_init)] // one-range slices are the point
-fn subtract_ranges_keeps_what_is_not_had() {
-    assert_eq!(
-        subtract_ranges(&[0..10], &[2..3, 5..7]),
-        vec![0..2, 3..5, 7..10]
-    );
-    assert_eq!(subtract_ranges(&[0..10, 20..30], &[0..25]), vec![25..30]);
-    assert!(subtract_ranges(&[4..6], &[0..10]).is_empty());
-    assert_eq!(subtract_ranges(&[4..6], &[]), vec![4..6]);
 }
 
 #[test]

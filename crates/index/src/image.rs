@@ -16,7 +16,7 @@ use ferry_oci::layout::{
 };
 use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE, FERRY_INDEX_ARTIFACT,
-    FERRY_LAYER_INDEX, FERRY_LAYER_WINDOWS, OCI_MANIFEST, layer_compression,
+    FERRY_LAYER_INDEX, FERRY_LAYER_WINDOWS, LayerCompression, OCI_MANIFEST, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageManifest};
 
@@ -140,6 +140,65 @@ pub fn open_layout_image(
     Ok((MergedImage::new(readers), summaries))
 }
 
+/// How a layer is read, from its descriptor and the ferry index referring to it (`I`:
+/// the index, or `()` where only its presence is known), best way first: the one choice
+/// every opener of a layer makes ([`layer_reader`] for layouts, ferry-fs's lazy mounts,
+/// the daemon's report of which layers can be lazy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerWay<'a, I = ()> {
+    /// Span by span, through its ferry index ([`check_index_size`] before use).
+    Indexed(I),
+    /// Member by member, through the eStargz TOC whose digest is `toc`.
+    Estargz {
+        /// The TOC digest annotation.
+        toc: &'a str,
+    },
+    /// The whole blob, fetched and inflated once ([`whole_compression`]).
+    Whole,
+}
+
+impl<'a, I> LayerWay<'a, I> {
+    /// The way into `layer`, given the ferry index that refers to the image for it, if
+    /// one does.
+    pub fn of(layer: &'a Descriptor, index: Option<I>) -> LayerWay<'a, I> {
+        if let Some(index) = index {
+            return LayerWay::Indexed(index);
+        }
+        match layer
+            .annotations()
+            .as_ref()
+            .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
+        {
+            Some(toc) => LayerWay::Estargz { toc },
+            None => LayerWay::Whole,
+        }
+    }
+}
+
+/// Refuses an index that is not for `layer`'s blob (another compressed size).
+pub fn check_index_size(layer: &Descriptor, index: &LayerIndex) -> Result<()> {
+    if index.compressed_size != layer.size() {
+        return Err(Error::Index(format!(
+            "index of {} is for a {}-byte blob",
+            layer.digest(),
+            index.compressed_size
+        )));
+    }
+    Ok(())
+}
+
+/// The compression of a layer read whole; refused when its media type is not a layer
+/// ferry can read.
+pub fn whole_compression(layer: &Descriptor) -> Result<LayerCompression> {
+    let media = layer.media_type().to_string();
+    layer_compression(&media).ok_or_else(|| {
+        Error::Index(format!(
+            "layer {} has media type {media}, which is not a layer ferry can read",
+            layer.digest()
+        ))
+    })
+}
+
 /// Picks the reader for one layer of a layout. A version-2 index's windows blob is read
 /// beside the layer blob ([`RangeSource::sibling`], so a counting wrapper counts it too).
 pub fn layer_reader(
@@ -147,51 +206,36 @@ pub fn layer_reader(
     indexes: &HashMap<String, Arc<LayerIndex>>,
     source: Arc<dyn RangeSource>,
 ) -> Result<LayerReader> {
-    if let Some(index) = indexes.get(layer.digest().as_ref()) {
-        if index.compressed_size != layer.size() {
-            return Err(Error::Index(format!(
-                "index of {} is for a {}-byte blob",
-                layer.digest(),
-                index.compressed_size
-            )));
+    match LayerWay::of(layer, indexes.get(layer.digest().as_ref())) {
+        LayerWay::Indexed(index) => {
+            check_index_size(layer, index)?;
+            let windows = match &index.windows {
+                Some(w) => Some(source.sibling(&w.digest, w.size).ok_or_else(|| {
+                    Error::NotFound(format!(
+                        "windows blob {} ({} bytes) of the index of layer {}; is the layout \
+                         complete?",
+                        w.digest,
+                        w.size,
+                        layer.digest()
+                    ))
+                })?),
+                None => None,
+            };
+            let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source);
+            Ok(match windows {
+                Some(w) => reader.with_windows(Arc::new(BlobWindows::new(w, true))),
+                None => reader,
+            })
         }
-        let windows = match &index.windows {
-            Some(w) => Some(source.sibling(&w.digest, w.size).ok_or_else(|| {
-                Error::NotFound(format!(
-                    "windows blob {} ({} bytes) of the index of layer {}; is the layout \
-                     complete?",
-                    w.digest,
-                    w.size,
-                    layer.digest()
-                ))
-            })?),
-            None => None,
-        };
-        let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source);
-        return Ok(match windows {
-            Some(w) => reader.with_windows(Arc::new(BlobWindows::new(w, true))),
-            None => reader,
-        });
+        LayerWay::Estargz { toc } => {
+            let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
+            Ok(LayerReader::new(
+                LayerFormat::Estargz(Arc::new(esgz)),
+                source,
+            ))
+        }
+        LayerWay::Whole => LayerReader::whole(source, whole_compression(layer)?),
     }
-    let toc = layer
-        .annotations()
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC));
-    if let Some(toc) = toc {
-        let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
-        return Ok(LayerReader::new(
-            LayerFormat::Estargz(Arc::new(esgz)),
-            source,
-        ));
-    }
-    let media = layer.media_type().to_string();
-    let compression = layer_compression(&media).ok_or_else(|| {
-        Error::Index(format!(
-            "layer {} has media type {media}, which is not a layer ferry can read",
-            layer.digest()
-        ))
-    })?;
-    LayerReader::whole(source, compression)
 }
 
 /// Stores `indexes` (layer descriptor, index) as one artifact referring to the image

@@ -12,7 +12,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use ferry_fs::tree::{InodeTree, NodeKind, ROOT_INO};
+use ferry_fs::image::tree::{InodeTree, NodeKind, ROOT_INO};
 use ferry_index::merged::MergedImage;
 use ferry_index::reader::{LayerFormat, LayerReader};
 use ferry_index::source::MemSource;

@@ -12,8 +12,9 @@
 //! - [`RangeRuntime`], a tokio runtime on its own thread for synchronous callers (FUSE
 //!   threads) that drive the client;
 //! - [`ByteStream`], the body type blobs are streamed as, here and in ferry's registry;
-//! - [`cache`]: single-flight and a byte-bounded document LRU, for callers that fetch
-//!   through the client and must not fetch the same thing twice at once.
+//! - [`cache`]: ferry's one single flight (ferry-fs's span fetches use it too) and a
+//!   byte-bounded document LRU, for callers that must not fetch the same thing twice
+//!   at once.
 //!
 //! It must not know layer formats, filesystems or containerd: it moves bytes and
 //! documents, verified by digest, and nothing else (reading a layer lazily through it is
@@ -137,6 +138,29 @@ impl std::fmt::Debug for BlobStream {
         f.debug_struct("BlobStream")
             .field("size", &self.size)
             .finish()
+    }
+}
+
+impl BlobStream {
+    /// The whole body in memory, refusing more than `max` bytes (`what` names the blob in
+    /// the error): for small documents such as index and trace blobs.
+    pub async fn collect_body(self, what: &str, max: u64) -> Result<Vec<u8>, ClientError> {
+        let mut body = self.body;
+        let mut out = Vec::new();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| ClientError::Invalid {
+                what: what.into(),
+                reason: e.to_string(),
+            })?;
+            if (out.len() + piece.len()) as u64 > max {
+                return Err(ClientError::Invalid {
+                    what: what.into(),
+                    reason: format!("larger than {max} bytes"),
+                });
+            }
+            out.extend_from_slice(&piece);
+        }
+        Ok(out)
     }
 }
 

@@ -1,11 +1,11 @@
 //! Following a program's shared libraries ahead of its loader, for an image without a
 //! trace: when the first read of a file shows an ELF header and waited, its
-//! `PT_INTERP` and `DT_NEEDED` names ([`crate::elf::dependencies`]) are resolved in the
+//! `PT_INTERP` and `DT_NEEDED` names ([`crate::image::elf::dependencies`]) are resolved in the
 //! image as the loader would (its `DT_RUNPATH`/`DT_RPATH` with `$ORIGIN`, then the
 //! multiarch and standard library directories, symlinks followed), and each library
 //! found is fetched (whole when it is at most [`FetchConfig::whole_file_bytes`], else its
 //! head and its loader segments) and followed in turn, on the pool of
-//! [`crate::nearby`], in parallel.
+//! [`crate::image::nearby`], in parallel.
 //!
 //! Why: the loader opens a program's libraries one after another, and each first read
 //! of one waited a round trip of its own: 17 of the 79 waits of a pandas start, from
@@ -13,8 +13,8 @@
 //! from the image's own files, the whole chain travels at once.
 //!
 //! The guesses are files' rests ([`Guess::Rest`]), within the same budget
-//! ([`crate::nearby::Nearby::within_rest_budget`]); each file is followed once per mount,
-//! at most [`crate::nearby::MAX_LIBRARIES`], [`MAX_DEPTH`] deep. It reads only ELF
+//! ([`crate::image::nearby::Nearby::within_rest_budget`]); each file is followed once per mount,
+//! at most [`crate::image::nearby::MAX_LIBRARIES`], [`MAX_DEPTH`] deep. It reads only ELF
 //! headers, `.dynamic` and names, from bytes it has made local first (so it never counts
 //! as a read that waited), and keeps nothing. A library in another layer of the image is
 //! found through the merged table and fetched through this mount's source for that
@@ -26,8 +26,8 @@ use std::sync::{Arc, Weak};
 
 use ferry_index::merged::Location;
 
-use crate::elf::Dependencies;
 use crate::image::MountedImage;
+use crate::image::elf::Dependencies;
 use crate::stats::{Guess, MountStats};
 
 /// Bytes at a file's start read for its program headers (a linker puts them in the
@@ -107,7 +107,7 @@ impl MountedImage {
             return;
         }
         let image = Arc::downgrade(self);
-        crate::nearby::submit_task(Box::new(move || follow(&image, loc, 0, false)));
+        crate::image::nearby::submit_task(Box::new(move || follow(&image, loc, 0, false)));
     }
 
     /// The file at `path` in the image, a regular file (symlinks and hard links
@@ -155,7 +155,7 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
     let (size, path) = (entry.size, entry.path.clone());
     let whole = image.nearby.whole_file_bytes();
     if fetch_own {
-        let spent = crate::nearby::Spent::of(&image.stats);
+        let spent = crate::image::nearby::Spent::of(&image.stats);
         if !image
             .nearby
             .within_rest_budget(spent.rest_unused, spent.served)
@@ -181,18 +181,18 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
     }
     if fetch_own
         && size > whole
-        && let Ok(segments) = crate::elf::loader_ranges(&head, size)
+        && let Ok(segments) = crate::image::elf::loader_ranges(&head, size)
         && let Some(source) = image.layer_source(loc.layer)
     {
         let ranges = image
             .nearby
             .loader_segments(&image.nearby_layers(), loc, segments);
-        crate::nearby::submit(
+        crate::image::nearby::submit(
             source,
             &image.stats,
             ranges,
             Guess::Rest,
-            crate::nearby::Urgency::Now,
+            crate::image::nearby::Urgency::Now,
         );
     }
     let mut read = |off: u64, len: usize| -> Option<Vec<u8>> {
@@ -203,7 +203,7 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
         buf.truncate(n);
         Some(buf)
     };
-    let deps = match crate::elf::dependencies(&head, size, &mut read) {
+    let deps = match crate::image::elf::dependencies(&head, size, &mut read) {
         Ok(d) => d,
         Err(e) => {
             tracing::debug!(path, error = %e, "no dependencies read from an ELF file");
@@ -235,7 +235,7 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
     );
     for found in followed {
         let weak = Arc::downgrade(&image);
-        crate::nearby::submit_task(Box::new(move || follow(&weak, found, depth + 1, true)));
+        crate::image::nearby::submit_task(Box::new(move || follow(&weak, found, depth + 1, true)));
     }
 }
 

@@ -1,5 +1,5 @@
 //! Fetching what a start reads next from what it reads now, for an image without a
-//! trace (readahead along the stream, [`crate::readahead`], covers what *follows* a miss;
+//! trace (readahead along the stream, [`crate::device::readahead`], covers what *follows* a miss;
 //! this covers what belongs with it):
 //!
 //! * the first read of a file that misses brings the **whole file** when the file is at
@@ -34,16 +34,17 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::ops::Range;
-use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use ferry_index::entry::{Entry, EntryKind};
 use ferry_index::merged::{Location, MergedImage};
+use parking_lot::{Condvar, Mutex};
 
 use crate::device::{FetchConfig, LayerSource};
+use crate::image::tree::{Ino, Node};
+use crate::ranges::{merge_ranges, subtract_ranges};
 use crate::stats::{Guess, MountStats};
-use crate::tree::{Ino, Node};
-use crate::warm::{merge_ranges, subtract_ranges};
 
 /// Largest file (uncompressed) fetched as a neighbour of a miss in its directory.
 pub const MAX_NEARBY_FILE: u64 = 1 << 20;
@@ -102,7 +103,7 @@ struct Seen {
     /// Large ELF files whose loader segments were asked for.
     loaders: HashSet<Ino>,
     /// Programs and libraries (layer, entry) whose dependencies were followed
-    /// ([`crate::needed`]).
+    /// ([`crate::image::needed`]).
     libraries: HashSet<(usize, usize)>,
 }
 
@@ -203,7 +204,7 @@ impl Nearby {
         let served = spent.served;
         let guess = self.within_budget(spent.neighbours_unused, served);
         let (whole, dir) = {
-            let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let seen = self.seen.lock();
             (
                 self.whole_file_bytes > 0
                     && read.node.size <= self.whole_file_bytes
@@ -222,7 +223,7 @@ impl Nearby {
         if own.iter().all(|r| layers.local(loc.layer, r)) {
             return none;
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.seen.lock();
         let whole = whole && seen.files.insert(read.ino);
         let dir = dir && seen.dirs.insert(read.node.parent);
         drop(seen);
@@ -259,7 +260,7 @@ impl Nearby {
         if self.whole_file_bytes == 0 {
             return false;
         }
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = self.seen.lock();
         seen.libraries.len() < MAX_LIBRARIES && seen.libraries.insert(at)
     }
 
@@ -283,7 +284,7 @@ impl Nearby {
     /// For a read at the start of a file too large to come whole that shows an ELF
     /// header (`head`: the bytes it read), the missing compressed ranges of what the
     /// loader will fault in as it maps and relocates it: the file's segments that are
-    /// not code ([`crate::elf::loader_ranges`]). A 36 MB BLAS library took nine round
+    /// not code ([`crate::image::elf::loader_ranges`]). A 36 MB BLAS library took nine round
     /// trips at a numpy import, five of them in those segments. They are its rest, a
     /// guess within [`Self::within_rest_budget`]; once per file per mount.
     pub(crate) fn plan_loader(
@@ -304,7 +305,7 @@ impl Nearby {
         }
         // Parsed before it counts as the file's ask: a short first read (a `file` probe
         // of 64 bytes) does not use up the loader's.
-        let segments = match crate::elf::loader_ranges(head, read.node.size) {
+        let segments = match crate::image::elf::loader_ranges(head, read.node.size) {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "an ELF header without usable segments");
@@ -312,7 +313,7 @@ impl Nearby {
             }
         };
         let first = {
-            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let mut seen = self.seen.lock();
             seen.loaders.insert(read.ino)
         };
         if !first {
@@ -322,7 +323,7 @@ impl Nearby {
     }
 
     /// The missing compressed ranges of `segments` (a large file's loader ranges,
-    /// [`crate::elf::loader_ranges`]) of the file at `loc`: at most a whole file's worth,
+    /// [`crate::image::elf::loader_ranges`]) of the file at `loc`: at most a whole file's worth,
     /// smallest segments first (the data segment and the tables the loader relocates with
     /// before the bulk of read-only data).
     pub(crate) fn loader_segments(
@@ -541,7 +542,7 @@ impl Layers for MountLayers<'_> {
 }
 
 /// Work for the pool: a fetch, or a task that plans and submits more
-/// ([`crate::needed`]).
+/// ([`crate::image::needed`]).
 enum Job {
     Fetch {
         source: Weak<LayerSource>,
@@ -581,7 +582,7 @@ struct Pool {
 impl Pool {
     /// One job fewer queued or running.
     fn done(&self) {
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.queues.lock();
         q.pending = q.pending.saturating_sub(1);
         if q.pending == 0 {
             self.idle.notify_all();
@@ -590,12 +591,12 @@ impl Pool {
 
     /// The next job, the urgent ones first; waits for one.
     fn next(&self) -> Job {
-        let mut q = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        let mut q = self.queues.lock();
         loop {
             if let Some(job) = q.now.pop_front().or_else(|| q.later.pop_front()) {
                 return job;
             }
-            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+            self.ready.wait(&mut q);
         }
     }
 }
@@ -672,7 +673,7 @@ fn fetch(source: &Weak<LayerSource>, range: Range<u64>, guess: Guess, stats: &We
 
 /// Queues `job` for the pool (dropped when [`POOL_QUEUE`] jobs wait already).
 fn queue(pool: &Pool, job: Job, urgency: Urgency) {
-    let mut q = pool.queues.lock().unwrap_or_else(|e| e.into_inner());
+    let mut q = pool.queues.lock();
     if q.now.len() + q.later.len() >= POOL_QUEUE {
         tracing::debug!("nearby-file queue full; hint dropped");
         return;
@@ -725,17 +726,13 @@ pub fn wait_idle(timeout: Duration) -> bool {
         return true;
     };
     let deadline = Instant::now() + timeout;
-    let mut q = pool.queues.lock().unwrap_or_else(|e| e.into_inner());
+    let mut q = pool.queues.lock();
     while q.pending > 0 {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return false;
         }
-        q = pool
-            .idle
-            .wait_timeout(q, left)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        pool.idle.wait_for(&mut q, left);
     }
     true
 }

@@ -15,9 +15,10 @@ use ferry_oci::layout::descriptor;
 use ferry_oci::media::LAYER_TAR_GZIP;
 
 use super::*;
+use crate::backend::{ImageSource, LayerSpec};
 use crate::device::FetchConfig;
 use crate::device::tests::{indexed_gzip_layer, noise, open_store};
-use crate::image::{ImageSource, LayerSpec, MountedImage, View};
+use crate::image::{MountedImage, View};
 use crate::stats::GuessBytes;
 
 #[derive(Default)]
@@ -502,7 +503,7 @@ fn elf_head(segments: &[(u32, u64, u64)]) -> Vec<u8> {
         .iter()
         .map(|&(flags, offset, filesz)| (1, flags, offset, filesz))
         .collect();
-    crate::elf::test_header(&phdrs)
+    crate::image::elf::test_header(&phdrs)
 }
 
 #[test]
@@ -628,7 +629,7 @@ fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
     // libbaz is named by nothing.
     let elf = |interp: Option<&str>, needed: &[&str], len: usize, seed: u64| {
         let mut f = noise(len, seed);
-        let head = crate::elf::test_program(interp, needed, len as u64);
+        let head = crate::image::elf::test_program(interp, needed, len as u64);
         f[..head.len()].copy_from_slice(&head);
         f
     };

@@ -11,7 +11,7 @@
 //! the digests again before inflating, so wrong bytes never reach a process.
 //!
 //! Reads of an indexed layer with a store read ahead along the layer's stream
-//! ([`crate::readahead`]): a miss extends its request by a window of the spans after it,
+//! ([`readahead`]): a miss extends its request by a window of the spans after it,
 //! and a read reaching a window's first span starts the next window in the background,
 //! so a start moving through the stream waits for few round trips. Readahead fetches
 //! spans only: the miss fetches its own checkpoint's inflate window, and reads moving on
@@ -42,22 +42,26 @@
 //! (waiting for a concurrency slot included) and fails with `TimedOut` after it; a
 //! backend that never answers holds one slot, never a reader.
 
+pub(crate) mod readahead;
+
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use ferry_index::ferryidx::{LayerIndex, WindowRef};
 use ferry_index::source::RangeSource;
 use ferry_index::windows::WindowSource;
+use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest as _, Sha256};
 
-use crate::readahead::{Readahead, SpanMap};
 use crate::stats::{Guess, MountStats};
+use readahead::{Readahead, SpanMap};
 
 /// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
 /// so service resumes promptly when the registry is back. Each further failure of the
@@ -100,10 +104,10 @@ pub struct FetchConfig {
     /// double while reads keep landing in them.
     pub readahead_bytes: u64,
     /// A file at most this large (uncompressed) is fetched whole at its first read that
-    /// misses (0: off); see [`crate::nearby`].
+    /// misses (0: off); see [`crate::image::nearby`].
     pub whole_file_bytes: u64,
     /// The first miss in a directory fetches the directory's other small files, up to
-    /// this many compressed bytes (0: off); see [`crate::nearby`].
+    /// this many compressed bytes (0: off); see [`crate::image::nearby`].
     pub nearby_bytes: u64,
 }
 
@@ -167,7 +171,7 @@ const LINK_MIN_BUSY: Duration = Duration::from_millis(50);
 impl LinkMeter {
     /// A fetch starts at `now`.
     pub fn begin(&self, now: Instant) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         if s.in_flight == 0 {
             s.busy_since = Some(now);
         }
@@ -176,7 +180,7 @@ impl LinkMeter {
 
     /// A fetch that began earlier ends at `now` having delivered `bytes`.
     pub fn end(&self, now: Instant, bytes: u64) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         s.bytes = s.bytes.saturating_add(bytes);
         s.in_flight = s.in_flight.saturating_sub(1);
         if s.in_flight == 0
@@ -192,7 +196,7 @@ impl LinkMeter {
 
     /// Bytes per second of busy time, once enough has been seen.
     pub fn bytes_per_sec(&self) -> Option<u64> {
-        let s = lock(&self.state);
+        let s = self.state.lock();
         (s.busy >= LINK_MIN_BUSY).then(|| (s.bytes as f64 / s.busy.as_secs_f64()) as u64)
     }
 }
@@ -243,7 +247,7 @@ impl Limiter {
     }
 
     fn acquire(self: &Arc<Self>, deadline: Instant) -> io::Result<Slot> {
-        let mut free = lock(&self.free);
+        let mut free = self.free.lock();
         if *free == 0 {
             self.waiting.fetch_add(1, Ordering::Relaxed);
             while *free == 0 {
@@ -252,11 +256,7 @@ impl Limiter {
                     self.waiting.fetch_sub(1, Ordering::Relaxed);
                     return Err(timed_out("waiting for a fetch slot"));
                 }
-                free = self
-                    .cv
-                    .wait_timeout(free, deadline - now)
-                    .map(|(g, _)| g)
-                    .unwrap_or_else(|e| e.into_inner().0);
+                self.cv.wait_for(&mut free, deadline - now);
             }
             self.waiting.fetch_sub(1, Ordering::Relaxed);
         }
@@ -269,13 +269,9 @@ struct Slot(Arc<Limiter>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        *lock(&self.0.free) += 1;
+        *self.0.free.lock() += 1;
         self.0.cv.notify_one();
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -285,38 +281,17 @@ fn timed_out(what: &str) -> io::Error {
 /// What a fetch ended with, shareable between the threads waiting for it.
 type FlightOutcome = Result<Arc<Vec<u8>>, (io::ErrorKind, String)>;
 
-/// One fetch in progress; followers wait for its outcome.
-#[derive(Debug, Default)]
-struct Flight {
-    outcome: Mutex<Option<FlightOutcome>>,
-    cv: Condvar,
-}
+/// One fetch in progress, led by the reader that claimed it; followers wait for its
+/// outcome.
+type Flight = flight::Flight<FlightOutcome>;
+type Lead = flight::Lead<FlightKey, FlightOutcome>;
 
-impl Flight {
-    fn finish(&self, outcome: FlightOutcome) {
-        let mut o = lock(&self.outcome);
-        if o.is_none() {
-            *o = Some(outcome);
-        }
-        self.cv.notify_all();
-    }
-
-    fn wait(&self, deadline: Instant) -> io::Result<Arc<Vec<u8>>> {
-        let mut o = lock(&self.outcome);
-        loop {
-            if let Some(r) = o.as_ref() {
-                return r.clone().map_err(|(k, m)| io::Error::new(k, m));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(timed_out("waiting for another reader's fetch"));
-            }
-            o = self
-                .cv
-                .wait_timeout(o, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+/// Waits for another reader's fetch until `deadline`.
+fn follow(flight: &Flight, deadline: Instant) -> io::Result<Arc<Vec<u8>>> {
+    match flight.wait(deadline) {
+        Some(Ok(outcome)) => outcome.map_err(|(k, m)| io::Error::new(k, m)),
+        Some(Err(aborted)) => Err(io::Error::other(aborted)),
+        None => Err(timed_out("waiting for another reader's fetch")),
     }
 }
 
@@ -496,7 +471,7 @@ pub struct LayerSource {
     limiter: Arc<Limiter>,
     config: FetchConfig,
     stats: Arc<MountStats>,
-    flights: Mutex<HashMap<FlightKey, Arc<Flight>>>,
+    flights: flight::Flights<FlightKey, FlightOutcome>,
     whole: Option<WholeBlob>,
     held: Mutex<Held>,
     readahead: Mutex<Readahead>,
@@ -564,7 +539,7 @@ impl LayerSource {
             limiter,
             config,
             stats,
-            flights: Mutex::new(HashMap::new()),
+            flights: flight::Flights::new(),
             whole: None,
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
@@ -592,7 +567,7 @@ impl LayerSource {
             limiter,
             config,
             stats,
-            flights: Mutex::new(HashMap::new()),
+            flights: flight::Flights::new(),
             whole: None,
             held: Mutex::new(Held::default()),
             readahead: Mutex::new(Readahead::default()),
@@ -728,7 +703,7 @@ impl LayerSource {
         self.warm(range, None)
     }
 
-    /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::nearby`]): the spans
+    /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::image::nearby`]): the spans
     /// it fetches count in [`MountStats::bytes_guessed`] until a read uses them.
     pub(crate) fn warm_guessed(&self, range: Range<u64>, guess: Guess) -> io::Result<u64> {
         self.warm(range, Some(guess))
@@ -757,7 +732,7 @@ impl LayerSource {
             return Ok(0);
         }
         {
-            let held = lock(&self.held);
+            let held = self.held.lock();
             if held.get(&range).is_some() {
                 return Ok(0);
             }
@@ -772,7 +747,7 @@ impl LayerSource {
         }
         let data = Arc::new(self.read_shared(range.clone())?);
         let n = data.len() as u64;
-        let mut held = lock(&self.held);
+        let mut held = self.held.lock();
         if held.bytes + n <= MAX_HELD_BYTES {
             held.bytes += n;
             if let Some(old) = held.ranges.insert(range.start, data) {
@@ -806,7 +781,9 @@ impl LayerSource {
             return Ok(0);
         }
         let plan =
-            lock(&self.readahead).plan(demand.clone(), true, self.config.readahead_bytes, &map);
+            self.readahead
+                .lock()
+                .plan(demand.clone(), true, self.config.readahead_bytes, &map);
         let end = plan.sync_end.max(demand.end);
         let mut fetched = Fetched::default();
         // A file is at most `whole_file_bytes`: one request (and its windows) in practice.
@@ -971,7 +948,7 @@ impl LayerSource {
         match store.open_chunk(&whole.key) {
             Ok(Some(chunk)) if chunk.len() == self.backend.len() => {
                 let _ = whole.local.set(ChunkSource(chunk));
-                *lock(&self.held) = Held::default();
+                *self.held.lock() = Held::default();
             }
             Ok(_) => return Err(io::Error::other("whole layer missing from the store")),
             Err(e) => return Err(io::Error::other(e.to_string())),
@@ -1038,20 +1015,16 @@ impl LayerSource {
         result
     }
 
-    /// Claims `key`: `Ok(flight)` to lead (fetch and finish it), `Err(flight)` to follow.
-    fn claim(&self, key: FlightKey) -> Result<Arc<Flight>, Arc<Flight>> {
-        let mut flights = lock(&self.flights);
-        if let Some(f) = flights.get(&key) {
-            return Err(f.clone());
+    /// Claims `key`: `Ok(lead)` to lead (fetch and land it), `Err(flight)` to follow.
+    fn claim(&self, key: FlightKey) -> Result<Lead, Arc<Flight>> {
+        match self.flights.claim(key) {
+            flight::Claim::Lead(lead) => Ok(lead),
+            flight::Claim::Follow(flight) => Err(flight),
         }
-        let f = Arc::new(Flight::default());
-        flights.insert(key, f.clone());
-        Ok(f)
     }
 
-    fn land(&self, key: &FlightKey, flight: &Flight, outcome: io::Result<Arc<Vec<u8>>>) {
-        flight.finish(outcome.map_err(|e| (e.kind(), e.to_string())));
-        lock(&self.flights).remove(key);
+    fn land(lead: &mut Lead, outcome: io::Result<Arc<Vec<u8>>>) {
+        lead.land(outcome.map_err(|e| (e.kind(), e.to_string())));
     }
 
     fn cached(&self, spans: &Spans, k: usize) -> Option<Arc<Vec<u8>>> {
@@ -1078,7 +1051,7 @@ impl LayerSource {
     ) -> io::Result<Vec<Arc<Vec<u8>>>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut out: Vec<Option<Arc<Vec<u8>>>> = vec![None; ks.len()];
-        let mut led: Vec<(usize, Arc<Flight>)> = Vec::new();
+        let mut led: Vec<(usize, Lead)> = Vec::new();
         let mut followed: Vec<(usize, Arc<Flight>)> = Vec::new();
         for (slot, k) in ks.clone().enumerate() {
             if let Some(b) = self.cached(spans, k) {
@@ -1087,11 +1060,11 @@ impl LayerSource {
                 continue;
             }
             match self.claim(FlightKey::Piece(spans.kind, k)) {
-                Ok(f) => {
+                Ok(mut f) => {
                     // Another reader may have stored it between the check and the claim.
                     if let Some(b) = self.cached(spans, k) {
                         MountStats::add(&self.stats.cache_hits, 1);
-                        self.land(&FlightKey::Piece(spans.kind, k), &f, Ok(b.clone()));
+                        Self::land(&mut f, Ok(b.clone()));
                         out[slot] = Some(b);
                     } else {
                         MountStats::add(&self.stats.cache_misses, 1);
@@ -1116,7 +1089,7 @@ impl LayerSource {
             {
                 j += 1;
             }
-            let run = &led[i..j];
+            let run = &mut led[i..j];
             let start = spans.ranges[run[0].0].start;
             let end = spans.ranges[run[run.len() - 1].0].end;
             let landed = if first_err.is_some() {
@@ -1147,7 +1120,7 @@ impl LayerSource {
             match landed {
                 Ok(data) => {
                     fetched.bytes += data.len() as u64;
-                    for (k, f) in run {
+                    for (k, f) in run.iter_mut() {
                         let r = &spans.ranges[*k];
                         let piece = data
                             .get((r.start - start) as usize..(r.end - start) as usize)
@@ -1175,16 +1148,12 @@ impl LayerSource {
                                 first_err = Some(io::Error::new(e.kind(), e.to_string()));
                             }
                         });
-                        self.land(&FlightKey::Piece(spans.kind, *k), f, outcome);
+                        Self::land(f, outcome);
                     }
                 }
                 Err(e) => {
-                    for (k, f) in run {
-                        self.land(
-                            &FlightKey::Piece(spans.kind, *k),
-                            f,
-                            Err(io::Error::new(e.kind(), e.to_string())),
-                        );
+                    for (_, f) in run.iter_mut() {
+                        Self::land(f, Err(io::Error::new(e.kind(), e.to_string())));
                     }
                     first_err.get_or_insert(e);
                 }
@@ -1196,7 +1165,7 @@ impl LayerSource {
         }
         for (k, f) in followed {
             MountStats::add(&self.stats.shared_waits, 1);
-            out[k - ks.start] = Some(f.wait(deadline)?);
+            out[k - ks.start] = Some(follow(&f, deadline)?);
         }
         out.into_iter()
             .map(|b| b.ok_or_else(|| io::Error::other("span missing after fetch")))
@@ -1279,7 +1248,7 @@ impl LayerSource {
             return false;
         };
         !store.contains(&ChunkKey::from_raw(*digest))
-            && !lock(&self.flights).contains_key(&FlightKey::Piece(pieces.kind, k))
+            && !self.flights.contains(&FlightKey::Piece(pieces.kind, k))
     }
 
     /// [`Self::spans_and_windows`] for spans `ks`, in pieces of at most
@@ -1332,7 +1301,7 @@ impl LayerSource {
         kind: PieceKind,
         ks: impl Iterator<Item = usize>,
     ) -> Option<io::Error> {
-        let failures = lock(&self.recent_failures);
+        let failures = self.recent_failures.lock();
         if failures.is_empty() {
             return None;
         }
@@ -1360,7 +1329,7 @@ impl LayerSource {
     /// Notes that pieces `ks` failed now: each failure in a row doubles how long they
     /// are left alone. Failures older than twice [`MAX_FAILURE_MEMORY`] are forgotten.
     fn remember_failure(&self, kind: PieceKind, ks: impl Iterator<Item = usize>) {
-        let mut failures = lock(&self.recent_failures);
+        let mut failures = self.recent_failures.lock();
         let now = Instant::now();
         let forget = MAX_FAILURE_MEMORY.saturating_mul(2);
         failures.retain(|_, f| now.saturating_duration_since(f.at) < forget);
@@ -1378,7 +1347,7 @@ impl LayerSource {
 
     /// Forgets the failures of piece `k` (it just verified).
     fn forget_failure(&self, kind: PieceKind, k: usize) {
-        let mut failures = lock(&self.recent_failures);
+        let mut failures = self.recent_failures.lock();
         if !failures.is_empty() {
             failures.remove(&(kind, k));
         }
@@ -1476,7 +1445,9 @@ impl LayerSource {
         };
         let missed = demand.clone().any(|k| map.is_missing(k));
         let plan =
-            lock(&self.readahead).plan(demand.clone(), missed, self.config.readahead_bytes, &map);
+            self.readahead
+                .lock()
+                .plan(demand.clone(), missed, self.config.readahead_bytes, &map);
         let mut fetched = Fetched::default();
         let bytes = if plan.sync_end > demand.end {
             let ahead: u64 = (demand.end..plan.sync_end)
@@ -1580,14 +1551,14 @@ impl LayerSource {
         if let Some(local) = self.whole.as_ref().and_then(|w| w.local.get()) {
             return local.read_range(range);
         }
-        if let Some(bytes) = lock(&self.held).get(&range) {
+        if let Some(bytes) = self.held.lock().get(&range) {
             MountStats::add(&self.stats.cache_hits, 1);
             return Ok(bytes);
         }
         let deadline = Instant::now() + self.config.timeout;
         let key = FlightKey::Range(range.start, range.end);
-        match self.claim(key.clone()) {
-            Ok(f) => {
+        match self.claim(key) {
+            Ok(mut f) => {
                 let outcome = self.fetch(range.clone(), deadline).map(Arc::new);
                 if let Ok(bytes) = &outcome {
                     self.hold_read(range.start, bytes);
@@ -1596,12 +1567,12 @@ impl LayerSource {
                     .as_ref()
                     .map(|b| b.as_ref().clone())
                     .map_err(|e| io::Error::new(e.kind(), e.to_string()));
-                self.land(&key, &f, outcome);
+                Self::land(&mut f, outcome);
                 copy
             }
             Err(f) => {
                 MountStats::add(&self.stats.shared_waits, 1);
-                f.wait(deadline).map(|b| b.as_ref().clone())
+                follow(&f, deadline).map(|b| b.as_ref().clone())
             }
         }
     }
@@ -1616,7 +1587,7 @@ impl LayerSource {
     /// what they hold (the format reader verifies every chunk it inflates).
     fn hold_read(&self, start: u64, bytes: &Arc<Vec<u8>>) {
         let n = bytes.len() as u64;
-        let mut held = lock(&self.held);
+        let mut held = self.held.lock();
         if held.bytes + n <= MAX_HELD_READ_BYTES && !held.ranges.contains_key(&start) {
             held.bytes += n;
             held.ranges.insert(start, bytes.clone());
@@ -1839,5 +1810,5 @@ impl RangeSource for ChunkSource {
 }
 
 #[cfg(test)]
-#[path = "device_tests.rs"]
+#[path = "tests.rs"]
 pub(crate) mod tests;

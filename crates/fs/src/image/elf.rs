@@ -111,7 +111,7 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
             out.push(start..end);
         }
     }
-    Ok(crate::warm::merge_ranges(out))
+    Ok(crate::ranges::merge_ranges(out))
 }
 
 /// What a program or library asks the dynamic loader for, from its `PT_INTERP` and
@@ -126,7 +126,7 @@ pub struct Dependencies {
     /// `DT_RUNPATH`, or `DT_RPATH` without one: the directories searched first,
     /// `$ORIGIN` and all, as written.
     pub search: Vec<String>,
-    /// `e_machine`, which picks the multiarch directories ([`crate::needed`]).
+    /// `e_machine`, which picks the multiarch directories ([`crate::image::needed`]).
     pub machine: u16,
     /// A 64-bit file.
     pub wide: bool,

@@ -1,0 +1,166 @@
+//! A registry's side of an image: its manifest (the host's platform picked from an image
+//! index) and the ferry indexes that refer to it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
+use ferry_oci::media::{FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX};
+use ferry_oci::{Descriptor, ImageIndex, ImageManifest, Platform};
+use ferry_registry_client::{Client, RangeRuntime, Repo};
+
+use crate::error::{Error, Result};
+
+/// Most bytes of a manifest or index document accepted.
+const MAX_DOCUMENT_BYTES: u64 = ferry_oci::MAX_MANIFEST_BYTES;
+
+/// The image manifest `reference` names in a registry (for an image index, the entry
+/// for this machine's platform) and its descriptor. Call from a thread that is not
+/// inside a tokio runtime.
+pub fn registry_manifest(
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+    runtime: &RangeRuntime,
+) -> Result<(Descriptor, ImageManifest)> {
+    runtime
+        .handle()
+        .block_on(fetch_registry_manifest(client, repo, reference))
+}
+
+/// [`registry_manifest`], for callers already in an async context (on `client`'s
+/// runtime).
+pub async fn fetch_registry_manifest(
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+) -> Result<(Descriptor, ImageManifest)> {
+    let mut doc = client.get_manifest(repo, reference, &[]).await?;
+    if is_index(&doc.bytes) {
+        let index: ImageIndex = serde_json::from_slice(&doc.bytes)
+            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
+        // Never "the first manifest": a mount of another architecture would fail later
+        // and obscurely; the error names the platforms the index has.
+        let pick = ferry_oci::choose_manifest(&index, &Platform::host())
+            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?
+            .digest()
+            .to_string();
+        doc = client.get_manifest(repo, &pick, &[]).await?;
+    }
+    let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
+        .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
+    let digest = ferry_oci::layout::digest(&doc.digest)?;
+    let media = if doc.media_type.is_empty() {
+        ferry_oci::media::OCI_MANIFEST
+    } else {
+        doc.media_type.as_str()
+    };
+    let desc = ferry_oci::layout::descriptor(media, digest, doc.bytes.len() as u64, &[]);
+    Ok((desc, manifest))
+}
+
+fn is_index(bytes: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        manifests: Option<serde_json::Value>,
+    }
+    serde_json::from_slice::<Probe>(bytes).is_ok_and(|p| p.manifests.is_some())
+}
+
+/// Most index blobs [`registry_indexes`] fetches at once.
+const INDEX_FETCHES: usize = 8;
+
+/// The ferry indexes referring to manifest `subject` in a registry: layer digest → index.
+/// The index blobs are fetched at once (they are independent), so opening an image
+/// costs the same round trips however many layers it has.
+pub(super) fn registry_indexes(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+    runtime: &RangeRuntime,
+) -> Result<HashMap<String, Arc<LayerIndex>>> {
+    use futures_util::{StreamExt, TryStreamExt};
+    runtime.handle().block_on(async {
+        let blobs = registry_index_blobs(client, repo, subject).await?;
+        futures_util::stream::iter(
+            blobs
+                .iter()
+                .map(|blob| fetch_index_blob(client, repo, blob)),
+        )
+        .buffer_unordered(INDEX_FETCHES)
+        .map_ok(|index| (index.layer_digest.clone(), Arc::new(index)))
+        .try_collect()
+        .await
+    })
+}
+
+/// The ferry index blobs of the index artifacts that refer to manifest `subject` in a
+/// registry (referrers API or its tag fallback, then each artifact's manifest), each
+/// checked for size. Fetch one with [`fetch_index_blob`].
+pub async fn registry_index_blobs(
+    client: &Client,
+    repo: &Repo,
+    subject: &str,
+) -> Result<Vec<Descriptor>> {
+    let referrers = client
+        .referrers(repo, subject, Some(FERRY_INDEX_ARTIFACT))
+        .await?;
+    let mut out = Vec::new();
+    for referrer in referrers.manifests() {
+        let doc = client
+            .get_manifest(repo, referrer.digest().as_ref(), &[])
+            .await?;
+        if doc.bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+            continue;
+        }
+        let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
+            .map_err(|e| Error::Invalid(format!("index artifact {}: {e}", doc.digest)))?;
+        if artifact
+            .subject()
+            .as_ref()
+            .map(|s| s.digest().to_string())
+            .as_deref()
+            != Some(subject)
+        {
+            continue;
+        }
+        for blob in artifact.layers() {
+            if blob.media_type().to_string() != FERRY_LAYER_INDEX {
+                continue;
+            }
+            if blob.size() > MAX_INDEX_BYTES as u64 {
+                return Err(Error::Invalid(format!(
+                    "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
+                    blob.digest()
+                )));
+            }
+            out.push(blob.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// Fetches one ferry index blob (as [`registry_index_blobs`] lists it), checks it against
+/// its digest and decodes it.
+pub async fn fetch_index_blob(
+    client: &Client,
+    repo: &Repo,
+    blob: &Descriptor,
+) -> Result<LayerIndex> {
+    if blob.size() > MAX_INDEX_BYTES as u64 {
+        return Err(Error::Invalid(format!(
+            "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
+            blob.digest()
+        )));
+    }
+    let digest = blob.digest().to_string();
+    let stream = client.blob_stream(repo, &digest, None).await?;
+    let bytes = stream.collect_body("index blob", blob.size()).await?;
+    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
+        return Err(Error::Invalid(format!(
+            "index blob {digest} does not match its digest"
+        )));
+    }
+    Ok(ferry_index::image::decode_index_blob(blob, &bytes)?)
+}
