@@ -19,6 +19,8 @@
 #    platforms as ferry's record.
 # 5. After `ctr image rm --sync` of both records, GC removes the index and manifest
 #    (so step 3 passed because of the references, not because GC did nothing).
+# 5b. `ferry inspect`, `ferry index` and `ferry mount` with --platform use the other
+#    platform's manifest (and one the index lacks is refused, naming what it has).
 # 6. With one byte of the largest layer flipped in the registry's storage, `ferry pull`
 #    fails naming that layer, and leaves no image record, lease or staging file.
 #
@@ -215,6 +217,47 @@ if ! has_content "$INDEX" && ! has_content "$HOST_MANIFEST"; then
 else
     fail "GC kept unreferenced content: index $(has_content "$INDEX" && echo kept || echo gone), manifest $(has_content "$HOST_MANIFEST" && echo kept || echo gone)"
 fi
+
+# ---------------------------------------------------------------- 5b. --platform elsewhere
+# `ferry inspect`, `ferry index` and `ferry mount` take --platform too, chosen by the same
+# chooser: the other platform's manifest is the one they read, index and serve.
+inspect_manifest() { "$FERRY" inspect --json "$@" "oci:$MULTI:multi" | jq -r .manifest; }
+if [[ $(inspect_manifest) == "$HOST_MANIFEST" && $(inspect_manifest --platform "linux/$OTHER_ARCH") == "$OTHER_MANIFEST" ]]; then
+    pass "ferry inspect: this platform's manifest by default, --platform linux/$OTHER_ARCH the other's"
+else
+    fail "ferry inspect --platform: $(inspect_manifest --platform "linux/$OTHER_ARCH" 2>&1 | tail -1)"
+fi
+set +e
+MISSING_OUT=$("$FERRY" index --platform linux/s390x "oci:$MULTI:multi" 2>&1)
+MISSING_RC=$?
+set -e
+if [[ $MISSING_RC != 0 && $MISSING_OUT == *"linux/$OTHER_ARCH"* && $MISSING_OUT == *"linux/$HOST_ARCH"* ]]; then
+    pass "ferry index --platform linux/s390x is refused, naming the index's platforms"
+else
+    fail "ferry index --platform linux/s390x: exit $MISSING_RC"; sed 's/^/    | /' <<<"$MISSING_OUT" | tail -4
+fi
+fy "$E2E_TMP/pindex.out" "$E2E_TMP/pindex.err" index --min-layer-size 0 --platform "linux/$OTHER_ARCH" "oci:$MULTI:multi"
+# the index artifact's subject is the other platform's manifest: only it lists indexed layers
+indexed_layers() {
+    "$FERRY" inspect --json "$@" "oci:$MULTI:multi" | jq '[.layers[] | select(.format | test("index"))] | length'
+}
+if [[ $RC == 0 ]] && (($(indexed_layers --platform "linux/$OTHER_ARCH") > 0)) && (($(indexed_layers) == 0)); then
+    pass "ferry index --platform linux/$OTHER_ARCH indexes that platform's manifest, not this machine's"
+else
+    fail "ferry index --platform: exit $RC, indexed layers other $(indexed_layers --platform "linux/$OTHER_ARCH") host $(indexed_layers)"
+    show "$E2E_TMP/pindex.err"
+fi
+PMNT=$E2E_TMP/platform-mnt
+mkdir -p "$PMNT"
+fy "$E2E_TMP/pmount.out" "$E2E_TMP/pmount.err" mount --socket "$(dirname "$SNAP_SOCK")/daemon.sock" \
+    --platform "linux/$OTHER_ARCH" "$REF" "$PMNT"
+PMNT_SOURCE=$(awk -v m="$PMNT" '$5 == m { for (i = 7; i <= NF; i++) if ($i == "-") { print $(i + 2); break } }' /proc/self/mountinfo)
+if [[ $RC == 0 && $PMNT_SOURCE == "ferry:$OTHER_MANIFEST" && -n $(ls "$PMNT") ]]; then
+    pass "ferry mount --platform linux/$OTHER_ARCH serves that platform's manifest ($PMNT_SOURCE)"
+else
+    fail "ferry mount --platform: exit $RC, mount source '${PMNT_SOURCE:-none}'"; show "$E2E_TMP/pmount.err"
+fi
+timeout 60 "$FERRY" umount --socket "$(dirname "$SNAP_SOCK")/daemon.sock" "$PMNT" >/dev/null 2>&1 || true
 
 # ---------------------------------------------------------------- 6. a corrupt layer
 # Flip one byte in the middle of the largest layer in the registry's own storage: the

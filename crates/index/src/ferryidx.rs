@@ -653,13 +653,7 @@ fn inflate_table(packed: &[u8], len: usize) -> Result<Vec<u8>> {
 }
 
 fn parse_digest_raw(d: &str) -> Result<[u8; 32]> {
-    let hex_part = d
-        .strip_prefix("sha256:")
-        .ok_or_else(|| Error::Index(format!("layer digest {d:?} is not sha256")))?;
-    let mut raw = [0u8; 32];
-    hex::decode_to_slice(hex_part, &mut raw)
-        .map_err(|_| Error::Index(format!("layer digest {d:?} is not sha256")))?;
-    Ok(raw)
+    ferry_oci::digest::parse_sha256_bytes(d).map_err(|e| Error::Index(e.to_string()))
 }
 
 /// A bounds-checked little-endian reader.
@@ -790,6 +784,24 @@ mod tests {
                 },
             ],
             windows: None,
+        }
+    }
+
+    #[test]
+    fn layer_digest_is_checked_by_the_one_validator() {
+        for bad in [
+            format!("sha256:{}", "AB".repeat(32)),
+            format!("sha256:{}", "ab".repeat(31)),
+            format!("sha512:{}", "ab".repeat(64)),
+        ] {
+            let idx = LayerIndex {
+                layer_digest: bad.clone(),
+                ..sample()
+            };
+            assert!(
+                matches!(idx.encode(), Err(Error::Index(_))),
+                "{bad} was encoded"
+            );
         }
     }
 

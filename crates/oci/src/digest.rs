@@ -53,6 +53,15 @@ pub fn parse_sha256(s: &str) -> Result<Digest> {
     Ok(d)
 }
 
+/// [`parse_sha256`], as the 32 bytes its hex spells (for indexes and stores that keep
+/// digests raw).
+pub fn parse_sha256_bytes(s: &str) -> Result<[u8; 32]> {
+    let d = parse_sha256(s)?;
+    let mut raw = [0u8; 32];
+    hex::decode_to_slice(d.digest(), &mut raw).map_err(|e| bad_digest(s, &e.to_string()))?;
+    Ok(raw)
+}
+
 /// Whether `d` is a sha256 digest (and so, being parsed, 64 lowercase hex digits).
 pub fn is_sha256(d: &Digest) -> bool {
     *d.algorithm() == oci_spec::image::DigestAlgorithm::Sha256
@@ -148,6 +157,13 @@ mod tests {
             parse_sha256("sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
                 .is_ok()
         );
+        let upper = "sha256:E3B0C44298FC1C149AFBF4C8996FB92427AE41E4649B934CA495991B7852B855";
+        assert!(
+            parse_sha256_bytes(upper).is_err(),
+            "uppercase hex is refused"
+        );
+        let raw = parse_sha256_bytes(&upper.to_ascii_lowercase()).map_err(|e| e.to_string());
+        assert_eq!(raw, Ok(<[u8; 32]>::from(Sha256::digest(b""))));
         let sha512 = format!("sha512:{}", "a".repeat(128));
         assert!(parse(&sha512).is_ok());
         assert!(parse_sha256(&sha512).is_err(), "parses, but is not sha256");

@@ -34,6 +34,12 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
     }
 }
 
+/// Whether `d` points at an image index (OCI, or Docker's manifest list).
+fn is_index_type(d: &Descriptor) -> bool {
+    let m = d.media_type().to_string();
+    m == crate::media::OCI_INDEX || m == crate::media::DOCKER_MANIFEST_LIST
+}
+
 fn invalid(what: &str, reason: impl ToString) -> Error {
     Error::Invalid {
         what: what.to_string(),
@@ -149,11 +155,14 @@ impl OciLayout {
         atomic_write(&self.root.join("index.json"), &canonical_json(index)?)
     }
 
-    /// Finds the descriptor a tag or `sha256:` digest names in `index.json`.
+    /// Finds the descriptor a tag or `sha256:` digest names in `index.json`; a digest may
+    /// also name an entry of an image index that `index.json` lists (a platform's manifest
+    /// of a multi-platform image, which is how `--platform` names it).
     pub fn resolve(&self, reference: &str) -> Result<Descriptor> {
         let index = self.index()?;
+        let is_digest = reference.starts_with("sha256:");
         let found = index.manifests().iter().find(|d| {
-            if reference.starts_with("sha256:") {
+            if is_digest {
                 d.digest().as_ref() == reference
             } else {
                 d.annotations()
@@ -162,12 +171,27 @@ impl OciLayout {
                     .is_some_and(|t| t == reference)
             }
         });
-        found.cloned().ok_or_else(|| {
-            Error::NotFound(format!(
-                "{reference} in {} (see its index.json for the tags it has)",
-                self.root.display()
-            ))
-        })
+        if let Some(found) = found {
+            return Ok(found.clone());
+        }
+        if is_digest {
+            for top in index.manifests().iter().filter(|d| is_index_type(d)) {
+                let bytes = self.read_document(top)?;
+                let nested: ImageIndex =
+                    serde_json::from_slice(&bytes).map_err(|e| invalid("image index", e))?;
+                if let Some(d) = nested
+                    .manifests()
+                    .iter()
+                    .find(|d| d.digest().as_ref() == reference)
+                {
+                    return Ok(d.clone());
+                }
+            }
+        }
+        Err(Error::NotFound(format!(
+            "{reference} in {} (see its index.json for the tags it has)",
+            self.root.display()
+        )))
     }
 
     /// Reads a manifest or index document by descriptor (bounded, digest-verified).
@@ -453,6 +477,52 @@ mod tests {
         assert_eq!(refs.len(), 1);
         assert_eq!(refs[0].digest(), &a);
         assert!(layout.resolve(&fallback_tag(&m)?).is_ok());
+        Ok(())
+    }
+
+    #[test]
+    fn platform_manifests_of_an_index_resolve_by_digest() -> Result<()> {
+        let dir = tempfile::tempdir().map_err(io_err(Path::new("tmp")))?;
+        let layout = OciLayout::open_or_create(dir.path())?;
+        let config = layout.write_blob(b"{}")?;
+        let manifest = |which: &str| -> Result<Descriptor> {
+            let doc = serde_json::json!({
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": descriptor(crate::media::OCI_EMPTY, config.clone(), 2, &[]),
+                "layers": [],
+                "annotations": {"which": which},
+            });
+            let bytes = canonical_json(&doc)?;
+            let d = layout.write_blob(&bytes)?;
+            Ok(descriptor(OCI_MANIFEST, d, bytes.len() as u64, &[]))
+        };
+        let (s390x, arm) = (manifest("s390x")?, manifest("arm64")?);
+        let entry = |d: &Descriptor, arch: &str| {
+            let mut v = serde_json::to_value(d).unwrap_or_default();
+            v["platform"] = serde_json::json!({"os": "linux", "architecture": arch});
+            v
+        };
+        let index = serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX,
+            "manifests": [entry(&s390x, "s390x"), entry(&arm, "arm64")]});
+        let bytes = canonical_json(&index)?;
+        let index_digest = layout.write_blob(&bytes)?;
+        layout.set_tag(
+            "multi",
+            &descriptor(OCI_INDEX, index_digest, bytes.len() as u64, &[]),
+        )?;
+        let want = Platform::parse("linux/arm64")?;
+        let (chosen, _) = layout.image_manifest_for("multi", &want)?;
+        assert_eq!(chosen.digest(), arm.digest());
+        // The chosen manifest is not in index.json, yet its digest names it.
+        assert_eq!(
+            layout.resolve(arm.digest().as_ref())?.digest(),
+            arm.digest()
+        );
+        let (by_digest, _) = layout.image_manifest(s390x.digest().as_ref())?;
+        assert_eq!(by_digest.digest(), s390x.digest());
+        let absent = format!("sha256:{}", "0".repeat(64));
+        assert!(matches!(layout.resolve(&absent), Err(Error::NotFound(_))));
         Ok(())
     }
 

@@ -23,9 +23,17 @@ pub fn validate_manifest(bytes: &[u8], content_type: &str) -> Result<ValidatedMa
     let v = crate::server::manifests::validate_document(bytes, content_type)?;
     Ok(ValidatedManifest {
         media_type: v.media_type,
-        blobs: v.blobs,
-        children: v.children,
-        subject: v.subject,
+        blobs: v
+            .blobs
+            .into_iter()
+            .map(|(d, n)| (d.to_string(), n))
+            .collect(),
+        children: v
+            .children
+            .into_iter()
+            .map(|(d, n)| (d.to_string(), n))
+            .collect(),
+        subject: v.subject.map(|d| d.to_string()),
     })
 }
 

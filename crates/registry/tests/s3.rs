@@ -17,7 +17,7 @@ use ferry_registry::storage::{self, BlobRead, ByteStream, StoredManifest};
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use conformance::{LIMIT, body, digest, pattern, read_all};
+use conformance::{LIMIT, body, digest, pattern, read_all, td, tr, tt};
 use ferry_registry::storage::gc::{self, GcOptions};
 use ferry_registry::storage::s3::{S3Config, S3Storage};
 use ferry_registry::storage::{Storage, StorageConfig, StorageError};
@@ -67,7 +67,7 @@ async fn large_blobs_commit_through_multipart_only_when_verified() {
     // Larger than one multipart part, in uneven chunks across two PATCHes.
     let data = pattern(19 * 1024 * 1024 + 3, 5);
     let d = digest(&data);
-    let id = s.upload_start("conformance/repo").await.unwrap();
+    let id = s.upload_start(&tr("conformance/repo")).await.unwrap();
     let (a, b) = data.split_at(7 * 1024 * 1024 + 1);
     let chunks: Vec<&[u8]> = a.chunks(1 << 20).collect();
     s.upload_append(&id, 0, body(&chunks), LIMIT).await.unwrap();
@@ -80,29 +80,29 @@ async fn large_blobs_commit_through_multipart_only_when_verified() {
 
     // A wrong digest aborts the multipart write: nothing appears, the session is gone.
     let wrong = digest(b"wrong");
-    let err = s.upload_finish(&id, &wrong).await.unwrap_err();
+    let err = s.upload_finish(&id, &td(&wrong)).await.unwrap_err();
     assert!(
         matches!(err, StorageError::DigestMismatch { .. }),
         "{err:?}"
     );
-    assert_eq!(s.blob_size(&wrong).await.unwrap(), None);
-    assert_eq!(s.blob_size(&d).await.unwrap(), None);
+    assert_eq!(s.blob_size(&td(&wrong)).await.unwrap(), None);
+    assert_eq!(s.blob_size(&td(&d)).await.unwrap(), None);
     assert_eq!(s.upload_size(&id).await.unwrap(), None);
 
     // blob_put of the same bytes (monolithic) goes through multipart too.
     let chunks: Vec<&[u8]> = data.chunks(2 << 20).collect();
     assert_eq!(
-        s.blob_put(&d, body(&chunks), LIMIT).await.unwrap(),
+        s.blob_put(&td(&d), body(&chunks), LIMIT).await.unwrap(),
         data.len() as u64
     );
     let read = s
-        .blob_read(&d, Some(8_000_000..8_000_100))
+        .blob_read(&td(&d), Some(8_000_000..8_000_100))
         .await
         .unwrap()
         .unwrap();
     assert_eq!(read.size, data.len() as u64);
     assert_eq!(read_all(read).await, &data[8_000_000..8_000_100]);
-    let read = s.blob_read(&d, None).await.unwrap().unwrap();
+    let read = s.blob_read(&td(&d), None).await.unwrap().unwrap();
     assert!(read_all(read).await == data);
 }
 
@@ -116,7 +116,7 @@ async fn replicas_share_upload_sessions() {
         S3Storage::open(&cfg).unwrap(),
     );
     let data = pattern(300_000, 8);
-    let id = one.upload_start("conformance/repo").await.unwrap();
+    let id = one.upload_start(&tr("conformance/repo")).await.unwrap();
     one.upload_append(&id, 0, body(&[&data[..1000]]), LIMIT)
         .await
         .unwrap();
@@ -133,10 +133,14 @@ async fn replicas_share_upload_sessions() {
         .await
         .unwrap();
     assert_eq!(
-        one.upload_finish(&id, &digest(&data)).await.unwrap(),
+        one.upload_finish(&id, &td(&digest(&data))).await.unwrap(),
         300_000
     );
-    let read = two.blob_read(&digest(&data), None).await.unwrap().unwrap();
+    let read = two
+        .blob_read(&td(&digest(&data)), None)
+        .await
+        .unwrap()
+        .unwrap();
     assert!(read_all(read).await == data);
 }
 
@@ -148,9 +152,12 @@ async fn presigned_redirect_serves_the_blob() {
     let plain = S3Storage::open(&cfg).unwrap();
     let data = pattern(70_000, 2);
     let d = digest(&data);
-    plain.blob_put(&d, body(&[&data]), LIMIT).await.unwrap();
+    plain
+        .blob_put(&td(&d), body(&[&data]), LIMIT)
+        .await
+        .unwrap();
     assert_eq!(
-        plain.blob_redirect(&d).await.unwrap(),
+        plain.blob_redirect(&td(&d)).await.unwrap(),
         None,
         "redirect is off by default"
     );
@@ -158,7 +165,7 @@ async fn presigned_redirect_serves_the_blob() {
     cfg.redirect = true;
     cfg.redirect_expiry_secs = 120;
     let s = S3Storage::open(&cfg).unwrap();
-    let url = s.blob_redirect(&d).await.unwrap().unwrap();
+    let url = s.blob_redirect(&td(&d)).await.unwrap().unwrap();
     assert!(url.contains("X-Amz-Signature="), "{url}");
     assert!(url.contains("X-Amz-Expires=120"), "{url}");
     // An HTTP client with no credentials fetches the bytes from the URL alone.
@@ -195,14 +202,16 @@ async fn garbage_collection_runs_on_s3() {
     let keep = b"layer kept".to_vec();
     let drop = b"layer dropped".to_vec();
     for blob in [&keep, &drop] {
-        s.blob_put(&digest(blob), body(&[blob]), LIMIT)
+        s.blob_put(&td(&digest(blob)), body(&[blob]), LIMIT)
             .await
             .unwrap();
-        s.link_blob("app", &digest(blob)).await.unwrap();
+        s.link_blob(&tr("app"), &td(&digest(blob))).await.unwrap();
     }
     let m = conformance::stored(conformance::manifest_json(&digest(&keep), &[], None));
-    s.manifest_put("app", &m).await.unwrap();
-    s.tag_set("app", "v1", &m.digest).await.unwrap();
+    s.manifest_put(&tr("app"), &m).await.unwrap();
+    s.tag_set(&tr("app"), &tt("v1"), &td(&m.digest))
+        .await
+        .unwrap();
     let report = gc::collect(
         &s,
         &GcOptions {
@@ -214,7 +223,12 @@ async fn garbage_collection_runs_on_s3() {
     .await
     .unwrap();
     assert_eq!(report.blobs_deleted, 1, "{report:?}");
-    assert_eq!(s.blob_size(&digest(&drop)).await.unwrap(), None);
-    assert!(s.blob_size(&digest(&keep)).await.unwrap().is_some());
-    assert!(s.manifest_get("app", &m.digest).await.unwrap().is_some());
+    assert_eq!(s.blob_size(&td(&digest(&drop))).await.unwrap(), None);
+    assert!(s.blob_size(&td(&digest(&keep))).await.unwrap().is_some());
+    assert!(
+        s.manifest_get(&tr("app"), &td(&m.digest))
+            .await
+            .unwrap()
+            .is_some()
+    );
 }

@@ -20,6 +20,9 @@ pub struct Args {
     pub image: String,
     /// Path inside the image's root filesystem (symlinks are followed).
     pub path: String,
+    /// The platform to read from a multi-platform image (default: this machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    pub platform: Option<ferry_oci::Platform>,
 }
 
 /// Returns a wrapper that counts the bytes every wrapped source serves into `total`.
@@ -32,6 +35,7 @@ pub fn counter(total: Arc<AtomicU64>) -> impl Fn(Arc<dyn RangeSource>) -> Arc<dy
 
 pub fn run(args: Args) -> Result<()> {
     let (layout, reference, _) = layout_ref(&args.image)?;
+    let reference = super::layout_platform_ref(&layout, reference, args.platform.as_ref())?;
     let total = Arc::new(AtomicU64::new(0));
     let (image, _) = open_layout_image(&layout, &reference, &counter(total.clone()))
         .with_context(|| format!("opening {}", args.image))?;

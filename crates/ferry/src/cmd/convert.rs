@@ -13,7 +13,7 @@ use ferry_oci::media::{
 };
 use ferry_oci::{Descriptor, OciLayout};
 
-use super::{human, index::short, layout_ref, output_layout, write_image};
+use super::{human, index::short, layout_platform_ref, layout_ref, output_layout, write_image};
 use crate::progress;
 
 /// Arguments of `ferry convert`.
@@ -36,6 +36,9 @@ pub struct Args {
     /// gzip level.
     #[arg(long, default_value_t = EstargzOptions::default().level)]
     pub level: u32,
+    /// The platform to convert from a multi-platform image (default: this machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    pub platform: Option<ferry_oci::Platform>,
 }
 
 /// Opens a layer blob as its uncompressed tar stream.
@@ -59,6 +62,7 @@ pub fn open_layer_tar(layout: &OciLayout, layer: &Descriptor) -> Result<Box<dyn 
 
 pub fn run(args: Args) -> Result<()> {
     let (src, reference, _) = layout_ref(&args.src)?;
+    let reference = layout_platform_ref(&src, reference, args.platform.as_ref())?;
     let (dst, tag) = output_layout(&args.dst)?;
     let (_, manifest) = src.image_manifest(&reference)?;
     let priority: Vec<String> = match &args.priority {

@@ -54,6 +54,7 @@ pub fn run(args: Args) -> Result<()> {
     super::inspect::run(super::inspect::Args {
         image: image.clone(),
         json: false,
+        platform: None,
     })?;
 
     println!("\n== 3. read files lazily through the index (each verified against the source)");

@@ -12,7 +12,7 @@ use ferry_oci::Descriptor;
 use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LayerCompression, layer_compression};
 use rayon::prelude::*;
 
-use super::{human, layout_ref};
+use super::{human, layout_platform_ref, layout_ref};
 use crate::progress;
 
 /// Arguments of `ferry index`.
@@ -27,6 +27,9 @@ pub struct Args {
     /// Layers smaller than this many compressed bytes are left unindexed (read whole).
     #[arg(long, default_value_t = DEFAULT_MIN_LAYER_SIZE)]
     pub min_layer_size: u64,
+    /// The platform to index from a multi-platform image (default: this machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    pub platform: Option<ferry_oci::Platform>,
 }
 
 /// Per-layer outcome, for the summary.
@@ -38,6 +41,7 @@ struct Done {
 
 pub fn run(args: Args) -> Result<()> {
     let (layout, reference, _) = layout_ref(&args.image)?;
+    let reference = layout_platform_ref(&layout, reference, args.platform.as_ref())?;
     let (mdesc, manifest) = layout.image_manifest(&reference)?;
     let multi = progress::multi();
     let results: Vec<Result<Done>> = manifest

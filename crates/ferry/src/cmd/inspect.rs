@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use ferry_index::image::open_layout_image;
 
-use super::{human, index::short, layout_ref};
+use super::{human, index::short, layout_platform_ref, layout_ref};
 
 /// Arguments of `ferry inspect`.
 #[derive(Debug, clap::Args)]
@@ -13,10 +13,14 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// The platform to inspect from a multi-platform image (default: this machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    pub platform: Option<ferry_oci::Platform>,
 }
 
 pub fn run(args: Args) -> Result<()> {
     let (layout, reference, _) = layout_ref(&args.image)?;
+    let reference = layout_platform_ref(&layout, reference, args.platform.as_ref())?;
     let (mdesc, _) = layout.image_manifest(&reference)?;
     let (image, layers) = open_layout_image(&layout, &reference, &|s| s)
         .with_context(|| format!("opening {}", args.image))?;

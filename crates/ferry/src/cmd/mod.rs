@@ -20,7 +20,7 @@ pub mod trace;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use ferry_oci::{ImageRef, OciLayout};
+use ferry_oci::{ImageRef, OciLayout, Platform};
 
 /// Opens the OCI layout an `oci:DIR:TAG` reference names; registries come with the
 /// registry client.
@@ -33,6 +33,31 @@ pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
         ImageRef::Registry { .. } => bail!(
             "{image} is a registry reference; this build reads OCI layouts only: copy it first with `skopeo copy docker://{image} oci:DIR:TAG`"
         ),
+    }
+}
+
+/// `--platform`'s value parser (ferry-oci's one platform grammar).
+pub fn parse_platform(s: &str) -> Result<Platform, String> {
+    Platform::parse(s).map_err(|e| e.to_string())
+}
+
+/// The reference `--platform` makes of `reference` in `layout`: the digest of that
+/// platform's manifest (an image index resolves to its entry for it, by ferry-oci's one
+/// chooser; the layout resolves the digest), else `reference` itself, which means this
+/// machine's platform.
+pub fn layout_platform_ref(
+    layout: &OciLayout,
+    reference: String,
+    platform: Option<&Platform>,
+) -> Result<String> {
+    match platform {
+        None => Ok(reference),
+        Some(p) => Ok(layout
+            .image_manifest_for(&reference, p)
+            .with_context(|| format!("{reference} for {p}"))?
+            .0
+            .digest()
+            .to_string()),
     }
 }
 

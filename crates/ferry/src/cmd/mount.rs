@@ -68,6 +68,10 @@ pub struct Args {
     /// by the kernel, as containers need).
     #[arg(long)]
     owner_only: bool,
+    /// The platform to mount from a multi-platform image (default: this machine's). Its
+    /// manifest is mounted by digest (shown as `IMAGE@sha256:…` in `ferry status`).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    platform: Option<ferry_oci::Platform>,
 }
 
 /// Arguments of `ferry umount`.
@@ -84,7 +88,10 @@ pub struct UmountArgs {
 }
 
 /// Runs `ferry mount`.
-pub fn run(args: Args) -> Result<()> {
+pub fn run(mut args: Args) -> Result<()> {
+    if let Some(platform) = args.platform.take() {
+        args.image = platform_image(&args.image, &platform, args.plain_http)?;
+    }
     let mountpoint = args
         .mountpoint
         .canonicalize()
@@ -230,6 +237,47 @@ fn run_detached(args: &Args, mountpoint: &Path) -> Result<()> {
             bail!("the mount was not ready in time");
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The image `--platform` names: the platform's manifest by digest (`oci:DIR@sha256:…`,
+/// `HOST/REPO@sha256:…`), chosen from an image index by ferry-oci's one chooser, so that
+/// the lazy filesystem and the daemon open exactly it; an image that is not an index is
+/// itself.
+fn platform_image(image: &str, platform: &ferry_oci::Platform, plain_http: bool) -> Result<String> {
+    use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
+    let parsed = ferry_oci::ImageRef::parse(image)?;
+    let reference = parsed.reference().to_owned();
+    match parsed {
+        ferry_oci::ImageRef::Layout { dir, .. } => {
+            let layout = ferry_oci::OciLayout::open(&dir)
+                .with_context(|| format!("opening {}", dir.display()))?;
+            let chosen = super::layout_platform_ref(&layout, reference, Some(platform))?;
+            Ok(format!("oci:{}@{chosen}", dir.display()))
+        }
+        ferry_oci::ImageRef::Registry {
+            registry,
+            repository,
+            ..
+        } => {
+            let mut cfg = ClientConfig::default();
+            if plain_http {
+                cfg.registry.entry(registry.clone()).or_default().plain_http = true;
+            }
+            let client = Client::new(cfg)?;
+            let repo = ferry_registry_client::Repo::new(registry.clone(), repository.clone());
+            let doc = current_thread_runtime()?
+                .block_on(client.get_manifest(&repo, &reference, &[]))
+                .with_context(|| format!("resolving {image}"))?;
+            if doc.media_type != OCI_INDEX && doc.media_type != DOCKER_MANIFEST_LIST {
+                return Ok(image.to_owned());
+            }
+            let index: ferry_oci::ImageIndex = serde_json::from_slice(&doc.bytes)
+                .with_context(|| format!("image index {} of {image}", doc.digest))?;
+            let chosen = ferry_oci::choose_manifest(&index, platform)
+                .with_context(|| format!("{image} (image index {})", doc.digest))?;
+            Ok(format!("{registry}/{repository}@{}", chosen.digest()))
+        }
     }
 }
 

@@ -73,12 +73,8 @@ pub struct Args {
     #[arg(long, value_name = "USER:PASS")]
     creds: Option<String>,
     /// The platform to pull from a multi-platform image (default: this machine's).
-    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = parse_platform)]
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     platform: Option<ferry_oci::Platform>,
-}
-
-fn parse_platform(s: &str) -> Result<ferry_oci::Platform, String> {
-    ferry_oci::Platform::parse(s).map_err(|e| e.to_string())
 }
 
 /// Runs `ferry pull`.

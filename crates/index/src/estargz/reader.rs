@@ -5,18 +5,19 @@ use std::fmt;
 use std::io::{self, Read};
 use std::ops::Range;
 
+use ferry_oci::digest::parse_sha256_bytes;
 use flate2::read::{GzDecoder, MultiGzDecoder};
 use sha2::{Digest as _, Sha256};
 
 use super::footer::{FOOTER_SIZE, parse_footer_sized};
-use super::toc::{JToc, TocEntry, parse_modtime, parse_sha256, sha256_string};
+use super::toc::{JToc, TocEntry, parse_modtime, sha256_string};
 use super::{
     MAX_TOC_COMPRESSED, MAX_TOC_JSON, NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, TOC_TAR_NAME,
 };
 use crate::entry::{Entry, EntryKind};
 use crate::error::{Error, Result};
 use crate::source::{RangeSource, merge_ranges};
-use crate::tarwalk::normalize_path;
+use crate::tarwalk::{Limits, TarWalker, normalize_path};
 
 /// [`EstargzLayer::read_at`] fetches the members it needs in one
 /// [`RangeSource::read_ranges`] call when they total at most this many bytes; larger
@@ -110,10 +111,7 @@ impl EstargzLayer {
     /// only the chunk digests it lists protect reads.
     pub fn open(source: &dyn RangeSource, toc_digest: Option<&str>) -> Result<Self> {
         let expected = match toc_digest {
-            Some(d) => Some(
-                parse_sha256(d)
-                    .ok_or_else(|| esgz(format!("TOC digest {d:?} is not sha256:<hex>")))?,
-            ),
+            Some(d) => Some(parse_sha256_bytes(d).map_err(|e| esgz(format!("TOC digest: {e}")))?),
             None => None,
         };
         let blob_size = source.len();
@@ -380,157 +378,36 @@ impl Read for WindowReader<'_> {
     }
 }
 
-fn read_full<R: Read>(r: &mut R, buf: &mut [u8], what: &str) -> Result<()> {
-    let mut filled = 0;
-    while filled < buf.len() {
-        match r.read(&mut buf[filled..]) {
-            Ok(0) => return Err(esgz(format!("TOC member ends inside {what}"))),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(gz_err("TOC member", e)),
-        }
-    }
-    Ok(())
-}
-
-fn padding(size: u64) -> u64 {
-    (512 - size % 512) % 512
-}
-
-/// Checks a tar header block's checksum (unsigned or signed byte sum, as GNU tar does).
-fn checksum_ok(block: &[u8; 512]) -> bool {
-    let field = &block[148..156];
-    let s: String = field
-        .iter()
-        .map(|&b| b as char)
-        .take_while(|&c| c != '\0')
-        .collect::<String>()
-        .trim()
-        .to_string();
-    let Ok(want) = u64::from_str_radix(&s, 8) else {
-        return false;
-    };
-    let (mut unsigned, mut signed) = (0u64, 0i64);
-    for (i, &b) in block.iter().enumerate() {
-        let b = if (148..156).contains(&i) { b' ' } else { b };
-        unsigned += u64::from(b);
-        signed += i64::from(b as i8);
-    }
-    want == unsigned || i64::try_from(want).is_ok_and(|w| w == signed)
-}
-
-/// Parses the PAX records `path` and `size` out of an extended header body.
-fn pax_records(mut body: &[u8]) -> Result<(Option<Vec<u8>>, Option<u64>)> {
-    let bad = || esgz("malformed PAX record in front of the TOC");
-    let (mut path, mut size) = (None, None);
-    while !body.is_empty() {
-        let sp = body.iter().position(|&b| b == b' ').ok_or_else(bad)?;
-        let len: usize = std::str::from_utf8(&body[..sp])
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(bad)?;
-        if len <= sp + 1 || len > body.len() || body[len - 1] != b'\n' {
-            return Err(bad());
-        }
-        let rec = &body[sp + 1..len - 1];
-        let eq = rec.iter().position(|&b| b == b'=').ok_or_else(bad)?;
-        let (k, v) = (&rec[..eq], &rec[eq + 1..]);
-        match k {
-            b"path" => path = Some(v.to_vec()),
-            b"size" => {
-                size = Some(
-                    std::str::from_utf8(v)
-                        .ok()
-                        .and_then(|s| s.parse().ok())
-                        .ok_or_else(bad)?,
-                )
-            }
-            _ => {}
-        }
-        body = &body[len..];
-    }
-    Ok((path, size))
-}
-
-/// Inflates the TOC member and returns the bytes of its `stargz.index.json` tar entry.
+/// Inflates the TOC member and returns the bytes of its `stargz.index.json` tar entry:
+/// the member's first entry, read by the one tar reader (so headers, extension headers
+/// and their bounds follow the rules every layer does).
 fn extract_toc_json(gz: &[u8]) -> Result<Vec<u8>> {
-    let mut dec = GzDecoder::new(gz);
-    let (mut long_name, mut pax_path, mut pax_size) = (None, None, None);
-    for _ in 0..8 {
-        let mut block = [0u8; 512];
-        read_full(&mut dec, &mut block, "a tar header")?;
-        if block.iter().all(|&b| b == 0) {
-            return Err(esgz("TOC member holds no tar entry"));
-        }
-        if !checksum_ok(&block) {
-            return Err(esgz("TOC tar header has a bad checksum"));
-        }
-        let h = tar::Header::from_byte_slice(&block);
-        let size = h
-            .entry_size()
-            .map_err(|e| esgz(format!("TOC tar header: {e}")))?;
-        match block[156] {
-            b'x' | b'g' | b'L' => {
-                if size > MAX_TOC_EXTENSION {
-                    return Err(esgz(format!(
-                        "extension header of {size} bytes in front of the TOC"
-                    )));
-                }
-                let mut body = vec![0u8; (size + padding(size)) as usize];
-                read_full(&mut dec, &mut body, "an extension header")?;
-                body.truncate(size as usize);
-                match block[156] {
-                    b'L' => {
-                        let end = body.iter().position(|&b| b == 0).unwrap_or(body.len());
-                        body.truncate(end);
-                        long_name = Some(body);
-                    }
-                    b'x' => {
-                        let (p, s) = pax_records(&body)?;
-                        pax_path = p.or(pax_path);
-                        pax_size = s.or(pax_size);
-                    }
-                    _ => {}
-                }
-            }
-            b'0' | b'\0' | b'7' => {
-                let raw = pax_path
-                    .or(long_name)
-                    .unwrap_or_else(|| h.path_bytes().into_owned());
-                let name = String::from_utf8_lossy(&raw);
-                if normalize_path(&name).as_deref() != Some(TOC_TAR_NAME) {
-                    return Err(esgz(format!(
-                        "TOC member holds {name:?}, not {TOC_TAR_NAME}"
-                    )));
-                }
-                let size = pax_size.unwrap_or(size);
-                if size > MAX_TOC_JSON {
-                    return Err(esgz(format!(
-                        "TOC JSON of {size} bytes is larger than the {MAX_TOC_JSON}-byte limit"
-                    )));
-                }
-                let mut json = Vec::with_capacity(size.min(16 << 20) as usize);
-                (&mut dec)
-                    .take(size)
-                    .read_to_end(&mut json)
-                    .map_err(|e| gz_err("TOC member", e))?;
-                if (json.len() as u64) < size {
-                    return Err(esgz(format!(
-                        "TOC member ends after {} of {size} bytes of TOC JSON",
-                        json.len()
-                    )));
-                }
-                return Ok(json);
-            }
-            t => {
-                return Err(esgz(format!(
-                    "TOC member starts with a tar entry of type {:?}",
-                    t as char
-                )));
-            }
-        }
+    let limits = Limits {
+        max_extension_bytes: MAX_TOC_EXTENSION,
+        max_entries: 1,
+    };
+    let mut walker = TarWalker::with_limits(GzDecoder::new(gz), limits);
+    let entry = walker
+        .next_entry()
+        .map_err(|e| esgz(format!("TOC member: {e}")))?
+        .ok_or_else(|| esgz("TOC member holds no tar entry"))?;
+    if entry.kind != EntryKind::File || entry.path != TOC_TAR_NAME {
+        return Err(esgz(format!(
+            "TOC member holds {:?} ({:?}), not the file {TOC_TAR_NAME}",
+            entry.path, entry.kind
+        )));
     }
-    Err(esgz("too many extension headers in front of the TOC"))
+    let size = entry.size;
+    if size > MAX_TOC_JSON {
+        return Err(esgz(format!(
+            "TOC JSON of {size} bytes is larger than the {MAX_TOC_JSON}-byte limit"
+        )));
+    }
+    let mut json = Vec::with_capacity(size.min(16 << 20) as usize);
+    walker
+        .read_to_end(&mut json)
+        .map_err(|e| gz_err("TOC member", e))?;
+    Ok(json)
 }
 
 fn entry_err(i: usize, t: &TocEntry, msg: impl fmt::Display) -> Error {
@@ -580,18 +457,13 @@ fn make_chunk(
     }
     let inner = nonneg(i, t, t.inner_offset, "innerOffset")?;
     let digest = if !t.chunk_digest.is_empty() {
-        parse_sha256(&t.chunk_digest).ok_or_else(|| {
-            entry_err(
-                i,
-                t,
-                format!("unsupported chunkDigest {:?}", t.chunk_digest),
-            )
-        })?
+        parse_sha256_bytes(&t.chunk_digest)
+            .map_err(|e| entry_err(i, t, format!("unsupported chunkDigest: {e}")))?
     } else if whole_file && !t.digest.is_empty() {
         // Legacy stargz TOCs have only the file digest; for an unchunked file it is the
         // chunk's digest.
-        parse_sha256(&t.digest)
-            .ok_or_else(|| entry_err(i, t, format!("unsupported digest {:?}", t.digest)))?
+        parse_sha256_bytes(&t.digest)
+            .map_err(|e| entry_err(i, t, format!("unsupported digest: {e}")))?
     } else {
         return Err(entry_err(
             i,

@@ -829,12 +829,42 @@ fn toc_digest_checked() {
     ));
     let layer = EstargzLayer::open(&MemSource(blob.clone()), None).unwrap();
     assert_eq!(layer.toc_digest(), out.toc_digest);
+    // The right digest in uppercase hex is not a digest (ferry-oci's one rule).
+    let upper = format!(
+        "sha256:{}",
+        out.toc_digest["sha256:".len()..].to_ascii_uppercase()
+    );
+    assert!(matches!(
+        EstargzLayer::open(&MemSource(blob.clone()), Some(&upper)),
+        Err(Error::Estargz(_))
+    ));
     // A re-encoded TOC has another digest.
     let other = with_toc(&blob, &toc_json(&blob));
     assert!(matches!(
         EstargzLayer::open(&MemSource(other), Some(&out.toc_digest)),
         Err(Error::DigestMismatch { .. })
     ));
+}
+
+#[test]
+fn uppercase_chunk_digest_refused() {
+    let (blob, _, _) = small_blob();
+    let mut toc = toc_json(&blob);
+    let entries = toc["entries"].as_array_mut().unwrap();
+    let victim = entries
+        .iter()
+        .position(|e| e["chunkDigest"].as_str().is_some_and(|d| !d.is_empty()))
+        .unwrap();
+    let upper = entries[victim]["chunkDigest"]
+        .as_str()
+        .unwrap()
+        .replace("sha256:", "")
+        .to_ascii_uppercase();
+    entries[victim]["chunkDigest"] = format!("sha256:{upper}").into();
+    match EstargzLayer::open(&MemSource(with_toc(&blob, &toc)), None) {
+        Err(Error::Estargz(m)) => assert!(m.contains("chunkDigest"), "{m}"),
+        other => panic!("expected the TOC refused, got {:?}", other.map(|_| ())),
+    }
 }
 
 #[test]

@@ -384,17 +384,6 @@ pub(crate) fn parse_modtime(s: &str) -> Option<(i64, u32)> {
     Some((secs, nsec))
 }
 
-/// `sha256:<64 lowercase or uppercase hex>` to its 32 bytes.
-pub(crate) fn parse_sha256(d: &str) -> Option<[u8; 32]> {
-    let hex = d.strip_prefix("sha256:")?;
-    if hex.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    hex::decode_to_slice(hex, &mut out).ok()?;
-    Some(out)
-}
-
 /// `sha256:<hex>` of 32 digest bytes.
 pub(crate) fn sha256_string(d: &[u8; 32]) -> String {
     format!("sha256:{}", hex::encode(d))

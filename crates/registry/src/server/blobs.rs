@@ -4,7 +4,7 @@
 //! from memory; others stream from storage, or redirect to a presigned URL when the
 //! backend offers one. Single byte ranges are honoured (206), unsatisfiable ones get 416.
 
-use ferry_oci::RepositoryName;
+use ferry_oci::{Digest, RepositoryName};
 use std::ops::Range;
 
 use axum::body::Body;
@@ -28,7 +28,7 @@ pub(super) async fn pull(
     digest: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    parse_digest(digest)?;
+    let typed = parse_digest(digest)?;
     let head = parts.method == Method::HEAD;
     let range_header = parts
         .headers
@@ -38,7 +38,7 @@ pub(super) async fn pull(
         return pull_upstream(st, name, digest, head, range_header).await;
     }
     let size = st
-        .linked_blob_size(name, digest)
+        .linked_blob_size(name, &typed)
         .await?
         .ok_or_else(|| ApiError::blob_unknown(digest))?;
     let range = parse_range(range_header, size);
@@ -50,7 +50,7 @@ pub(super) async fn pull(
     }
     let redirect = st
         .storage
-        .blob_redirect(digest)
+        .blob_redirect(&typed)
         .await
         .map_err(|e| ApiError::from_storage(e, "presigning a blob URL"))?;
     if let Some(url) = redirect {
@@ -63,7 +63,7 @@ pub(super) async fn pull(
         return Ok(resp);
     }
     if size <= st.small_blob_max
-        && let Some(bytes) = small_blob(st, digest, size).await?
+        && let Some(bytes) = small_blob(st, &typed, size).await?
     {
         let body = match &range {
             RangeRequest::Partial(r) => bytes.slice(r.start as usize..r.end as usize),
@@ -77,7 +77,7 @@ pub(super) async fn pull(
     };
     let read = st
         .storage
-        .blob_read(digest, wanted)
+        .blob_read(&typed, wanted)
         .await
         .map_err(|e| ApiError::from_storage(e, "reading a blob"))?;
     let Some(read) = read else {
@@ -147,8 +147,12 @@ async fn pull_upstream(
 }
 
 /// The whole content of a small blob, from memory or read once into memory.
-async fn small_blob(st: &StateInner, digest: &str, size: u64) -> Result<Option<Bytes>, ApiError> {
-    if let Some(b) = st.small_blobs.get("", digest) {
+async fn small_blob(
+    st: &StateInner,
+    digest: &Digest,
+    size: u64,
+) -> Result<Option<Bytes>, ApiError> {
+    if let Some(b) = st.small_blobs.get("", digest.as_ref()) {
         st.metrics.cache_hit("memory_blob");
         return Ok(Some(b));
     }
@@ -180,7 +184,8 @@ async fn small_blob(st: &StateInner, digest: &str, size: u64) -> Result<Option<B
         ));
     }
     let bytes = buf.freeze();
-    st.small_blobs.insert("", digest, bytes.clone(), size);
+    st.small_blobs
+        .insert("", digest.as_ref(), bytes.clone(), size);
     Ok(Some(bytes))
 }
 
@@ -241,10 +246,10 @@ pub(super) async fn delete(
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    parse_digest(digest)?;
+    let typed = parse_digest(digest)?;
     let existed = st
         .storage
-        .unlink_blob(name, digest)
+        .unlink_blob(name, &typed)
         .await
         .map_err(|e| ApiError::from_storage(e, "unlinking a blob"))?;
     st.links.remove(name, digest);

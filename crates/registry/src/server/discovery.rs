@@ -175,7 +175,7 @@ pub(super) async fn referrers(
     subject: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    parse_digest(subject)?;
+    let typed = parse_digest(subject)?;
     let filter = query_param(parts, "artifactType");
     let mut manifests = match st.upstream.as_deref() {
         Some(pt) => {
@@ -209,11 +209,15 @@ pub(super) async fn referrers(
         None => {
             let digests = st
                 .storage
-                .referrer_list(name, subject)
+                .referrer_list(name, &typed)
                 .await
                 .map_err(|e| super::storage_failure("listing referrers", e))?;
             let mut out = Vec::with_capacity(digests.len());
             for d in digests {
+                // Listed by the backend, so it parses; text becomes typed here.
+                let Ok(d) = ferry_oci::digest::parse(&d) else {
+                    continue;
+                };
                 if let Some(m) = st.manifest(name, &d).await?
                     && let Some(desc) = referrer_descriptor(&m)
                 {

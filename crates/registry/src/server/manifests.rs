@@ -5,7 +5,7 @@
 //! at an image that cannot be pulled. Foreign/non-distributable layers and layers with
 //! `urls` are exempt: by definition they live elsewhere.
 
-use ferry_oci::{Reference, RepositoryName};
+use ferry_oci::{Digest, Reference, RepositoryName, Tag};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -15,7 +15,6 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Method, StatusCode, header};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 
 use super::body::{check_declared_length, collect_bounded};
 use super::errors::{ApiError, ErrorCode};
@@ -96,7 +95,8 @@ pub(super) async fn pull(
     reference: &str,
 ) -> Handled {
     st.authorize_repo(parts, name, Actions::PULL)?;
-    let by_digest = matches!(parse_reference(reference)?, Reference::Digest(_));
+    let parsed = parse_reference(reference)?;
+    let by_digest = matches!(parsed, Reference::Digest(_));
     let manifest: Arc<StoredManifest> = if let Some(pt) = st.upstream.as_deref() {
         let m = pt
             .manifest(name, reference)
@@ -105,12 +105,17 @@ pub(super) async fn pull(
             .ok_or_else(|| ApiError::manifest_unknown(reference))?;
         Arc::new(m)
     } else {
-        let digest: Arc<str> = if by_digest {
-            reference.into()
-        } else {
-            st.resolve_tag(name, reference)
-                .await?
-                .ok_or_else(|| ApiError::manifest_unknown(reference))?
+        let digest = match parsed {
+            Reference::Digest(d) => d,
+            Reference::Tag(tag) => {
+                let target = st
+                    .resolve_tag(name, &tag)
+                    .await?
+                    .ok_or_else(|| ApiError::manifest_unknown(reference))?;
+                // Written by this registry, so it parses; text becomes typed here.
+                ferry_oci::digest::parse(&target)
+                    .map_err(|e| ApiError::internal("reading a tag", &e))?
+            }
         };
         match st.manifest(name, &digest).await? {
             Some(m) => m,
@@ -157,10 +162,10 @@ pub(super) async fn pull(
 pub(crate) struct Validated {
     pub(crate) media_type: String,
     /// Blobs to (re)link: config and layers.
-    pub(crate) blobs: Vec<(String, u64)>,
+    pub(crate) blobs: Vec<(Digest, u64)>,
     /// Index children (must be manifests in the repository).
-    pub(crate) children: Vec<(String, u64)>,
-    pub(crate) subject: Option<String>,
+    pub(crate) children: Vec<(Digest, u64)>,
+    pub(crate) subject: Option<Digest>,
 }
 
 fn invalid(message: impl Into<String>) -> ApiError {
@@ -195,15 +200,18 @@ fn is_foreign_layer(d: &DescriptorDoc) -> bool {
         || d.media_type.contains(".foreign.")
 }
 
-fn check_descriptor(d: &DescriptorDoc, what: &str) -> Result<u64, ApiError> {
-    parse_digest(&d.digest).map_err(|_| {
+/// The descriptor's digest, parsed (the one place a pushed document's digests become
+/// typed), and its size.
+fn check_descriptor(d: &DescriptorDoc, what: &str) -> Result<(Digest, u64), ApiError> {
+    let digest = parse_digest(&d.digest).map_err(|_| {
         invalid(format!("{what} has an invalid or unsupported digest"))
             .with_detail(serde_json::json!({ "digest": d.digest }))
     })?;
     if !valid_media_type(&d.media_type) {
         return Err(invalid(format!("{what} has an invalid mediaType")));
     }
-    u64::try_from(d.size).map_err(|_| invalid(format!("{what} has a negative size")))
+    let size = u64::try_from(d.size).map_err(|_| invalid(format!("{what} has a negative size")))?;
+    Ok((digest, size))
 }
 
 /// Parses and checks the document's shape and media type (no storage access).
@@ -270,8 +278,7 @@ pub(crate) fn validate_document(bytes: &[u8], content_type: &str) -> Result<Vali
 
     let mut blobs = Vec::new();
     if let Some(config) = &doc.config {
-        let size = check_descriptor(config, "config")?;
-        blobs.push((config.digest.clone(), size));
+        blobs.push(check_descriptor(config, "config")?);
     }
     for layer in doc
         .layers
@@ -279,21 +286,17 @@ pub(crate) fn validate_document(bytes: &[u8], content_type: &str) -> Result<Vali
         .flatten()
         .chain(doc.blobs.iter().flatten())
     {
-        let size = check_descriptor(layer, "layer")?;
+        let checked = check_descriptor(layer, "layer")?;
         if !is_foreign_layer(layer) {
-            blobs.push((layer.digest.clone(), size));
+            blobs.push(checked);
         }
     }
     let mut children = Vec::new();
     for child in doc.manifests.iter().flatten() {
-        let size = check_descriptor(child, "index entry")?;
-        children.push((child.digest.clone(), size));
+        children.push(check_descriptor(child, "index entry")?);
     }
     let subject = match &doc.subject {
-        Some(s) => {
-            check_descriptor(s, "subject")?;
-            Some(s.digest.clone())
-        }
+        Some(s) => Some(check_descriptor(s, "subject")?.0),
         None => None,
     };
     Ok(Validated {
@@ -316,7 +319,8 @@ pub(super) async fn push(
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    let by_digest = matches!(parse_reference(reference)?, Reference::Digest(_));
+    let parsed = parse_reference(reference)?;
+    let by_digest = matches!(parsed, Reference::Digest(_));
     let limit = st.limits.max_manifest_bytes;
     check_declared_length(&parts.headers, limit, ErrorCode::ManifestInvalid)?;
     let bytes: Bytes = collect_bounded(
@@ -327,8 +331,8 @@ pub(super) async fn push(
         ErrorCode::ManifestInvalid,
     )
     .await?;
-    let digest = format!("sha256:{}", hex::encode(Sha256::digest(&bytes)));
-    if by_digest && reference != digest {
+    let digest = ferry_oci::sha256_digest(&bytes);
+    if by_digest && reference != digest.as_ref() {
         return Err(ApiError::digest_invalid(
             reference,
             "manifest content does not match the digest in the URL",
@@ -357,13 +361,13 @@ pub(super) async fn push(
                     }))
                     .into());
             }
-            None if blob == EMPTY_JSON_DIGEST && *declared == 2 => {
+            None if blob.as_ref() == EMPTY_JSON_DIGEST && *declared == 2 => {
                 let body: crate::storage::ByteStream =
                     Box::pin(futures_util::stream::once(async {
                         Ok(Bytes::from_static(b"{}"))
                     }));
                 st.storage
-                    .blob_put(EMPTY_JSON_DIGEST, body, 2)
+                    .blob_put(blob, body, 2)
                     .await
                     .map_err(|e| ApiError::from_storage(e, "storing the empty blob"))?;
                 created_empty = true;
@@ -402,14 +406,18 @@ pub(super) async fn push(
         }
     }
     if created_empty {
+        let empty = parse_digest(EMPTY_JSON_DIGEST)?;
         st.storage
-            .link_blob(name, EMPTY_JSON_DIGEST)
+            .link_blob(name, &empty)
             .await
             .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
     }
 
     // What the tag pointed at, to put back if a collection undercuts this push.
-    let tag = (!by_digest).then_some(reference);
+    let tag = match &parsed {
+        Reference::Tag(t) => Some(t),
+        Reference::Digest(_) => None,
+    };
     let prev_tag = match tag {
         Some(tag) => st
             .storage
@@ -419,7 +427,7 @@ pub(super) async fn push(
         None => None,
     };
     let stored = StoredManifest {
-        digest: digest.clone(),
+        digest: digest.to_string(),
         media_type: v.media_type,
         bytes,
     };
@@ -452,10 +460,11 @@ pub(super) async fn push(
         .into());
     }
     if let Some(tag) = tag {
-        st.tags.insert(name, tag, digest.as_str().into(), 0);
+        st.tags.insert(name, tag, digest.as_ref().into(), 0);
     }
     let weight = stored.bytes.len() as u64;
-    st.manifests.insert(name, &digest, Arc::new(stored), weight);
+    st.manifests
+        .insert(name, digest.as_ref(), Arc::new(stored), weight);
 
     let mut resp = super::empty_response(StatusCode::CREATED);
     let h = resp.headers_mut();
@@ -463,9 +472,9 @@ pub(super) async fn push(
         header::LOCATION,
         header_value(&format!("/v2/{name}/manifests/{digest}"))?,
     );
-    h.insert(DOCKER_CONTENT_DIGEST, header_value(&digest)?);
+    h.insert(DOCKER_CONTENT_DIGEST, header_value(digest.as_ref())?);
     if let Some(subject) = &v.subject {
-        h.insert(OCI_SUBJECT, header_value(subject)?);
+        h.insert(OCI_SUBJECT, header_value(subject.as_ref())?);
     }
     Ok(resp)
 }
@@ -477,10 +486,14 @@ const MAX_SETTLE_MANIFESTS: usize = 4096;
 /// configs and layers) against running collections, waits out removals of them in
 /// progress, and then checks in storage that all of it is still there. The first digest
 /// that is not, if any.
-async fn settle(st: &StateInner, repo: &str, digest: &str) -> Result<Option<String>, ApiError> {
+async fn settle(
+    st: &StateInner,
+    repo: &RepositoryName,
+    digest: &Digest,
+) -> Result<Option<Digest>, ApiError> {
     let failure = |e| super::storage_failure("checking a pushed manifest", e);
-    let mut manifests = vec![digest.to_string()];
-    let mut blobs: Vec<String> = Vec::new();
+    let mut manifests = vec![digest.clone()];
+    let mut blobs: Vec<Digest> = Vec::new();
     let mut i = 0;
     while let Some(d) = manifests.get(i).cloned() {
         i += 1;
@@ -503,12 +516,16 @@ async fn settle(st: &StateInner, repo: &str, digest: &str) -> Result<Option<Stri
             }
         }
     }
-    let reached: Vec<String> = manifests.iter().chain(&blobs).cloned().collect();
+    let reached: Vec<String> = manifests
+        .iter()
+        .chain(&blobs)
+        .map(|d| d.to_string())
+        .collect();
     if let Some(d) = crate::storage::gc::pin_referenced(&*st.storage, &reached)
         .await
         .map_err(failure)?
     {
-        return Ok(Some(d));
+        return Ok(Some(parse_digest(&d)?));
     }
     for d in &manifests {
         if st
@@ -525,7 +542,7 @@ async fn settle(st: &StateInner, repo: &str, digest: &str) -> Result<Option<Stri
         let there = st.storage.blob_linked(repo, b).await.map_err(failure)?
             && st.storage.blob_size(b).await.map_err(failure)?.is_some();
         if !there {
-            st.links.remove(repo, b);
+            st.links.remove(repo, b.as_ref());
             return Ok(Some(b.clone()));
         }
     }
@@ -537,11 +554,12 @@ async fn settle(st: &StateInner, repo: &str, digest: &str) -> Result<Option<Stri
 /// references something gone, is unlinked.
 async fn undo(
     st: &StateInner,
-    repo: &str,
-    tag: Option<&str>,
-    digest: &str,
+    repo: &RepositoryName,
+    tag: Option<&Tag>,
+    digest: &Digest,
     prev: Option<String>,
 ) -> Result<(), ApiError> {
+    let prev = prev.and_then(|p| ferry_oci::digest::parse(&p).ok());
     let failure = |e| ApiError::from_storage(e, "undoing a manifest push");
     if let Some(tag) = tag {
         st.tags.remove(repo, tag);
@@ -551,7 +569,7 @@ async fn undo(
             .await
             .map_err(failure)?
             .as_deref()
-            == Some(digest)
+            == Some(digest.as_ref())
         {
             match prev.filter(|p| p != digest) {
                 Some(p) => {
@@ -563,7 +581,7 @@ async fn undo(
                             .await
                             .map_err(failure)?
                             .as_deref()
-                            == Some(p.as_str())
+                            == Some(p.as_ref())
                     {
                         st.storage.tag_delete(repo, tag).await.map_err(failure)?;
                     }
@@ -578,8 +596,9 @@ async fn undo(
         .manifest_delete(repo, digest)
         .await
         .map_err(failure)?;
-    st.manifests.remove(repo, digest);
-    st.tags.remove_where(|r, _, d| r == repo && &**d == digest);
+    st.manifests.remove(repo, digest.as_ref());
+    st.tags
+        .remove_where(|r, _, d| r == repo.as_str() && &**d == digest.as_ref());
     tracing::warn!(%repo, %digest, "manifest push undone: garbage collection removed what it references");
     Ok(())
 }
@@ -596,24 +615,27 @@ pub(super) async fn delete(
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    let existed = if let Reference::Digest(_) = parse_reference(reference)? {
-        let existed = st
-            .storage
-            .manifest_delete(name, reference)
-            .await
-            .map_err(|e| ApiError::from_storage(e, "deleting a manifest"))?;
-        st.manifests.remove(name, reference);
-        st.tags
-            .remove_where(|repo, _, d| repo == name.as_str() && &**d == reference);
-        existed
-    } else {
-        let existed = st
-            .storage
-            .tag_delete(name, reference)
-            .await
-            .map_err(|e| ApiError::from_storage(e, "deleting a tag"))?;
-        st.tags.remove(name, reference);
-        existed
+    let existed = match parse_reference(reference)? {
+        Reference::Digest(digest) => {
+            let existed = st
+                .storage
+                .manifest_delete(name, &digest)
+                .await
+                .map_err(|e| ApiError::from_storage(e, "deleting a manifest"))?;
+            st.manifests.remove(name, reference);
+            st.tags
+                .remove_where(|repo, _, d| repo == name.as_str() && &**d == reference);
+            existed
+        }
+        Reference::Tag(tag) => {
+            let existed = st
+                .storage
+                .tag_delete(name, &tag)
+                .await
+                .map_err(|e| ApiError::from_storage(e, "deleting a tag"))?;
+            st.tags.remove(name, reference);
+            existed
+        }
     };
     if !existed {
         return Err(ApiError::manifest_unknown(reference).into());

@@ -36,6 +36,7 @@ use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use ferry_oci::{Digest, RepositoryName, Tag};
 use http::request::Parts;
 use http::{HeaderName, HeaderValue, Method, StatusCode, header};
 
@@ -351,8 +352,12 @@ impl StateInner {
     }
 
     /// Size of `digest` if `repo` links it (cached).
-    async fn linked_blob_size(&self, repo: &str, digest: &str) -> Result<Option<u64>, ApiError> {
-        if let Some(size) = self.links.get(repo, digest) {
+    async fn linked_blob_size(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<u64>, ApiError> {
+        if let Some(size) = self.links.get(repo, digest.as_ref()) {
             self.metrics.cache_hit("memory_link");
             return Ok(Some(size));
         }
@@ -371,7 +376,7 @@ impl StateInner {
             .await
             .map_err(|e| storage_failure("reading a blob size", e))?;
         if let Some(size) = size {
-            self.links.insert(repo, digest, size, 0);
+            self.links.insert(repo, digest.as_ref(), size, 0);
         }
         Ok(size)
     }
@@ -382,8 +387,8 @@ impl StateInner {
     /// and one that already removed the blob is noticed here.
     async fn linked_blob_size_for_manifest(
         &self,
-        repo: &str,
-        digest: &str,
+        repo: &RepositoryName,
+        digest: &Digest,
     ) -> Result<Option<u64>, ApiError> {
         let linked = self
             .storage
@@ -391,7 +396,7 @@ impl StateInner {
             .await
             .map_err(|e| storage_failure("checking a blob link", e))?;
         if !linked {
-            self.links.remove(repo, digest);
+            self.links.remove(repo, digest.as_ref());
             return Ok(None);
         }
         self.storage
@@ -405,15 +410,19 @@ impl StateInner {
             .await
             .map_err(|e| storage_failure("reading a blob size", e))?;
         match size {
-            Some(size) => self.links.insert(repo, digest, size, 0),
-            None => self.links.remove(repo, digest),
+            Some(size) => self.links.insert(repo, digest.as_ref(), size, 0),
+            None => self.links.remove(repo, digest.as_ref()),
         }
         Ok(size)
     }
 
     /// The digest `tag` of `repo` points at (cached briefly).
-    async fn resolve_tag(&self, repo: &str, tag: &str) -> Result<Option<Arc<str>>, ApiError> {
-        if let Some(d) = self.tags.get(repo, tag) {
+    async fn resolve_tag(
+        &self,
+        repo: &RepositoryName,
+        tag: &Tag,
+    ) -> Result<Option<Arc<str>>, ApiError> {
+        if let Some(d) = self.tags.get(repo, tag.as_ref()) {
             self.metrics.cache_hit("memory_tag");
             return Ok(Some(d));
         }
@@ -425,7 +434,7 @@ impl StateInner {
             .map_err(|e| storage_failure("reading a tag", e))?;
         Ok(found.map(|d| {
             let d: Arc<str> = d.into();
-            self.tags.insert(repo, tag, d.clone(), 0);
+            self.tags.insert(repo, tag.as_ref(), d.clone(), 0);
             d
         }))
     }
@@ -433,10 +442,10 @@ impl StateInner {
     /// Manifest `digest` of `repo` (cached; content-addressed).
     async fn manifest(
         &self,
-        repo: &str,
-        digest: &str,
+        repo: &RepositoryName,
+        digest: &Digest,
     ) -> Result<Option<Arc<StoredManifest>>, ApiError> {
-        if let Some(m) = self.manifests.get(repo, digest) {
+        if let Some(m) = self.manifests.get(repo, digest.as_ref()) {
             self.metrics.cache_hit("memory_manifest");
             return Ok(Some(m));
         }
@@ -449,7 +458,8 @@ impl StateInner {
         Ok(found.map(|m| {
             let weight = m.bytes.len() as u64;
             let m = Arc::new(m);
-            self.manifests.insert(repo, digest, m.clone(), weight);
+            self.manifests
+                .insert(repo, digest.as_ref(), m.clone(), weight);
             m
         }))
     }

@@ -17,6 +17,7 @@ use tower::ServiceExt;
 
 use super::*;
 use crate::auth::{AuthConfig, Authenticator};
+use crate::storage::conformance::{td, tr};
 use crate::storage::memory::MemoryStorage;
 use ferry_oci::media;
 
@@ -330,9 +331,15 @@ async fn monolithic_push_with_wrong_digest_stores_nothing() {
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.error_code(), "DIGEST_INVALID");
-    assert_eq!(t.state.storage().blob_size(&wrong).await.unwrap(), None);
+    assert_eq!(
+        t.state.storage().blob_size(&td(&wrong)).await.unwrap(),
+        None
+    );
     let actual = digest_of(b"actual content");
-    assert_eq!(t.state.storage().blob_size(&actual).await.unwrap(), None);
+    assert_eq!(
+        t.state.storage().blob_size(&td(&actual)).await.unwrap(),
+        None
+    );
 }
 
 #[tokio::test]
@@ -666,7 +673,7 @@ async fn oversized_bodies_are_refused() {
         .await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.error_code(), "MANIFEST_INVALID");
-    assert_eq!(t.state.storage().tag_list("o").await.unwrap(), None);
+    assert_eq!(t.state.storage().tag_list(&tr("o")).await.unwrap(), None);
 }
 
 #[tokio::test]
@@ -807,7 +814,7 @@ async fn manifest_validation() {
     assert!(
         t.state
             .storage()
-            .manifest_list("v")
+            .manifest_list(&tr("v"))
             .await
             .unwrap()
             .is_empty()
@@ -2308,7 +2315,7 @@ async fn gc_that_decided_to_delete_an_unlinked_blob_spares_it_once_pushed() {
     let ld = digest_of(RACE_LAYER);
     s.inner
         .blob_put(
-            &ld,
+            &td(&ld),
             Box::pin(futures_util::stream::iter([Ok(Bytes::from_static(
                 RACE_LAYER,
             ))])),

@@ -15,7 +15,7 @@
 //! Nothing else of the repository changes. Anonymous callers are refused even where
 //! anonymous pull is allowed: a trace is tied to an authenticated user.
 
-use ferry_oci::RepositoryName;
+use ferry_oci::{Digest, RepositoryName, Tag};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -23,7 +23,6 @@ use axum::body::Body;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{StatusCode, header};
-use sha2::{Digest as _, Sha256};
 
 use super::body::{check_declared_length, collect_bounded};
 use super::errors::{ApiError, ErrorCode};
@@ -103,8 +102,8 @@ pub fn check_trace_json(bytes: &[u8]) -> Result<(), String> {
     Ok(())
 }
 
-fn sha256(bytes: &[u8]) -> String {
-    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+fn sha256(bytes: &[u8]) -> Digest {
+    ferry_oci::sha256_digest(bytes)
 }
 
 fn now_secs() -> u64 {
@@ -149,7 +148,7 @@ pub(super) async fn accept(
     if st.upstream.is_some() {
         return Err(read_only());
     }
-    parse_digest(subject)?;
+    let typed_subject = parse_digest(subject)?;
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)
@@ -164,7 +163,7 @@ pub(super) async fn accept(
         .into());
     }
     let target = st
-        .manifest(name, subject)
+        .manifest(name, &typed_subject)
         .await?
         .ok_or_else(|| ApiError::manifest_unknown(subject))?;
     let target_type = target.media_type.as_str();
@@ -212,7 +211,7 @@ pub(super) async fn accept(
             .link_blob(name, digest)
             .await
             .map_err(|e| ApiError::from_storage(e, "linking a trace blob"))?;
-        st.links.insert(name, digest, len, 0);
+        st.links.insert(name, digest.as_ref(), len, 0);
     }
     let mut annotations = BTreeMap::new();
     annotations.insert(ANNOTATION_TRACE_CREATED, now_secs().to_string());
@@ -242,9 +241,9 @@ pub(super) async fn accept(
         serde_json::to_vec(&artifact).map_err(|e| ApiError::internal("encoding a trace", &e))?,
     );
     let digest = sha256(&bytes);
-    let earlier = accepted_traces_of(st, name, subject).await?;
+    let earlier = accepted_traces_of(st, name, &typed_subject).await?;
     let stored = StoredManifest {
-        digest: digest.clone(),
+        digest: digest.to_string(),
         media_type: media::OCI_MANIFEST.to_owned(),
         bytes,
     };
@@ -253,22 +252,25 @@ pub(super) async fn accept(
         .await
         .map_err(|e| ApiError::from_storage(e, "storing a trace artifact"))?;
     st.storage
-        .referrer_add(name, subject, &digest)
+        .referrer_add(name, &typed_subject, &digest)
         .await
         .map_err(|e| ApiError::from_storage(e, "recording a referrer"))?;
+    let trace_tag =
+        Tag::parse(REPOSITORY_TRACE_TAG).map_err(|e| ApiError::internal("the trace tag", &e))?;
     st.storage
-        .tag_set(name, REPOSITORY_TRACE_TAG, &digest)
+        .tag_set(name, &trace_tag, &digest)
         .await
         .map_err(|e| ApiError::from_storage(e, "setting the repository's trace tag"))?;
     st.tags
-        .insert(name, REPOSITORY_TRACE_TAG, digest.as_str().into(), 0);
+        .insert(name, REPOSITORY_TRACE_TAG, digest.as_ref().into(), 0);
     let weight = stored.bytes.len() as u64;
-    st.manifests.insert(name, &digest, Arc::new(stored), weight);
+    st.manifests
+        .insert(name, digest.as_ref(), Arc::new(stored), weight);
     // One accepted trace per subject: the earlier ones go (after the new one is in, so a
     // failure here leaves two, never none).
     for old in earlier.into_iter().filter(|d| *d != digest) {
         match st.storage.manifest_delete(name, &old).await {
-            Ok(_) => st.manifests.remove(name, &old),
+            Ok(_) => st.manifests.remove(name, old.as_ref()),
             Err(e) => {
                 tracing::warn!(repository = %name, digest = %old, error = %e, "could not remove a replaced trace")
             }
@@ -282,7 +284,7 @@ pub(super) async fn accept(
         header::LOCATION,
         header_value(&format!("/v2/{name}/manifests/{digest}"))?,
     );
-    h.insert(DOCKER_CONTENT_DIGEST, header_value(&digest)?);
+    h.insert(DOCKER_CONTENT_DIGEST, header_value(digest.as_ref())?);
     h.insert(OCI_SUBJECT, header_value(subject)?);
     Ok(resp)
 }
@@ -298,9 +300,9 @@ fn has_subject(bytes: &[u8]) -> bool {
 /// Trace artifacts of `subject` in `name` that this endpoint built earlier.
 async fn accepted_traces_of(
     st: &StateInner,
-    name: &str,
-    subject: &str,
-) -> Result<Vec<String>, ApiError> {
+    name: &RepositoryName,
+    subject: &Digest,
+) -> Result<Vec<Digest>, ApiError> {
     #[derive(serde::Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct Doc {
@@ -315,6 +317,10 @@ async fn accepted_traces_of(
         .map_err(|e| ApiError::from_storage(e, "listing referrers"))?;
     let mut out = Vec::new();
     for digest in referrers {
+        // Listed by the backend, so it parses; text becomes typed here.
+        let Ok(digest) = ferry_oci::digest::parse(&digest) else {
+            continue;
+        };
         let Some(m) = st.manifest(name, &digest).await? else {
             continue;
         };

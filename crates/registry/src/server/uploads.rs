@@ -11,7 +11,7 @@
 
 use axum::body::Body;
 use axum::response::Response;
-use ferry_oci::RepositoryName;
+use ferry_oci::{Digest, RepositoryName};
 use http::request::Parts;
 use http::{HeaderValue, StatusCode, header};
 
@@ -39,10 +39,10 @@ pub(super) async fn start(
         return Err(read_only());
     }
     if let Some(mount) = query_param(parts, "mount") {
-        parse_digest(&mount)?;
+        let typed = parse_digest(&mount)?;
         let from = query_param(parts, "from");
         if let Some(from) = from.as_deref()
-            && try_mount(st, parts, name, &mount, from).await?
+            && try_mount(st, parts, name, &typed, from).await?
         {
             return Ok(created(name, &mount)?);
         }
@@ -51,16 +51,16 @@ pub(super) async fn start(
         return new_session(st, name).await;
     }
     if let Some(digest) = query_param(parts, "digest") {
-        parse_digest(&digest)?;
+        let typed = parse_digest(&digest)?;
         if sends_no_bytes(parts, &body) && digest != EMPTY_BLOB_DIGEST {
-            return bodyless_push(st, name, &digest).await;
+            return bodyless_push(st, name, &typed).await;
         }
         let limit = st.limits.max_blob_bytes;
         check_declared_length(&parts.headers, limit, ErrorCode::SizeInvalid)?;
         let stream = IdleTimeoutBody::new(body, st.idle(), st.metrics.clone()).into_stream();
         let size = st
             .storage
-            .blob_put(&digest, stream, limit)
+            .blob_put(&typed, stream, limit)
             .await
             .map_err(|e| ApiError::from_storage(e, "storing a blob"))?;
         if let Some(declared) = content_length(&parts.headers)
@@ -73,7 +73,7 @@ pub(super) async fn start(
             )
             .into());
         }
-        link(st, name, &digest, size).await?;
+        link(st, name, &typed, size).await?;
         return Ok(created(name, &digest)?);
     }
     new_session(st, name).await
@@ -90,12 +90,12 @@ fn sends_no_bytes(parts: &Parts, body: &Body) -> bool {
 
 /// A push naming `digest` without sending its bytes: accepted (idempotently) only when
 /// `name` already links the blob; anything else would link a blob by knowing its digest.
-async fn bodyless_push(st: &StateInner, name: &str, digest: &str) -> Handled {
+async fn bodyless_push(st: &StateInner, name: &RepositoryName, digest: &Digest) -> Handled {
     if st.linked_blob_size(name, digest).await?.is_some() {
-        return Ok(created(name, digest)?);
+        return Ok(created(name, digest.as_ref())?);
     }
     Err(ApiError::digest_invalid(
-        digest,
+        digest.as_ref(),
         "no content was sent for this digest; push the blob's bytes or mount it from a \
          repository you may pull",
     )
@@ -106,34 +106,38 @@ async fn bodyless_push(st: &StateInner, name: &str, digest: &str) -> Handled {
 async fn try_mount(
     st: &StateInner,
     parts: &Parts,
-    name: &str,
-    digest: &str,
+    name: &RepositoryName,
+    digest: &Digest,
     from: &str,
 ) -> Result<bool, Refusal> {
     let Ok(from) = parse_name(from) else {
         return Ok(false);
     };
-    let from = from.as_str();
-    if st.authorize_repo(parts, from, Actions::PULL).is_err() {
+    if st.authorize_repo(parts, &from, Actions::PULL).is_err() {
         return Ok(false);
     }
-    let Some(size) = st.linked_blob_size(from, digest).await? else {
+    let Some(size) = st.linked_blob_size(&from, digest).await? else {
         return Ok(false);
     };
     link(st, name, digest, size).await?;
     Ok(true)
 }
 
-async fn link(st: &StateInner, name: &str, digest: &str, size: u64) -> Result<(), ApiError> {
+async fn link(
+    st: &StateInner,
+    name: &RepositoryName,
+    digest: &Digest,
+    size: u64,
+) -> Result<(), ApiError> {
     st.storage
         .link_blob(name, digest)
         .await
         .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
-    st.links.insert(name, digest, size, 0);
+    st.links.insert(name, digest.as_ref(), size, 0);
     Ok(())
 }
 
-async fn new_session(st: &StateInner, name: &str) -> Handled {
+async fn new_session(st: &StateInner, name: &RepositoryName) -> Handled {
     let id = st
         .storage
         .upload_start(name)
@@ -309,17 +313,17 @@ pub(super) async fn finish(
     }
     let digest = query_param(parts, "digest")
         .ok_or_else(|| ApiError::digest_invalid("", "the digest query parameter is required"))?;
-    parse_digest(&digest)?;
+    let typed = parse_digest(&digest)?;
     let have = current_size(st, id).await?;
     if sends_no_bytes(parts, &body) {
         if have == 0 && digest != EMPTY_BLOB_DIGEST {
             cancel_quietly(st, id).await;
-            return bodyless_push(st, name, &digest).await;
+            return bodyless_push(st, name, &typed).await;
         }
     } else {
         append(st, parts, body, name, id, have).await?;
     }
-    let size = match st.storage.upload_finish(id, &digest).await {
+    let size = match st.storage.upload_finish(id, &typed).await {
         Ok(size) => size,
         Err(e) => {
             if matches!(e, StorageError::DigestMismatch { .. }) {
@@ -330,7 +334,7 @@ pub(super) async fn finish(
         }
     };
     st.metrics.upload_ended();
-    link(st, name, &digest, size).await?;
+    link(st, name, &typed, size).await?;
     Ok(created(name, &digest)?)
 }
 

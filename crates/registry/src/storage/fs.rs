@@ -44,6 +44,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
+use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt;
@@ -136,49 +137,47 @@ impl FsStorage {
         valid_upload_id(id).then(|| self.root.join("uploads").join(id))
     }
 
-    fn repo_dir(&self, repo: &str) -> Result<PathBuf> {
-        check_repo(repo)?;
+    fn repo_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
         let mut p = PathBuf::with_capacity(self.root.as_os_str().len() + repo.len() + 100);
         p.push(&self.root);
         p.push("repositories");
-        p.push(repo);
+        p.push(repo.as_str());
         Ok(p)
     }
 
-    fn layers_dir(&self, repo: &str) -> Result<PathBuf> {
+    fn layers_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
         Ok(self.repo_dir(repo)?.join("_layers/sha256"))
     }
 
-    fn layer_link(&self, repo: &str, digest: &str) -> Result<PathBuf> {
+    fn layer_link(&self, repo: &RepositoryName, digest: &str) -> Result<PathBuf> {
         let hex = sha256_hex(digest)?;
         let mut p = self.layers_dir(repo)?;
         p.push(hex);
         Ok(p)
     }
 
-    fn revisions_dir(&self, repo: &str) -> Result<PathBuf> {
+    fn revisions_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
         Ok(self.repo_dir(repo)?.join("_manifests/revisions/sha256"))
     }
 
-    fn manifest_link(&self, repo: &str, digest: &str) -> Result<PathBuf> {
+    fn manifest_link(&self, repo: &RepositoryName, digest: &str) -> Result<PathBuf> {
         let hex = sha256_hex(digest)?;
         let mut p = self.revisions_dir(repo)?;
         p.push(hex);
         Ok(p)
     }
 
-    fn tags_dir(&self, repo: &str) -> Result<PathBuf> {
+    fn tags_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
         Ok(self.repo_dir(repo)?.join("_manifests/tags"))
     }
 
-    fn tag_path(&self, repo: &str, tag: &str) -> Result<PathBuf> {
-        check_tag(tag)?;
+    fn tag_path(&self, repo: &RepositoryName, tag: &Tag) -> Result<PathBuf> {
         let mut p = self.tags_dir(repo)?;
-        p.push(tag);
+        p.push(tag.as_str());
         Ok(p)
     }
 
-    fn referrers_dir(&self, repo: &str, subject: &str) -> Result<PathBuf> {
+    fn referrers_dir(&self, repo: &RepositoryName, subject: &str) -> Result<PathBuf> {
         let hex = sha256_hex(subject)?;
         let mut p = self.repo_dir(repo)?;
         p.push("_referrers/sha256");
@@ -458,12 +457,18 @@ async fn write_stream(
 
 #[async_trait]
 impl Storage for FsStorage {
-    async fn blob_size(&self, digest: &str) -> Result<Option<u64>> {
+    async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>> {
+        let digest: &str = digest.as_ref();
         let path = self.blob_path(digest)?;
         Ok(optional(tokio::fs::metadata(path).await)?.map(|m| m.len()))
     }
 
-    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>> {
+    async fn blob_read(
+        &self,
+        digest: &Digest,
+        range: Option<Range<u64>>,
+    ) -> Result<Option<BlobRead>> {
+        let digest: &str = digest.as_ref();
         let path = self.blob_path(digest)?;
         let opened = blocking(move || {
             let Some(mut file) = optional(File::open(&path))? else {
@@ -495,7 +500,8 @@ impl Storage for FsStorage {
         }))
     }
 
-    async fn blob_delete(&self, digest: &str) -> Result<bool> {
+    async fn blob_delete(&self, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let path = self.blob_path(digest)?;
         Ok(optional(tokio::fs::remove_file(path).await)?.is_some())
     }
@@ -537,7 +543,8 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64> {
+    async fn blob_put(&self, digest: &Digest, body: ByteStream, limit: u64) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         // The body is always received and hashed, also when the blob is already stored:
         // accepting a push by its digest alone would let anyone with push rights anywhere
         // link (and so read) any blob of any repository by naming it.
@@ -572,8 +579,7 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn upload_start(&self, repo: &str) -> Result<String> {
-        check_repo(repo)?;
+    async fn upload_start(&self, repo: &RepositoryName) -> Result<String> {
         let id = new_upload_id();
         let dir = self.root.join("uploads").join(&id);
         let repo = repo.to_string();
@@ -673,7 +679,8 @@ impl Storage for FsStorage {
         }
     }
 
-    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64> {
+    async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         let dest = self.blob_path(digest)?;
         let dir = self
             .upload_dir(id)
@@ -758,7 +765,8 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()> {
+    async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()> {
+        let digest: &str = digest.as_ref();
         let link = self.layer_link(repo, digest)?;
         let blob = self.blob_path(digest)?;
         blocking(move || {
@@ -770,23 +778,25 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let link = self.layer_link(repo, digest)?;
         Ok(optional(tokio::fs::metadata(link).await)?.is_some())
     }
 
-    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let link = self.layer_link(repo, digest)?;
         Ok(optional(tokio::fs::remove_file(link).await)?.is_some())
     }
 
-    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>> {
+    async fn repo_blobs(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         let dir = self.layers_dir(repo)?;
         let list = blocking(move || Ok(list_digests(&dir, false)?)).await?;
         Ok(list.into_iter().map(|(d, _)| d).collect())
     }
 
-    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn repo_blob_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         let dir = self.layers_dir(repo)?;
         let list = blocking(move || Ok(list_digests(&dir, true)?)).await?;
         Ok(list
@@ -795,7 +805,7 @@ impl Storage for FsStorage {
             .collect())
     }
 
-    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()> {
+    async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()> {
         let blob = self.blob_path(&manifest.digest)?;
         let link = self.manifest_link(repo, &manifest.digest)?;
         if manifest.media_type.len() > MAX_MEDIA_TYPE_BYTES {
@@ -823,7 +833,12 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>> {
+    async fn manifest_get(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<StoredManifest>> {
+        let digest: &str = digest.as_ref();
         let link = self.manifest_link(repo, digest)?;
         let blob = self.blob_path(digest)?;
         let digest = digest.to_string();
@@ -857,7 +872,8 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let link = self.manifest_link(repo, digest)?;
         let tags = self.tags_dir(repo)?;
         let digest = digest.to_string();
@@ -879,13 +895,13 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>> {
+    async fn manifest_list(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         let dir = self.revisions_dir(repo)?;
         let list = blocking(move || Ok(list_digests(&dir, false)?)).await?;
         Ok(list.into_iter().map(|(d, _)| d).collect())
     }
 
-    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn manifest_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         let dir = self.revisions_dir(repo)?;
         let list = blocking(move || Ok(list_digests(&dir, true)?)).await?;
         Ok(list
@@ -894,7 +910,8 @@ impl Storage for FsStorage {
             .collect())
     }
 
-    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()> {
+    async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let path = self.tag_path(repo, tag)?;
         let tmp = self.temp_path();
@@ -902,7 +919,7 @@ impl Storage for FsStorage {
         blocking(move || Ok(write_atomic(&tmp, &path, digest.as_bytes())?)).await
     }
 
-    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>> {
+    async fn tag_get(&self, repo: &RepositoryName, tag: &Tag) -> Result<Option<String>> {
         let path = self.tag_path(repo, tag)?;
         let Some(bytes) = blocking(move || Ok(read_small(&path, 256)?)).await? else {
             return Ok(None);
@@ -919,12 +936,12 @@ impl Storage for FsStorage {
         }
     }
 
-    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool> {
+    async fn tag_delete(&self, repo: &RepositoryName, tag: &Tag) -> Result<bool> {
         let path = self.tag_path(repo, tag)?;
         Ok(optional(tokio::fs::remove_file(path).await)?.is_some())
     }
 
-    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>> {
+    async fn tag_list(&self, repo: &RepositoryName) -> Result<Option<Vec<String>>> {
         let tags = self.tags_dir(repo)?;
         let repo_dir = self.repo_dir(repo)?;
         blocking(move || {
@@ -956,13 +973,21 @@ impl Storage for FsStorage {
         .await
     }
 
-    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()> {
+    async fn referrer_add(
+        &self,
+        repo: &RepositoryName,
+        subject: &Digest,
+        referrer: &Digest,
+    ) -> Result<()> {
+        let subject: &str = subject.as_ref();
+        let referrer: &str = referrer.as_ref();
         let hex = sha256_hex(referrer)?;
         let path = self.referrers_dir(repo, subject)?.join(hex);
         blocking(move || Ok(touch_link(&path)?)).await
     }
 
-    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>> {
+    async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>> {
+        let subject: &str = subject.as_ref();
         let dir = self.referrers_dir(repo, subject)?;
         let revisions = self.revisions_dir(repo)?;
         blocking(move || {
@@ -1077,7 +1102,9 @@ fn collect_repos(dir: &Path, name: String, depth: usize, out: &mut Vec<String>) 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::super::conformance::{self, LIMIT, body, digest, pattern, read_all, stored};
+    use super::super::conformance::{
+        self, LIMIT, body, digest, pattern, read_all, stored, td, tr, tt,
+    };
     use super::*;
 
     #[tokio::test]
@@ -1101,21 +1128,25 @@ mod tests {
         let upload;
         {
             let s = FsStorage::open(dir.path()).unwrap();
-            s.blob_put(&d, body(&[&data]), LIMIT).await.unwrap();
-            s.link_blob("r/x", &d).await.unwrap();
-            s.manifest_put("r/x", &m).await.unwrap();
-            s.tag_set("r/x", "latest", &m.digest).await.unwrap();
-            s.referrer_add("r/x", &d, &m.digest).await.unwrap();
-            upload = s.upload_start("conformance/repo").await.unwrap();
+            s.blob_put(&td(&d), body(&[&data]), LIMIT).await.unwrap();
+            s.link_blob(&tr("r/x"), &td(&d)).await.unwrap();
+            s.manifest_put(&tr("r/x"), &m).await.unwrap();
+            s.tag_set(&tr("r/x"), &tt("latest"), &td(&m.digest))
+                .await
+                .unwrap();
+            s.referrer_add(&tr("r/x"), &td(&d), &td(&m.digest))
+                .await
+                .unwrap();
+            upload = s.upload_start(&tr("conformance/repo")).await.unwrap();
             s.upload_append(&upload, 0, body(&[&data[..1234]]), LIMIT)
                 .await
                 .unwrap();
         }
         let s = FsStorage::open(dir.path()).unwrap();
-        assert_eq!(s.blob_size(&d).await.unwrap(), Some(5000));
-        assert!(s.blob_linked("r/x", &d).await.unwrap());
+        assert_eq!(s.blob_size(&td(&d)).await.unwrap(), Some(5000));
+        assert!(s.blob_linked(&tr("r/x"), &td(&d)).await.unwrap());
         assert_eq!(
-            s.manifest_get("r/x", &m.digest)
+            s.manifest_get(&tr("r/x"), &td(&m.digest))
                 .await
                 .unwrap()
                 .unwrap()
@@ -1123,11 +1154,11 @@ mod tests {
             m.bytes
         );
         assert_eq!(
-            s.tag_get("r/x", "latest").await.unwrap(),
+            s.tag_get(&tr("r/x"), &tt("latest")).await.unwrap(),
             Some(m.digest.clone())
         );
         assert_eq!(
-            s.referrer_list("r/x", &d).await.unwrap(),
+            s.referrer_list(&tr("r/x"), &td(&d)).await.unwrap(),
             vec![m.digest.clone()]
         );
         assert_eq!(s.repo_list().await.unwrap(), vec!["r/x"]);
@@ -1137,9 +1168,9 @@ mod tests {
         s.upload_append(&upload, 1234, body(&[&data[1234..]]), LIMIT)
             .await
             .unwrap();
-        s.blob_delete(&d).await.unwrap();
-        assert_eq!(s.upload_finish(&upload, &d).await.unwrap(), 5000);
-        let read = s.blob_read(&d, None).await.unwrap().unwrap();
+        s.blob_delete(&td(&d)).await.unwrap();
+        assert_eq!(s.upload_finish(&upload, &td(&d)).await.unwrap(), 5000);
+        let read = s.blob_read(&td(&d), None).await.unwrap().unwrap();
         assert_eq!(read_all(read).await, data);
     }
 
@@ -1149,7 +1180,7 @@ mod tests {
         let data = pattern(3000, 9);
         let id = {
             let s = FsStorage::open(dir.path()).unwrap();
-            let id = s.upload_start("conformance/repo").await.unwrap();
+            let id = s.upload_start(&tr("conformance/repo")).await.unwrap();
             s.upload_append(&id, 0, body(&[&data]), LIMIT)
                 .await
                 .unwrap();
@@ -1161,12 +1192,12 @@ mod tests {
         bytes[2999] ^= 1;
         std::fs::write(&path, &bytes).unwrap();
         let s = FsStorage::open(dir.path()).unwrap();
-        let err = s.upload_finish(&id, &digest(&data)).await.unwrap_err();
+        let err = s.upload_finish(&id, &td(&digest(&data))).await.unwrap_err();
         assert!(
             matches!(err, StorageError::DigestMismatch { .. }),
             "{err:?}"
         );
-        assert_eq!(s.blob_size(&digest(&data)).await.unwrap(), None);
+        assert_eq!(s.blob_size(&td(&digest(&data))).await.unwrap(), None);
         assert!(s.blob_list().await.unwrap().is_empty());
     }
 
@@ -1179,8 +1210,8 @@ mod tests {
         let hex = d.strip_prefix("sha256:").unwrap().to_string();
         {
             let s = FsStorage::open(root).unwrap();
-            s.blob_put(&d, body(&[&data]), LIMIT).await.unwrap();
-            let id = s.upload_start("conformance/repo").await.unwrap();
+            s.blob_put(&td(&d), body(&[&data]), LIMIT).await.unwrap();
+            let id = s.upload_start(&tr("conformance/repo")).await.unwrap();
             s.upload_append(&id, 0, body(&[b"half of a bl"]), LIMIT)
                 .await
                 .unwrap();
@@ -1216,8 +1247,11 @@ mod tests {
         let list = s.blob_list().await.unwrap();
         assert_eq!(list.len(), 1, "{list:?}");
         assert_eq!((list[0].digest.as_str(), list[0].size), (d.as_str(), 8));
-        assert_eq!(s.blob_size(&other).await.unwrap(), None);
-        assert_eq!(s.blob_size(&digest(b"half of a bl")).await.unwrap(), None);
+        assert_eq!(s.blob_size(&td(&other)).await.unwrap(), None);
+        assert_eq!(
+            s.blob_size(&td(&digest(b"half of a bl"))).await.unwrap(),
+            None
+        );
         // A session whose start was interrupted before its data file existed.
         let torn = "00000000000000000000000000000000";
         std::fs::create_dir(root.join("uploads").join(torn)).unwrap();
@@ -1247,13 +1281,17 @@ mod tests {
         let data = b"layer".to_vec();
         let d = digest(&data);
         let hex = d.strip_prefix("sha256:").unwrap();
-        s.blob_put(&d, body(&[&data]), LIMIT).await.unwrap();
-        s.link_blob("lib/app", &d).await.unwrap();
+        s.blob_put(&td(&d), body(&[&data]), LIMIT).await.unwrap();
+        s.link_blob(&tr("lib/app"), &td(&d)).await.unwrap();
         let m = stored(conformance::manifest_json(&d, &[], None));
         let mhex = m.digest.strip_prefix("sha256:").unwrap();
-        s.manifest_put("lib/app", &m).await.unwrap();
-        s.tag_set("lib/app", "v1", &m.digest).await.unwrap();
-        s.referrer_add("lib/app", &d, &m.digest).await.unwrap();
+        s.manifest_put(&tr("lib/app"), &m).await.unwrap();
+        s.tag_set(&tr("lib/app"), &tt("v1"), &td(&m.digest))
+            .await
+            .unwrap();
+        s.referrer_add(&tr("lib/app"), &td(&d), &td(&m.digest))
+            .await
+            .unwrap();
         assert_eq!(
             std::fs::read(root.join(format!("blobs/sha256/{}/{hex}", &hex[..2]))).unwrap(),
             data
@@ -1286,13 +1324,17 @@ mod tests {
         let s = FsStorage::open(dir.path()).unwrap();
         let data = pattern(3 * READ_CHUNK + 5, 4);
         let d = digest(&data);
-        s.blob_put(&d, body(&[&data]), LIMIT).await.unwrap();
+        s.blob_put(&td(&d), body(&[&data]), LIMIT).await.unwrap();
         let range = 7..(2 * READ_CHUNK as u64 + 11);
-        let read = s.blob_read(&d, Some(range.clone())).await.unwrap().unwrap();
+        let read = s
+            .blob_read(&td(&d), Some(range.clone()))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(read.size, data.len() as u64);
         assert!(read_all(read).await == data[range.start as usize..range.end as usize]);
         let err = s
-            .blob_read(&d, Some(5..(data.len() as u64 + 1)))
+            .blob_read(&td(&d), Some(5..(data.len() as u64 + 1)))
             .await
             .unwrap_err();
         assert!(matches!(err, StorageError::Invalid(_)), "{err:?}");

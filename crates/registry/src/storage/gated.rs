@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
+use ferry_oci::{Digest, RepositoryName, Tag};
 use tokio::sync::Notify;
 
 use super::memory::MemoryStorage;
@@ -76,13 +77,17 @@ impl Gated {
 
 #[async_trait]
 impl Storage for Gated {
-    async fn blob_size(&self, digest: &str) -> Result<Option<u64>> {
+    async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>> {
         self.inner.blob_size(digest).await
     }
-    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>> {
+    async fn blob_read(
+        &self,
+        digest: &Digest,
+        range: Option<Range<u64>>,
+    ) -> Result<Option<BlobRead>> {
         self.inner.blob_read(digest, range).await
     }
-    async fn blob_delete(&self, digest: &str) -> Result<bool> {
+    async fn blob_delete(&self, digest: &Digest) -> Result<bool> {
         self.pass("blob_delete".into()).await;
         self.inner.blob_delete(digest).await
     }
@@ -90,10 +95,10 @@ impl Storage for Gated {
         self.pass("blob_list".into()).await;
         self.inner.blob_list().await
     }
-    async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64> {
+    async fn blob_put(&self, digest: &Digest, body: ByteStream, limit: u64) -> Result<u64> {
         self.inner.blob_put(digest, body, limit).await
     }
-    async fn upload_start(&self, repo: &str) -> Result<String> {
+    async fn upload_start(&self, repo: &RepositoryName) -> Result<String> {
         self.inner.upload_start(repo).await
     }
     async fn upload_repo(&self, id: &str) -> Result<Option<String>> {
@@ -111,7 +116,7 @@ impl Storage for Gated {
     ) -> Result<u64> {
         self.inner.upload_append(id, offset, body, limit).await
     }
-    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64> {
+    async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
         self.inner.upload_finish(id, digest).await
     }
     async fn upload_cancel(&self, id: &str) -> Result<bool> {
@@ -120,61 +125,70 @@ impl Storage for Gated {
     async fn upload_list_stale(&self, older_than: Duration) -> Result<Vec<String>> {
         self.inner.upload_list_stale(older_than).await
     }
-    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()> {
+    async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()> {
         self.pass("link_blob".into()).await;
         self.inner.link_blob(repo, digest).await
     }
-    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         self.inner.blob_linked(repo, digest).await
     }
-    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         self.pass("unlink_blob".into()).await;
         self.inner.unlink_blob(repo, digest).await
     }
-    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>> {
+    async fn repo_blobs(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         self.inner.repo_blobs(repo).await
     }
-    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn repo_blob_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         self.inner.repo_blob_links(repo).await
     }
-    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()> {
+    async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()> {
         self.pass("manifest_put".into()).await;
         self.inner.manifest_put(repo, manifest).await
     }
-    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>> {
+    async fn manifest_get(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<StoredManifest>> {
         self.inner.manifest_get(repo, digest).await
     }
-    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         self.pass("manifest_delete".into()).await;
         self.inner.manifest_delete(repo, digest).await
     }
-    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>> {
+    async fn manifest_list(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         self.inner.manifest_list(repo).await
     }
-    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn manifest_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         self.inner.manifest_links(repo).await
     }
-    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()> {
+    async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
         self.pass("tag_set".into()).await;
         self.inner.tag_set(repo, tag, digest).await
     }
-    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>> {
+    async fn tag_get(&self, repo: &RepositoryName, tag: &Tag) -> Result<Option<String>> {
         self.inner.tag_get(repo, tag).await
     }
-    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool> {
+    async fn tag_delete(&self, repo: &RepositoryName, tag: &Tag) -> Result<bool> {
         self.inner.tag_delete(repo, tag).await
     }
-    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>> {
+    async fn tag_list(&self, repo: &RepositoryName) -> Result<Option<Vec<String>>> {
         self.inner.tag_list(repo).await
     }
     async fn repo_list(&self) -> Result<Vec<String>> {
         self.pass("repo_list".into()).await;
         self.inner.repo_list().await
     }
-    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()> {
+    async fn referrer_add(
+        &self,
+        repo: &RepositoryName,
+        subject: &Digest,
+        referrer: &Digest,
+    ) -> Result<()> {
         self.inner.referrer_add(repo, subject, referrer).await
     }
-    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>> {
+    async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>> {
         self.inner.referrer_list(repo, subject).await
     }
     async fn gc_record_put(&self, dir: &str, name: &str) -> Result<()> {

@@ -71,6 +71,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant, SystemTime};
 
+use ferry_oci::{RepositoryName, Tag};
 use serde::Deserialize;
 
 use super::{LinkInfo, Result, Storage, StorageError, new_upload_id, sha256_hex};
@@ -182,8 +183,8 @@ pub async fn collect(storage: &dyn Storage, opts: &GcOptions) -> Result<GcReport
 
 /// What a collection removes, one digest at a time.
 enum Removal<'a> {
-    Manifest(&'a str),
-    BlobLink(&'a str),
+    Manifest(&'a RepositoryName),
+    BlobLink(&'a RepositoryName),
     Blob,
 }
 
@@ -229,6 +230,10 @@ impl<'a> Running<'a> {
     async fn remove(&mut self, digest: &str, what: Removal<'_>) -> Result<Option<bool>> {
         self.beat().await?;
         let name = record_name(&self.id, digest)?;
+        // Listed by the backend, so valid; parsed once here, where it enters as text.
+        let digest =
+            ferry_oci::digest::parse(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
+        let digest = &digest;
         self.storage.gc_record_put(DELETING, &name).await?;
         let result = if self.storage.gc_record_exists(PINS, &name).await? {
             Ok(None)
@@ -355,6 +360,13 @@ async fn collect_with(
     let repos = storage.repo_list().await?;
     report.repositories = repos.len();
     for repo in &repos {
+        let Ok(repo) = RepositoryName::parse(repo) else {
+            report
+                .problems
+                .push(format!("{repo:?}: not a repository name"));
+            continue;
+        };
+        let repo = &repo;
         sweep_repository(
             storage,
             repo,
@@ -375,6 +387,9 @@ async fn collect_with(
     } else {
         let mut linked = HashSet::new();
         for repo in storage.repo_list().await? {
+            let Ok(repo) = RepositoryName::parse(&repo) else {
+                continue;
+            };
             for link in storage.repo_blob_links(&repo).await? {
                 linked.insert(link.digest);
             }
@@ -422,7 +437,7 @@ async fn collect_with(
 /// Marks what `repo` reaches and removes its unreachable manifest and blob links.
 async fn sweep_repository(
     storage: &dyn Storage,
-    repo: &str,
+    repo: &RepositoryName,
     opts: &GcOptions,
     young: &impl Fn(Option<SystemTime>) -> bool,
     report: &mut GcReport,
@@ -435,6 +450,9 @@ async fn sweep_repository(
     let mut work: Vec<String> = Vec::new();
     if opts.delete_untagged {
         for tag in storage.tag_list(repo).await?.unwrap_or_default() {
+            let Ok(tag) = Tag::parse(&tag) else {
+                continue;
+            };
             if let Some(target) = storage.tag_get(repo, &tag).await? {
                 work.push(target);
             }
@@ -459,7 +477,11 @@ async fn sweep_repository(
         }
         reachable_manifests.insert(digest.clone());
         reachable_blobs.insert(digest.clone());
-        let Some(manifest) = storage.manifest_get(repo, &digest).await? else {
+        // A linked manifest's digest came from the backend's listing: it parses.
+        let Ok(typed) = ferry_oci::digest::parse(&digest) else {
+            continue;
+        };
+        let Some(manifest) = storage.manifest_get(repo, &typed).await? else {
             report.problems.push(format!(
                 "{repo}@{digest}: linked but its content is missing"
             ));
@@ -487,7 +509,7 @@ async fn sweep_repository(
             reachable_blobs.insert(child.digest.clone());
             work.push(child.digest);
         }
-        work.extend(storage.referrer_list(repo, &digest).await?);
+        work.extend(storage.referrer_list(repo, &typed).await?);
     }
 
     for manifest in &manifests {
@@ -551,7 +573,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::super::StoredManifest;
-    use super::super::conformance::{LIMIT, body, digest, manifest_json, stored};
+    use super::super::conformance::{LIMIT, body, digest, manifest_json, stored, td, tr, tt};
     use super::super::fs::FsStorage;
     use super::super::memory::MemoryStorage;
     use super::*;
@@ -567,8 +589,8 @@ mod tests {
     /// Pushes a blob and links it into `repo`, like a client's layer push.
     async fn push_blob(s: &dyn Storage, repo: &str, data: &[u8]) -> String {
         let d = digest(data);
-        s.blob_put(&d, body(&[data]), LIMIT).await.unwrap();
-        s.link_blob(repo, &d).await.unwrap();
+        s.blob_put(&td(&d), body(&[data]), LIMIT).await.unwrap();
+        s.link_blob(&tr(repo), &td(&d)).await.unwrap();
         d
     }
 
@@ -582,15 +604,17 @@ mod tests {
         let config = push_blob(s, repo, format!("{name} config").as_bytes()).await;
         let layer = push_blob(s, repo, format!("{name} layer").as_bytes()).await;
         let m = stored(manifest_json(&config, &[&layer], None));
-        s.manifest_put(repo, &m).await.unwrap();
+        s.manifest_put(&tr(repo), &m).await.unwrap();
         if let Some(tag) = tag {
-            s.tag_set(repo, tag, &m.digest).await.unwrap();
+            s.tag_set(&tr(repo), &tt(tag), &td(&m.digest))
+                .await
+                .unwrap();
         }
         (m, vec![config, layer])
     }
 
     async fn exists(s: &dyn Storage, d: &str) -> bool {
-        s.blob_size(d).await.unwrap().is_some()
+        s.blob_size(&td(d)).await.unwrap().is_some()
     }
 
     #[tokio::test]
@@ -600,7 +624,7 @@ mod tests {
         let (untagged, untagged_blobs) = push_image(&s, "app", "two", None).await;
         let orphan = push_blob(&s, "app", b"orphan layer").await;
         let unlinked = digest(b"never linked");
-        s.blob_put(&unlinked, body(&[b"never linked"]), LIMIT)
+        s.blob_put(&td(&unlinked), body(&[b"never linked"]), LIMIT)
             .await
             .unwrap();
 
@@ -614,15 +638,15 @@ mod tests {
             (b"orphan layer".len() + b"never linked".len()) as u64
         );
         assert!(!exists(&s, &orphan).await && !exists(&s, &unlinked).await);
-        assert!(!s.blob_linked("app", &orphan).await.unwrap());
+        assert!(!s.blob_linked(&tr("app"), &td(&orphan)).await.unwrap());
         for d in tagged_blobs.iter().chain(&untagged_blobs) {
             assert!(
-                exists(&s, d).await && s.blob_linked("app", d).await.unwrap(),
+                exists(&s, d).await && s.blob_linked(&tr("app"), &td(d)).await.unwrap(),
                 "{d}"
             );
         }
         assert!(
-            s.manifest_get("app", &untagged.digest)
+            s.manifest_get(&tr("app"), &td(&untagged.digest))
                 .await
                 .unwrap()
                 .is_some()
@@ -640,7 +664,7 @@ mod tests {
             "config, layer and the manifest itself"
         );
         assert!(
-            s.manifest_get("app", &untagged.digest)
+            s.manifest_get(&tr("app"), &td(&untagged.digest))
                 .await
                 .unwrap()
                 .is_none()
@@ -650,7 +674,7 @@ mod tests {
             assert!(!exists(&s, d).await, "{d}");
         }
         assert!(
-            s.manifest_get("app", &tagged.digest)
+            s.manifest_get(&tr("app"), &td(&tagged.digest))
                 .await
                 .unwrap()
                 .is_some()
@@ -668,17 +692,19 @@ mod tests {
     async fn a_blob_used_by_another_repository_survives() {
         let s = MemoryStorage::default();
         let shared = push_blob(&s, "a", b"shared layer").await;
-        s.link_blob("b", &shared).await.unwrap();
+        s.link_blob(&tr("b"), &td(&shared)).await.unwrap();
         let config = push_blob(&s, "b", b"config").await;
         let m = stored(manifest_json(&config, &[&shared], None));
-        s.manifest_put("b", &m).await.unwrap();
-        s.tag_set("b", "latest", &m.digest).await.unwrap();
+        s.manifest_put(&tr("b"), &m).await.unwrap();
+        s.tag_set(&tr("b"), &tt("latest"), &td(&m.digest))
+            .await
+            .unwrap();
 
         let report = collect(&s, &now_opts(true)).await.unwrap();
         assert_eq!(report.blob_links_removed, 1, "a's link goes");
         assert_eq!(report.blobs_deleted, 0, "b still links it");
-        assert!(!s.blob_linked("a", &shared).await.unwrap());
-        assert!(s.blob_linked("b", &shared).await.unwrap());
+        assert!(!s.blob_linked(&tr("a"), &td(&shared)).await.unwrap());
+        assert!(s.blob_linked(&tr("b"), &td(&shared)).await.unwrap());
         assert!(exists(&s, &shared).await);
     }
 
@@ -696,14 +722,16 @@ mod tests {
             ],
         });
         let index = stored(serde_json::to_vec(&index).unwrap());
-        s.manifest_put("multi", &index).await.unwrap();
-        s.tag_set("multi", "latest", &index.digest).await.unwrap();
+        s.manifest_put(&tr("multi"), &index).await.unwrap();
+        s.tag_set(&tr("multi"), &tt("latest"), &td(&index.digest))
+            .await
+            .unwrap();
         // A signature of the index (untagged, found through referrers), and a signature of
         // a manifest that is itself garbage.
         let sig_config = push_blob(&s, "multi", b"sig config").await;
         let sig = stored(manifest_json(&sig_config, &[], Some(&index.digest)));
-        s.manifest_put("multi", &sig).await.unwrap();
-        s.referrer_add("multi", &index.digest, &sig.digest)
+        s.manifest_put(&tr("multi"), &sig).await.unwrap();
+        s.referrer_add(&tr("multi"), &td(&index.digest), &td(&sig.digest))
             .await
             .unwrap();
         let (garbage, _) = push_image(&s, "multi", "garbage", None).await;
@@ -712,8 +740,8 @@ mod tests {
             &[&digest(b"x")],
             Some(&garbage.digest),
         ));
-        s.manifest_put("multi", &garbage_sig).await.unwrap();
-        s.referrer_add("multi", &garbage.digest, &garbage_sig.digest)
+        s.manifest_put(&tr("multi"), &garbage_sig).await.unwrap();
+        s.referrer_add(&tr("multi"), &td(&garbage.digest), &td(&garbage_sig.digest))
             .await
             .unwrap();
 
@@ -729,7 +757,10 @@ mod tests {
         assert_eq!(deleted, expected);
         for m in [&index, &amd64, &arm64, &sig] {
             assert!(
-                s.manifest_get("multi", &m.digest).await.unwrap().is_some(),
+                s.manifest_get(&tr("multi"), &td(&m.digest))
+                    .await
+                    .unwrap()
+                    .is_some(),
                 "{}",
                 m.digest
             );
@@ -751,16 +782,21 @@ mod tests {
         let config = push_blob(s.as_ref(), "app", b"config").await;
         let layer = push_blob(s.as_ref(), "app", b"layer").await;
         let untagged = stored(manifest_json(&config, &[], None));
-        s.manifest_put("app", &untagged).await.unwrap();
+        s.manifest_put(&tr("app"), &untagged).await.unwrap();
         let report = collect(s.as_ref(), &hour).await.unwrap();
         assert_eq!(report.blobs_deleted + report.blob_links_removed, 0);
         assert!(report.manifests_deleted.is_empty());
         assert_eq!(report.kept_young, 1, "the layer's link: {report:?}");
         // The push completes and refers to everything it uploaded.
         let m = stored(manifest_json(&config, &[&layer], None));
-        s.manifest_put("app", &m).await.unwrap();
-        s.tag_set("app", "v1", &m.digest).await.unwrap();
-        assert!(exists(s.as_ref(), &layer).await && s.blob_linked("app", &layer).await.unwrap());
+        s.manifest_put(&tr("app"), &m).await.unwrap();
+        s.tag_set(&tr("app"), &tt("v1"), &td(&m.digest))
+            .await
+            .unwrap();
+        assert!(
+            exists(s.as_ref(), &layer).await
+                && s.blob_linked(&tr("app"), &td(&layer)).await.unwrap()
+        );
 
         // Pushes racing a collection, many times over: nothing pushed is ever lost.
         for round in 0..20u32 {
@@ -770,8 +806,8 @@ mod tests {
                     push_blob(s2.as_ref(), "race", format!("layer {round}").as_bytes()).await;
                 tokio::task::yield_now().await;
                 let m = stored(manifest_json(&layer, &[&layer], None));
-                s2.manifest_put("race", &m).await.unwrap();
-                s2.tag_set("race", &format!("r{round}"), &m.digest)
+                s2.manifest_put(&tr("race"), &m).await.unwrap();
+                s2.tag_set(&tr("race"), &tt(&format!("r{round}")), &td(&m.digest))
                     .await
                     .unwrap();
                 (layer, m.digest)
@@ -781,7 +817,10 @@ mod tests {
             let (layer, manifest) = pushed;
             assert!(exists(s.as_ref(), &layer).await, "round {round}");
             assert!(
-                s.manifest_get("race", &manifest).await.unwrap().is_some(),
+                s.manifest_get(&tr("race"), &td(&manifest))
+                    .await
+                    .unwrap()
+                    .is_some(),
                 "round {round}"
             );
         }
@@ -814,8 +853,8 @@ mod tests {
                 .unwrap();
         }
         // Upload sessions: one abandoned two days ago, one in progress.
-        let abandoned = s.upload_start("conformance/repo").await.unwrap();
-        let active = s.upload_start("conformance/repo").await.unwrap();
+        let abandoned = s.upload_start(&tr("conformance/repo")).await.unwrap();
+        let active = s.upload_start(&tr("conformance/repo")).await.unwrap();
         let data = dir.path().join("uploads").join(&abandoned).join("data");
         std::fs::File::options()
             .write(true)
@@ -854,7 +893,7 @@ mod tests {
         assert_eq!(report.bytes_freed, b"old orphan".len() as u64);
         assert_eq!(report.uploads_removed, 1);
         assert!(!exists(&s, &old).await);
-        assert!(exists(&s, &fresh).await && s.blob_linked("app", &fresh).await.unwrap());
+        assert!(exists(&s, &fresh).await && s.blob_linked(&tr("app"), &td(&fresh)).await.unwrap());
         assert_eq!(s.upload_size(&abandoned).await.unwrap(), None);
         assert_eq!(s.upload_size(&active).await.unwrap(), Some(0));
     }
@@ -924,12 +963,14 @@ mod tests {
             media_type: "application/vnd.oci.image.manifest.v1+json".into(),
             bytes: bytes::Bytes::from_static(b"{\"layers\": 7}"),
         };
-        s.manifest_put("odd", &bad).await.unwrap();
-        s.tag_set("odd", "v1", &bad.digest).await.unwrap();
+        s.manifest_put(&tr("odd"), &bad).await.unwrap();
+        s.tag_set(&tr("odd"), &tt("v1"), &td(&bad.digest))
+            .await
+            .unwrap();
         let report = collect(&s, &now_opts(true)).await.unwrap();
         assert_eq!(report.problems.len(), 1, "{report:?}");
         assert!(report.problems[0].starts_with(&format!("odd@{}", bad.digest)));
         assert_eq!((report.blob_links_removed, report.blobs_deleted), (0, 0));
-        assert!(exists(&s, &layer).await && s.blob_linked("odd", &layer).await.unwrap());
+        assert!(exists(&s, &layer).await && s.blob_linked(&tr("odd"), &td(&layer)).await.unwrap());
     }
 }

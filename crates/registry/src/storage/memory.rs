@@ -11,14 +11,14 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use parking_lot::{Mutex, MutexGuard};
 use sha2::{Digest as _, Sha256};
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
-    valid_upload_id,
+    check_gc_record, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
 };
 
 /// A [`Storage`] held in memory.
@@ -97,12 +97,18 @@ fn slice_range(bytes: &Bytes, range: Option<Range<u64>>) -> Result<Bytes> {
 
 #[async_trait]
 impl Storage for MemoryStorage {
-    async fn blob_size(&self, digest: &str) -> Result<Option<u64>> {
+    async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         Ok(self.lock().blobs.get(digest).map(|b| b.bytes.len() as u64))
     }
 
-    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>> {
+    async fn blob_read(
+        &self,
+        digest: &Digest,
+        range: Option<Range<u64>>,
+    ) -> Result<Option<BlobRead>> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let Some(bytes) = self.lock().blobs.get(digest).map(|b| b.bytes.clone()) else {
             return Ok(None);
@@ -114,7 +120,8 @@ impl Storage for MemoryStorage {
         }))
     }
 
-    async fn blob_delete(&self, digest: &str) -> Result<bool> {
+    async fn blob_delete(&self, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         Ok(self.lock().blobs.remove(digest).is_some())
     }
@@ -134,7 +141,8 @@ impl Storage for MemoryStorage {
         Ok(list)
     }
 
-    async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64> {
+    async fn blob_put(&self, digest: &Digest, body: ByteStream, limit: u64) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let data = collect_body(body, 0, limit).await?;
         let actual = digest_of(&data);
@@ -149,7 +157,8 @@ impl Storage for MemoryStorage {
         Ok(size)
     }
 
-    async fn upload_start(&self, repo: &str) -> Result<String> {
+    async fn upload_start(&self, repo: &RepositoryName) -> Result<String> {
+        let repo: &str = repo;
         let id = new_upload_id();
         self.lock().uploads.insert(
             id.clone(),
@@ -206,7 +215,8 @@ impl Storage for MemoryStorage {
         Ok(upload.data.len() as u64)
     }
 
-    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64> {
+    async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         if !valid_upload_id(id) {
             return Err(StorageError::UploadUnknown(id.to_string()));
@@ -251,8 +261,9 @@ impl Storage for MemoryStorage {
         Ok(ids)
     }
 
-    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()> {
-        check_repo(repo)?;
+    async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()> {
+        let repo: &str = repo;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let mut state = self.lock();
         let now = SystemTime::now();
@@ -270,8 +281,9 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
-    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool> {
-        check_repo(repo)?;
+    async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let repo: &str = repo;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         Ok(self
             .lock()
@@ -280,8 +292,9 @@ impl Storage for MemoryStorage {
             .is_some_and(|r| r.blobs.contains_key(digest)))
     }
 
-    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool> {
-        check_repo(repo)?;
+    async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let repo: &str = repo;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         Ok(self
             .lock()
@@ -290,7 +303,7 @@ impl Storage for MemoryStorage {
             .is_some_and(|r| r.blobs.remove(digest).is_some()))
     }
 
-    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>> {
+    async fn repo_blobs(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         Ok(self
             .repo_blob_links(repo)
             .await?
@@ -299,8 +312,8 @@ impl Storage for MemoryStorage {
             .collect())
     }
 
-    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
-        check_repo(repo)?;
+    async fn repo_blob_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
+        let repo: &str = repo;
         let state = self.lock();
         let mut links: Vec<LinkInfo> = state
             .repos
@@ -319,8 +332,8 @@ impl Storage for MemoryStorage {
         Ok(links)
     }
 
-    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()> {
-        check_repo(repo)?;
+    async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()> {
+        let repo: &str = repo;
         sha256_hex(&manifest.digest)?;
         let actual = digest_of(&manifest.bytes);
         if actual != manifest.digest {
@@ -343,8 +356,13 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
-    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>> {
-        check_repo(repo)?;
+    async fn manifest_get(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<StoredManifest>> {
+        let repo: &str = repo;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let state = self.lock();
         let Some((media_type, _)) = state.repos.get(repo).and_then(|r| r.manifests.get(digest))
@@ -358,8 +376,9 @@ impl Storage for MemoryStorage {
         }))
     }
 
-    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool> {
-        check_repo(repo)?;
+    async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let repo: &str = repo;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let mut state = self.lock();
         let Some(r) = state.repos.get_mut(repo) else {
@@ -372,7 +391,7 @@ impl Storage for MemoryStorage {
         Ok(existed)
     }
 
-    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>> {
+    async fn manifest_list(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         Ok(self
             .manifest_links(repo)
             .await?
@@ -381,8 +400,8 @@ impl Storage for MemoryStorage {
             .collect())
     }
 
-    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
-        check_repo(repo)?;
+    async fn manifest_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
+        let repo: &str = repo;
         let state = self.lock();
         let mut links: Vec<LinkInfo> = state
             .repos
@@ -401,9 +420,10 @@ impl Storage for MemoryStorage {
         Ok(links)
     }
 
-    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()> {
-        check_repo(repo)?;
-        check_tag(tag)?;
+    async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
+        let repo: &str = repo;
+        let tag: &str = tag;
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         self.lock()
             .repos
@@ -414,9 +434,9 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
-    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>> {
-        check_repo(repo)?;
-        check_tag(tag)?;
+    async fn tag_get(&self, repo: &RepositoryName, tag: &Tag) -> Result<Option<String>> {
+        let repo: &str = repo;
+        let tag: &str = tag;
         Ok(self
             .lock()
             .repos
@@ -424,9 +444,9 @@ impl Storage for MemoryStorage {
             .and_then(|r| r.tags.get(tag).cloned()))
     }
 
-    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool> {
-        check_repo(repo)?;
-        check_tag(tag)?;
+    async fn tag_delete(&self, repo: &RepositoryName, tag: &Tag) -> Result<bool> {
+        let repo: &str = repo;
+        let tag: &str = tag;
         Ok(self
             .lock()
             .repos
@@ -434,8 +454,8 @@ impl Storage for MemoryStorage {
             .is_some_and(|r| r.tags.remove(tag).is_some()))
     }
 
-    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>> {
-        check_repo(repo)?;
+    async fn tag_list(&self, repo: &RepositoryName) -> Result<Option<Vec<String>>> {
+        let repo: &str = repo;
         Ok(self
             .lock()
             .repos
@@ -447,8 +467,15 @@ impl Storage for MemoryStorage {
         Ok(self.lock().repos.keys().cloned().collect())
     }
 
-    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()> {
-        check_repo(repo)?;
+    async fn referrer_add(
+        &self,
+        repo: &RepositoryName,
+        subject: &Digest,
+        referrer: &Digest,
+    ) -> Result<()> {
+        let repo: &str = repo;
+        let subject: &str = subject.as_ref();
+        let referrer: &str = referrer.as_ref();
         sha256_hex(subject)?;
         sha256_hex(referrer)?;
         self.lock()
@@ -462,8 +489,9 @@ impl Storage for MemoryStorage {
         Ok(())
     }
 
-    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>> {
-        check_repo(repo)?;
+    async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>> {
+        let repo: &str = repo;
+        let subject: &str = subject.as_ref();
         sha256_hex(subject)?;
         let state = self.lock();
         let Some(r) = state.repos.get(repo) else {

@@ -4,9 +4,11 @@
 //! The [`Storage`] trait is the contract between the HTTP layer ([`crate::server`]) and
 //! the backends: [`fs::FsStorage`] (the default, crash-safe local filesystem),
 //! [`s3::S3Storage`] (any S3-compatible object store, so stateless replicas can serve one
-//! registry) and [`memory::MemoryStorage`] (tests). The HTTP layer validates names,
-//! digests and ranges before calling in; backends still refuse anything that could escape
-//! their root.
+//! registry) and [`memory::MemoryStorage`] (tests). Repository names, tags and digests
+//! come in typed ([`RepositoryName`], [`Tag`], [`Digest`]: parsed once, by the HTTP layer
+//! or where garbage collection reads a listing), ranges checked by the HTTP layer;
+//! backends still refuse digests of other algorithms and upload ids they did not issue,
+//! and skip listed entries that are not valid names.
 //!
 //! Invariants every backend keeps:
 //! - A blob is visible only once its full content is in place and its digest verified;
@@ -37,6 +39,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use ferry_oci::{Digest, RepositoryName, Tag};
 use serde::{Deserialize, Serialize};
 
 /// A stream of body bytes, as received from a client or sent to one (the client crate's
@@ -141,7 +144,8 @@ pub async fn open(config: &StorageConfig) -> Result<Arc<dyn Storage>> {
 }
 
 /// The hex part of a `sha256:<64 lowercase hex>` digest; anything else is refused (the
-/// hex part becomes a path component or object key, so it must be exactly that).
+/// hex part becomes a path component or object key, so it must be exactly that; blobs
+/// are stored under sha256 only, though a typed [`Digest`] may be of another algorithm).
 pub(crate) fn sha256_hex(digest: &str) -> Result<&str> {
     ferry_oci::digest::parse_sha256(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
     Ok(&digest["sha256:".len()..])
@@ -181,8 +185,8 @@ pub(crate) fn valid_upload_id(id: &str) -> bool {
 
 /// Refuses repository names outside the distribution grammar (ferry-oci's one rule):
 /// such a name could escape a backend's root (`..`), collide with its own bookkeeping
-/// (`_layers`) or not be a valid key. The server passes only parsed names; this is the
-/// backend's own guard for callers that are not the server (GC, tools, tests).
+/// (`_layers`) or not be a valid key. Callers pass typed names; backends use this on
+/// what they list from their own storage, which a hand could have put there.
 pub(crate) fn check_repo(repo: &str) -> Result<()> {
     ferry_oci::RepositoryName::parse(repo)
         .map(|_| ())
@@ -217,29 +221,34 @@ impl Default for StorageConfig {
     }
 }
 
-/// The storage contract. All names passed in are already validated by the server
-/// (`repo` matches the distribution name grammar, digests are `sha256:<64 hex>`, tags match
-/// the tag grammar, upload ids are ones the backend issued or garbage it must reject).
+/// The storage contract. Names, tags and digests arrive typed, parsed once where they
+/// entered (the HTTP layer, garbage collection's listings, tools), so a backend never
+/// sees one outside its grammar; backends still refuse digests of algorithms other than
+/// sha256 (the only one they store under) and upload ids they did not issue.
 #[async_trait]
 pub trait Storage: Send + Sync + Debug + 'static {
     // ---- blobs (global, content-addressed) ----
 
     /// Size of a committed blob, or `None` if absent.
-    async fn blob_size(&self, digest: &str) -> Result<Option<u64>>;
+    async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>>;
 
     /// Read a committed blob, or the byte `range` of it (already checked against its size
     /// by the caller). `None` if absent.
-    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>>;
+    async fn blob_read(
+        &self,
+        digest: &Digest,
+        range: Option<Range<u64>>,
+    ) -> Result<Option<BlobRead>>;
 
     /// A presigned URL clients can GET the blob from directly, when the backend is
     /// configured to redirect (S3); `None` means serve the bytes.
-    async fn blob_redirect(&self, _digest: &str) -> Result<Option<String>> {
+    async fn blob_redirect(&self, _digest: &Digest) -> Result<Option<String>> {
         Ok(None)
     }
 
     /// Delete a blob's content. Returns whether it existed. Only garbage collection calls
     /// this; the API deletes links.
-    async fn blob_delete(&self, digest: &str) -> Result<bool>;
+    async fn blob_delete(&self, digest: &Digest) -> Result<bool>;
 
     /// Every committed blob with its size and when it was last written (for garbage
     /// collection, whose grace period protects young blobs).
@@ -249,14 +258,14 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// bytes. Returns its size. Idempotent if the blob already exists, but the body is
     /// read and verified even then: a push proves possession of the bytes, never just of
     /// the digest.
-    async fn blob_put(&self, digest: &str, body: ByteStream, limit: u64) -> Result<u64>;
+    async fn blob_put(&self, digest: &Digest, body: ByteStream, limit: u64) -> Result<u64>;
 
     // ---- upload sessions ----
 
     /// Start an upload session for `repo`; returns its opaque id (URL-safe). The session
     /// belongs to that repository: the server refuses it under any other name, so push
     /// rights on one repository never reach another repository's uploads.
-    async fn upload_start(&self, repo: &str) -> Result<String>;
+    async fn upload_start(&self, repo: &RepositoryName) -> Result<String>;
 
     /// The repository an upload session was started for, or `None` for an unknown session.
     async fn upload_repo(&self, id: &str) -> Result<Option<String>>;
@@ -278,7 +287,7 @@ pub trait Storage: Send + Sync + Debug + 'static {
     /// Finish: verify the content hashes to `digest`, make it a committed blob atomically,
     /// and drop the session. On mismatch the session is dropped and nothing is committed.
     /// Returns the blob size.
-    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64>;
+    async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64>;
 
     /// Cancel a session; returns whether it existed.
     async fn upload_cancel(&self, id: &str) -> Result<bool>;
@@ -289,21 +298,21 @@ pub trait Storage: Send + Sync + Debug + 'static {
     // ---- repository links ----
 
     /// Record that `repo` holds blob `digest` (push, mount, or manifest reference).
-    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()>;
+    async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()>;
 
     /// Whether `repo` links blob `digest`.
-    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool>;
+    async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool>;
 
     /// Remove `repo`'s link to blob `digest`; returns whether it existed.
-    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool>;
+    async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool>;
 
     /// Every blob digest `repo` links (for garbage collection).
-    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>>;
+    async fn repo_blobs(&self, repo: &RepositoryName) -> Result<Vec<String>>;
 
     /// Every blob link of `repo` with when it was last written (garbage collection never
     /// removes a link younger than its grace period). The default reports no times, which
     /// garbage collection treats as "too young to remove".
-    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn repo_blob_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         Ok(self
             .repo_blobs(repo)
             .await?
@@ -315,21 +324,25 @@ pub trait Storage: Send + Sync + Debug + 'static {
     // ---- manifests and tags ----
 
     /// Store manifest bytes (as a blob) and link it into `repo` as a manifest.
-    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()>;
+    async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()>;
 
     /// A manifest of `repo` by digest, or `None`.
-    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>>;
+    async fn manifest_get(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<StoredManifest>>;
 
     /// Unlink a manifest from `repo` (and any tags pointing at it). Returns whether it
     /// existed.
-    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool>;
+    async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool>;
 
     /// Every manifest digest linked into `repo`.
-    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>>;
+    async fn manifest_list(&self, repo: &RepositoryName) -> Result<Vec<String>>;
 
     /// Every manifest link of `repo` with when it was last written (see
     /// [`Storage::repo_blob_links`]).
-    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn manifest_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         Ok(self
             .manifest_list(repo)
             .await?
@@ -339,16 +352,16 @@ pub trait Storage: Send + Sync + Debug + 'static {
     }
 
     /// Point `tag` of `repo` at manifest `digest` (atomic replace).
-    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()>;
+    async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()>;
 
     /// The manifest digest `tag` points at.
-    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>>;
+    async fn tag_get(&self, repo: &RepositoryName, tag: &Tag) -> Result<Option<String>>;
 
     /// Remove a tag; returns whether it existed.
-    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool>;
+    async fn tag_delete(&self, repo: &RepositoryName, tag: &Tag) -> Result<bool>;
 
     /// Tags of `repo`, sorted lexically; `None` if the repository does not exist.
-    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>>;
+    async fn tag_list(&self, repo: &RepositoryName) -> Result<Option<Vec<String>>>;
 
     /// Every repository, sorted lexically.
     async fn repo_list(&self) -> Result<Vec<String>>;
@@ -356,11 +369,16 @@ pub trait Storage: Send + Sync + Debug + 'static {
     // ---- referrers ----
 
     /// Record that manifest `referrer` in `repo` has `subject` as its subject.
-    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()>;
+    async fn referrer_add(
+        &self,
+        repo: &RepositoryName,
+        subject: &Digest,
+        referrer: &Digest,
+    ) -> Result<()>;
 
     /// Manifests in `repo` whose subject is `subject` (digests; the server reads each to
     /// build descriptors). Referrers whose manifest was deleted are skipped.
-    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>>;
+    async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>>;
 
     // ---- garbage collection's coordination records (see [`gc`]) ----
 

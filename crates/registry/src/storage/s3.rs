@@ -33,6 +33,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path;
@@ -224,42 +225,40 @@ impl S3Storage {
         Ok(self.key(&format!("blobs/sha256/{}/{hex}", &hex[..2])))
     }
 
-    fn repo_rel(&self, repo: &str) -> Result<String> {
-        check_repo(repo)?;
+    fn repo_rel(&self, repo: &RepositoryName) -> Result<String> {
         Ok(format!("repositories/{repo}"))
     }
 
-    fn layers_rel(&self, repo: &str) -> Result<String> {
+    fn layers_rel(&self, repo: &RepositoryName) -> Result<String> {
         Ok(format!("{}/_layers/sha256", self.repo_rel(repo)?))
     }
 
-    fn layer_key(&self, repo: &str, digest: &str) -> Result<Path> {
+    fn layer_key(&self, repo: &RepositoryName, digest: &str) -> Result<Path> {
         let hex = sha256_hex(digest)?;
         Ok(self.key(&format!("{}/{hex}", self.layers_rel(repo)?)))
     }
 
-    fn revisions_rel(&self, repo: &str) -> Result<String> {
+    fn revisions_rel(&self, repo: &RepositoryName) -> Result<String> {
         Ok(format!(
             "{}/_manifests/revisions/sha256",
             self.repo_rel(repo)?
         ))
     }
 
-    fn manifest_key(&self, repo: &str, digest: &str) -> Result<Path> {
+    fn manifest_key(&self, repo: &RepositoryName, digest: &str) -> Result<Path> {
         let hex = sha256_hex(digest)?;
         Ok(self.key(&format!("{}/{hex}", self.revisions_rel(repo)?)))
     }
 
-    fn tags_rel(&self, repo: &str) -> Result<String> {
+    fn tags_rel(&self, repo: &RepositoryName) -> Result<String> {
         Ok(format!("{}/_manifests/tags", self.repo_rel(repo)?))
     }
 
-    fn tag_key(&self, repo: &str, tag: &str) -> Result<Path> {
-        check_tag(tag)?;
+    fn tag_key(&self, repo: &RepositoryName, tag: &Tag) -> Result<Path> {
         Ok(self.key(&format!("{}/{tag}", self.tags_rel(repo)?)))
     }
 
-    fn referrers_rel(&self, repo: &str, subject: &str) -> Result<String> {
+    fn referrers_rel(&self, repo: &RepositoryName, subject: &str) -> Result<String> {
         let hex = sha256_hex(subject)?;
         Ok(format!(
             "{}/_referrers/sha256/{hex}/sha256",
@@ -468,12 +467,18 @@ async fn abort_quietly(multipart: WriteMultipart) {
 
 #[async_trait]
 impl Storage for S3Storage {
-    async fn blob_size(&self, digest: &str) -> Result<Option<u64>> {
+    async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>> {
+        let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
         Ok(optional(self.store.head(&key).await)?.map(|m| m.size))
     }
 
-    async fn blob_read(&self, digest: &str, range: Option<Range<u64>>) -> Result<Option<BlobRead>> {
+    async fn blob_read(
+        &self,
+        digest: &Digest,
+        range: Option<Range<u64>>,
+    ) -> Result<Option<BlobRead>> {
+        let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
         let empty_range = range.as_ref().is_some_and(|r| r.start >= r.end);
         if empty_range {
@@ -500,7 +505,8 @@ impl Storage for S3Storage {
         }))
     }
 
-    async fn blob_redirect(&self, digest: &str) -> Result<Option<String>> {
+    async fn blob_redirect(&self, digest: &Digest) -> Result<Option<String>> {
+        let digest: &str = digest.as_ref();
         let Some(expiry) = self.redirect else {
             return Ok(None);
         };
@@ -513,7 +519,8 @@ impl Storage for S3Storage {
         Ok(Some(url.to_string()))
     }
 
-    async fn blob_delete(&self, digest: &str) -> Result<bool> {
+    async fn blob_delete(&self, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
         self.delete_existing(&key).await
     }
@@ -538,7 +545,8 @@ impl Storage for S3Storage {
         Ok(out)
     }
 
-    async fn blob_put(&self, digest: &str, mut body: ByteStream, limit: u64) -> Result<u64> {
+    async fn blob_put(&self, digest: &Digest, mut body: ByteStream, limit: u64) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
         let mut put = self.verified_put(key);
         while let Some(chunk) = body.next().await {
@@ -561,7 +569,7 @@ impl Storage for S3Storage {
         put.commit(digest).await
     }
 
-    async fn upload_start(&self, repo: &str) -> Result<String> {
+    async fn upload_start(&self, repo: &RepositoryName) -> Result<String> {
         let id = new_upload_id();
         let key = self.key(&format!("uploads/{id}/started"));
         // The `started` marker carries the owning repository, so any replica can check it.
@@ -638,7 +646,8 @@ impl Storage for S3Storage {
         Ok(offset + written)
     }
 
-    async fn upload_finish(&self, id: &str, digest: &str) -> Result<u64> {
+    async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
+        let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
         let unknown = || StorageError::UploadUnknown(id.to_string());
         let rel = self.upload_rel(id).ok_or_else(unknown)?;
@@ -699,7 +708,8 @@ impl Storage for S3Storage {
             .collect())
     }
 
-    async fn link_blob(&self, repo: &str, digest: &str) -> Result<()> {
+    async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()> {
+        let digest: &str = digest.as_ref();
         let key = self.layer_key(repo, digest)?;
         self.store
             .put(&key, PutPayload::default())
@@ -708,17 +718,19 @@ impl Storage for S3Storage {
         Ok(())
     }
 
-    async fn blob_linked(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let key = self.layer_key(repo, digest)?;
         self.exists(&key).await
     }
 
-    async fn unlink_blob(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let key = self.layer_key(repo, digest)?;
         self.delete_existing(&key).await
     }
 
-    async fn repo_blobs(&self, repo: &str) -> Result<Vec<String>> {
+    async fn repo_blobs(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         Ok(self
             .repo_blob_links(repo)
             .await?
@@ -727,12 +739,12 @@ impl Storage for S3Storage {
             .collect())
     }
 
-    async fn repo_blob_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn repo_blob_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         let rel = self.layers_rel(repo)?;
         self.list_digests(&rel).await
     }
 
-    async fn manifest_put(&self, repo: &str, manifest: &StoredManifest) -> Result<()> {
+    async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()> {
         let blob = self.blob_key(&manifest.digest)?;
         let link = self.manifest_key(repo, &manifest.digest)?;
         if manifest.media_type.len() as u64 > MAX_SMALL_OBJECT {
@@ -760,7 +772,12 @@ impl Storage for S3Storage {
         Ok(())
     }
 
-    async fn manifest_get(&self, repo: &str, digest: &str) -> Result<Option<StoredManifest>> {
+    async fn manifest_get(
+        &self,
+        repo: &RepositoryName,
+        digest: &Digest,
+    ) -> Result<Option<StoredManifest>> {
+        let digest: &str = digest.as_ref();
         let link = self.manifest_key(repo, digest)?;
         let blob = self.blob_key(digest)?;
         let Some(media_type) = self.get_small(&link, MAX_SMALL_OBJECT).await? else {
@@ -778,7 +795,8 @@ impl Storage for S3Storage {
         }))
     }
 
-    async fn manifest_delete(&self, repo: &str, digest: &str) -> Result<bool> {
+    async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
+        let digest: &str = digest.as_ref();
         let link = self.manifest_key(repo, digest)?;
         if !self.delete_existing(&link).await? {
             return Ok(false);
@@ -795,7 +813,7 @@ impl Storage for S3Storage {
         Ok(true)
     }
 
-    async fn manifest_list(&self, repo: &str) -> Result<Vec<String>> {
+    async fn manifest_list(&self, repo: &RepositoryName) -> Result<Vec<String>> {
         Ok(self
             .manifest_links(repo)
             .await?
@@ -804,12 +822,13 @@ impl Storage for S3Storage {
             .collect())
     }
 
-    async fn manifest_links(&self, repo: &str) -> Result<Vec<LinkInfo>> {
+    async fn manifest_links(&self, repo: &RepositoryName) -> Result<Vec<LinkInfo>> {
         let rel = self.revisions_rel(repo)?;
         self.list_digests(&rel).await
     }
 
-    async fn tag_set(&self, repo: &str, tag: &str, digest: &str) -> Result<()> {
+    async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
+        let digest: &str = digest.as_ref();
         sha256_hex(digest)?;
         let key = self.tag_key(repo, tag)?;
         let payload = PutPayload::from(Bytes::copy_from_slice(digest.as_bytes()));
@@ -817,7 +836,7 @@ impl Storage for S3Storage {
         Ok(())
     }
 
-    async fn tag_get(&self, repo: &str, tag: &str) -> Result<Option<String>> {
+    async fn tag_get(&self, repo: &RepositoryName, tag: &Tag) -> Result<Option<String>> {
         let key = self.tag_key(repo, tag)?;
         let Some(bytes) = self.get_small(&key, MAX_SMALL_OBJECT).await? else {
             return Ok(None);
@@ -830,12 +849,12 @@ impl Storage for S3Storage {
         }
     }
 
-    async fn tag_delete(&self, repo: &str, tag: &str) -> Result<bool> {
+    async fn tag_delete(&self, repo: &RepositoryName, tag: &Tag) -> Result<bool> {
         let key = self.tag_key(repo, tag)?;
         self.delete_existing(&key).await
     }
 
-    async fn tag_list(&self, repo: &str) -> Result<Option<Vec<String>>> {
+    async fn tag_list(&self, repo: &RepositoryName) -> Result<Option<Vec<String>>> {
         let rel = self.tags_rel(repo)?;
         let mut tags: Vec<String> = self
             .list(&rel)
@@ -905,7 +924,14 @@ impl Storage for S3Storage {
         Ok(out)
     }
 
-    async fn referrer_add(&self, repo: &str, subject: &str, referrer: &str) -> Result<()> {
+    async fn referrer_add(
+        &self,
+        repo: &RepositoryName,
+        subject: &Digest,
+        referrer: &Digest,
+    ) -> Result<()> {
+        let subject: &str = subject.as_ref();
+        let referrer: &str = referrer.as_ref();
         let hex = sha256_hex(referrer)?;
         let key = self.key(&format!("{}/{hex}", self.referrers_rel(repo, subject)?));
         self.store
@@ -915,7 +941,8 @@ impl Storage for S3Storage {
         Ok(())
     }
 
-    async fn referrer_list(&self, repo: &str, subject: &str) -> Result<Vec<String>> {
+    async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>> {
+        let subject: &str = subject.as_ref();
         let rel = self.referrers_rel(repo, subject)?;
         let mut out = Vec::new();
         for link in self.list_digests(&rel).await? {
@@ -1023,16 +1050,20 @@ mod tests {
             s.blob_key(&d).unwrap().as_ref(),
             format!("reg/one/blobs/sha256/ab/{hex}")
         );
+        // Names and tags are typed (parsed where they arrived), so each is one safe key
+        // segment; the digest's hex is still checked here.
+        let repo = RepositoryName::parse("lib/x").unwrap();
         assert_eq!(
-            s.manifest_key("lib/x", &d).unwrap().as_ref(),
+            s.manifest_key(&repo, &d).unwrap().as_ref(),
             format!("reg/one/repositories/lib/x/_manifests/revisions/sha256/{hex}")
         );
         assert_eq!(
-            s.tag_key("lib/x", "v1").unwrap().as_ref(),
+            s.tag_key(&repo, &Tag::parse("v1").unwrap())
+                .unwrap()
+                .as_ref(),
             "reg/one/repositories/lib/x/_manifests/tags/v1"
         );
-        assert!(s.tag_key("lib/x", "../v1").is_err());
-        assert!(s.layer_key("../x", &d).is_err());
+        assert!(s.layer_key(&repo, "sha256:../x").is_err());
         assert_eq!(s.rel(&s.key("uploads/x")), "uploads/x");
     }
 }
