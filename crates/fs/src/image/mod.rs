@@ -261,6 +261,7 @@ impl MountedImage {
                 path = self.tree.path_of(ino).unwrap_or_default(),
                 whole = asks.whole.as_ref().map_or(0, |r| r.end - r.start),
                 neighbours = asks.neighbours.iter().map(|r| r.end - r.start).sum::<u64>(),
+                inits = asks.inits.iter().map(|r| r.end - r.start).sum::<u64>(),
                 fetched = spent.fetched,
                 served = spent.served,
                 rest_unused = spent.rest_unused,
@@ -268,7 +269,15 @@ impl MountedImage {
                 "nearby: asked"
             );
         }
-        // The neighbours first, so they travel while the read waits for its file.
+        // The subpackages' inits and the neighbours first, so they travel while the read
+        // waits for its file.
+        nearby::submit(
+            source,
+            &self.stats,
+            asks.inits,
+            crate::stats::Guess::Rest,
+            nearby::Urgency::Later,
+        );
         nearby::submit(
             source,
             &self.stats,

@@ -100,6 +100,8 @@ struct Seen {
     files: HashSet<Ino>,
     /// Directories whose small files were asked for.
     dirs: HashSet<Ino>,
+    /// Directories whose `__init__`'s read asked for its subpackages' ([`Asks::inits`]).
+    packages: HashSet<Ino>,
     /// Large ELF files whose loader segments were asked for.
     loaders: HashSet<Ino>,
     /// Programs and libraries (layer, entry) whose dependencies were followed
@@ -142,6 +144,12 @@ pub(crate) struct Asks {
     /// The compressed extent of the read's whole file: fetched as the read's own request
     /// ([`LayerSource::fetch_for_read`]), before the read.
     pub whole: Option<Range<u64>>,
+    /// For the first read of a package's `__init__`, sorted disjoint compressed ranges
+    /// of its subpackages' ([`subpackage_init`]), without the file's own: fetched on the
+    /// pool as guesses of a file's rest (an import opens them whole, and a budget of
+    /// neighbours spent on a start's earlier directories held them back), before the
+    /// neighbours.
+    pub inits: Vec<Range<u64>>,
     /// Sorted disjoint compressed ranges of small files around it, without the file's
     /// own: fetched on the pool ([`submit`]), in parallel with the read.
     pub neighbours: Vec<Range<u64>>,
@@ -203,17 +211,24 @@ impl Nearby {
         };
         let served = spent.served;
         let guess = self.within_budget(spent.neighbours_unused, served);
-        let (whole, dir) = {
+        let rest = self.within_rest_budget(spent.rest_unused, served);
+        let package = self.nearby_bytes > 0
+            && rest
+            && layers
+                .entry(loc.layer, loc.entry)
+                .is_some_and(|e| is_package_init(&e.path));
+        let (whole, dir, package) = {
             let seen = self.seen.lock();
             (
                 self.whole_file_bytes > 0
                     && read.node.size <= self.whole_file_bytes
-                    && self.within_rest_budget(spent.rest_unused, served)
+                    && rest
                     && !seen.files.contains(&read.ino),
                 guess && self.nearby_bytes > 0 && !seen.dirs.contains(&read.node.parent),
+                package && !seen.packages.contains(&read.node.parent),
             )
         };
-        if !whole && !dir {
+        if !whole && !dir && !package {
             return none;
         }
         // A read that will wait asks: for its own spans missing, or in flight as some
@@ -226,22 +241,27 @@ impl Nearby {
         let mut seen = self.seen.lock();
         let whole = whole && seen.files.insert(read.ino);
         let dir = dir && seen.dirs.insert(read.node.parent);
+        let package = package && seen.packages.insert(read.node.parent);
         drop(seen);
         let file = if whole {
             layers.ranges(loc, 0, read.node.size)
         } else {
             own
         };
-        let neighbours = if dir {
-            subtract_ranges(
-                &merge_ranges(self.neighbours(layers, loc)),
-                &merge_ranges(file.clone()),
-            )
-            .into_iter()
-            .filter(|r| layers.missing(loc.layer, r))
-            .collect()
+        let (inits, neighbours) = if dir || package {
+            let (inits, neighbours) = self.neighbours(layers, loc, dir, package);
+            let file = merge_ranges(file.clone());
+            let inits = subtract_ranges(&merge_ranges(inits), &file);
+            let neighbours =
+                subtract_ranges(&subtract_ranges(&merge_ranges(neighbours), &file), &inits);
+            let missing = |v: Vec<Range<u64>>| -> Vec<Range<u64>> {
+                v.into_iter()
+                    .filter(|r| layers.missing(loc.layer, r))
+                    .collect()
+            };
+            (missing(inits), missing(neighbours))
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         // A file is one stretch of its layer's stream: its ranges' hull.
         let whole = whole
@@ -251,7 +271,11 @@ impl Nearby {
                 Some(start..end)
             })
             .flatten();
-        Asks { whole, neighbours }
+        Asks {
+            whole,
+            inits,
+            neighbours,
+        }
     }
 
     /// Whether file `at` (layer, entry) has not had its dependencies followed yet, and
@@ -355,10 +379,16 @@ impl Nearby {
     /// A tar is written depth first, so that subtree is one stretch of the stream: the
     /// walk goes outward from the read's entry and stops on each side where the stretch
     /// ends, or after [`MAX_NEARBY_SCAN`] entries.
-    fn neighbours(&self, layers: &dyn Layers, loc: Location) -> Vec<Range<u64>> {
+    fn neighbours(
+        &self,
+        layers: &dyn Layers,
+        loc: Location,
+        near: bool,
+        packages: bool,
+    ) -> (Vec<Range<u64>>, Vec<Range<u64>>) {
         let layer = loc.layer;
         let Some(entry) = layers.entry(layer, loc.entry) else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
         let scope = neighbourhood(&entry.path);
         let inside = |e: &Entry| {
@@ -370,8 +400,10 @@ impl Nearby {
         let wanted =
             |e: &Entry| e.kind == EntryKind::File && e.size > 0 && e.size <= MAX_NEARBY_FILE;
         // A package's `__init__` read first: its subpackages' come next, wherever they
-        // lie in the subtree ([`package_init`]); up to as many bytes again, nearest first.
-        let init_suffix = package_init_suffix(&entry.path, scope);
+        // lie in the subtree ([`subpackage_init`]); up to as many bytes again, nearest first.
+        let init_suffix = packages
+            .then(|| package_init_suffix(&entry.path, scope))
+            .flatten();
         let mut init_bytes = 0u64;
         let mut inits = Vec::new();
         let here = entry.offset;
@@ -430,7 +462,10 @@ impl Nearby {
                 .filter(|r| !counted.contains(&(r.start, r.end)) && layers.missing(layer, r))
                 .collect();
             let add: u64 = ranges.iter().map(|r| r.end - r.start).sum();
-            let init = init_suffix.is_some_and(|suffix| package_init(&e.path, scope, suffix));
+            let init = init_suffix.is_some_and(|suffix| subpackage_init(&e.path, scope, suffix));
+            if !init && !near {
+                continue;
+            }
             let (spent, into) = if init {
                 (&mut init_bytes, &mut inits)
             } else {
@@ -445,8 +480,7 @@ impl Nearby {
                 into.push(r);
             }
         }
-        inits.extend(out);
-        inits
+        (inits, out)
     }
 }
 
@@ -465,6 +499,13 @@ fn neighbourhood(path: &str) -> &str {
     }
 }
 
+/// Whether `path` is a package's `__init__` module, source or compiled.
+fn is_package_init(path: &str) -> bool {
+    path.rsplit('/')
+        .next()
+        .is_some_and(|name| name.starts_with("__init__."))
+}
+
 /// For a package's `__init__` module at `path` (`pkg/__init__.py`, or compiled,
 /// `pkg/__pycache__/__init__.cpython-311.pyc`) whose neighbourhood is `scope` (`pkg`): the
 /// part of the path below it, which a subpackage's `__init__` shares.
@@ -479,7 +520,7 @@ fn package_init_suffix<'a>(path: &'a str, scope: &str) -> Option<&'a str> {
 /// Whether `path` is the `__init__` of a subpackage of `scope` (at any depth) with the
 /// same `suffix` as the one read ([`package_init_suffix`]), outside test packages (which
 /// an import of the package does not load).
-fn package_init(path: &str, scope: &str, suffix: &str) -> bool {
+fn subpackage_init(path: &str, scope: &str, suffix: &str) -> bool {
     let Some(dirs) = path
         .strip_prefix(scope)
         .and_then(|p| p.strip_prefix('/'))

@@ -567,18 +567,18 @@ fn a_packages_init_names_its_subpackages_inits_but_not_its_tests() {
     );
     assert_eq!(package_init_suffix("p/__pycache__/m.pyc", "p"), None);
     assert_eq!(package_init_suffix("__init__.py", ""), None);
-    assert!(package_init(&format!("p/a/{init}"), "p", init));
-    assert!(package_init(&format!("p/a/b/{init}"), "p", init));
-    assert!(!package_init(&format!("p/{init}"), "p", init), "its own");
-    assert!(!package_init(&format!("p/tests/{init}"), "p", init));
-    assert!(!package_init(&format!("p/a/tests/b/{init}"), "p", init));
-    assert!(!package_init(
+    assert!(subpackage_init(&format!("p/a/{init}"), "p", init));
+    assert!(subpackage_init(&format!("p/a/b/{init}"), "p", init));
+    assert!(!subpackage_init(&format!("p/{init}"), "p", init), "its own");
+    assert!(!subpackage_init(&format!("p/tests/{init}"), "p", init));
+    assert!(!subpackage_init(&format!("p/a/tests/b/{init}"), "p", init));
+    assert!(!subpackage_init(
         "p/a/__pycache__/__init__.cpython-312.pyc",
         "p",
         init
     ));
-    assert!(!package_init(&format!("q/a/{init}"), "p", init));
-    assert!(!package_init(&format!("pp/a/{init}"), "p", init));
+    assert!(!subpackage_init(&format!("q/a/{init}"), "p", init));
+    assert!(!subpackage_init(&format!("pp/a/{init}"), "p", init));
 }
 
 #[test]
@@ -617,6 +617,24 @@ fn a_packages_first_miss_brings_its_subpackages_inits_beyond_the_nearest_files()
         rig.missing("pkg/core/__pycache__/c6.pyc"),
         "the subpackage's modules came too: the neighbours' budget did not hold"
     );
+    // Neighbours past their budget: the inits still come, as guesses of a file's rest
+    // (within that budget instead).
+    let rig = rig_of(&files, 0, 200 << 10);
+    let spent = Spent {
+        neighbours_unused: u64::MAX / 2,
+        ..Spent::default()
+    };
+    let asks = rig.plan(&format!("pkg/{init}"), 0, 100, spent);
+    assert!(
+        asks.neighbours.is_empty() && !asks.inits.is_empty(),
+        "{asks:?}"
+    );
+    let spent = Spent {
+        rest_unused: u64::MAX / 2,
+        ..Spent::default()
+    };
+    let asks = rig.plan(&format!("pkg/{init}"), 0, 100, spent);
+    assert!(asks.inits.is_empty(), "{asks:?}");
     // A module that is not an `__init__` asks for no subpackage's.
     let rig = rig_of(&files, 0, 200 << 10);
     rig.read("pkg/__pycache__/m11.pyc", 0, 100);
