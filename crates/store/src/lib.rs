@@ -30,6 +30,7 @@
 
 mod clock;
 mod config;
+pub mod diskcache;
 mod error;
 mod key;
 mod meta;
