@@ -80,9 +80,7 @@ impl Staging {
     /// it is.
     pub fn create(&self) -> io::Result<TempFile> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .dir
-            .join(format!("{}-{seq}.part", std::process::id()));
+        let path = self.dir.join(format!("{}-{seq}.part", std::process::id()));
         let file = crate::new_private_file().open(&path)?;
         Ok(TempFile {
             path,
@@ -564,7 +562,7 @@ mod tests {
         {
             let (staging, _) = Staging::open(&tmp, TempRecovery::All).unwrap();
             let temp = staging.create().unwrap();
-            (&*temp.file()).write_all(b"torn").unwrap();
+            temp.file().write_all(b"torn").unwrap();
             // A kill -9 mid-write: the value is never dropped.
             std::mem::forget(temp);
         }
