@@ -35,7 +35,8 @@ pub enum Durability {
     /// entry on its first read after open) and tolerate a missing file.
     RenameOnly,
     /// fsync the file before the rename and its directory after it: a file found under
-    /// its final name is complete.
+    /// its final name is complete. The directory sync is best effort (its failure only
+    /// risks losing the entry to a power cut, never tearing it), so it is not an error.
     Synced,
 }
 
@@ -152,9 +153,7 @@ impl TempFile {
     }
 
     /// Renames it to `target` under `durability`. On an error the temp file is removed
-    /// and `target` is untouched (or, if the rename happened but the directory sync
-    /// failed, in place but maybe not durable: still an error, so the caller does not
-    /// count on it).
+    /// and `target` is untouched.
     pub fn commit(mut self, target: &Path, durability: Durability) -> io::Result<()> {
         if durability == Durability::Synced {
             self.file.sync_all()?;
@@ -162,7 +161,7 @@ impl TempFile {
         fs::rename(&self.path, target)?;
         self.armed = false;
         if durability == Durability::Synced {
-            sync_parent(target)?;
+            sync_parent(target);
         }
         Ok(())
     }
@@ -193,15 +192,16 @@ pub fn place(temp: &Path, target: &Path, durability: Durability) -> io::Result<(
     }
     fs::rename(temp, target)?;
     if durability == Durability::Synced {
-        sync_parent(target)?;
+        sync_parent(target);
     }
     Ok(())
 }
 
-fn sync_parent(path: &Path) -> io::Result<()> {
-    match path.parent() {
-        Some(dir) => File::open(dir)?.sync_all(),
-        None => Ok(()),
+/// Makes a rename into `path`'s directory durable, best effort (see [`Durability::Synced`]).
+fn sync_parent(path: &Path) {
+    let Some(dir) = path.parent() else { return };
+    if let Err(e) = File::open(dir).and_then(|d| d.sync_all()) {
+        tracing::debug!(dir = %dir.display(), error = %e, "syncing a cache directory failed");
     }
 }
 
