@@ -10,8 +10,12 @@
 //!   it), created only by rename after an fsync, never modified in place; an open
 //!   handle stays valid after eviction unlinks it. Its mtime is the last use (LRU order
 //!   survives restarts).
-//! - `tmp/<pid>-<n>`: files being written; left-overs of dead processes are removed on
-//!   open.
+//! - `tmp/<pid>-<n>.part`: files being written; left-overs of dead processes are removed
+//!   on open.
+//!
+//! The temp files, their recovery, the synced rename and the LRU index are the node's
+//! shared disk-cache primitive's ([`ferry_store::diskcache`]); the names, the hashes and
+//! the rescans of a directory other processes write too are this module's.
 //!
 //! The bytes come from the device layer, which verifies every span against the index
 //! before inflating, so a cached file is as trustworthy as a read through FUSE.
@@ -26,10 +30,12 @@ use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ferry_store::Store;
+use ferry_store::diskcache::{Durability, LruIndex, Staging, TempRecovery};
+use parking_lot::{Condvar, Mutex};
 use sha2::{Digest as _, Sha256};
 
 use crate::error::{Error, Result};
@@ -263,19 +269,17 @@ pub struct FileVerifyReport {
     pub unreadable: u64,
 }
 
-/// One cached file as the index knows it.
+/// One cached file as the index knows it (its length is the index's size).
 #[derive(Debug, Clone, Copy)]
 struct Item {
     sha256: [u8; 32],
-    len: u64,
     last_used_ms: u64,
     touched_ms: u64,
 }
 
 #[derive(Debug, Default)]
 struct State {
-    items: HashMap<FileKey, Item>,
-    total: u64,
+    items: LruIndex<FileKey, Item>,
     /// Keys queued or being written.
     pending: HashSet<FileKey>,
     /// Keys a [`FileCache::put`] is writing now.
@@ -286,13 +290,12 @@ struct State {
 pub struct FileCache {
     config: FileCacheConfig,
     data_dir: PathBuf,
-    tmp_dir: PathBuf,
+    staging: Staging,
     chunk_store: Option<Arc<Store>>,
     state: Mutex<State>,
     /// Signalled when a put ends (see [`FileCache::wait_written`]).
     written: Condvar,
     stats: FileCacheStats,
-    tmp_seq: AtomicU64,
     worker: Mutex<Option<SyncSender<Materialize>>>,
     /// Reads served through FUSE so far (by every mount using the cache): the worker
     /// waits for them to pause before materializing.
@@ -306,10 +309,6 @@ impl std::fmt::Debug for FileCache {
             .field("max_bytes", &self.config.max_bytes)
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn now_ms() -> u64 {
@@ -380,25 +379,26 @@ impl FileCache {
         let data_dir = dir.join("data");
         let tmp_dir = dir.join("tmp");
         // Decompressed copies of files that may be 0600 in their image: root's alone.
-        for d in [&dir, &data_dir, &tmp_dir] {
+        for d in [&dir, &data_dir] {
             ferry_store::private_dir(d)
                 .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
         }
-        clean_tmp(&tmp_dir)?;
+        // Other ferry processes of the node may be writing here.
+        let (staging, _) = Staging::open(&tmp_dir, TempRecovery::DeadProcesses)
+            .map_err(|e| Error::io(format!("recovering {}", tmp_dir.display()), e))?;
         let cache = FileCache {
             config: config.clone(),
             data_dir,
-            tmp_dir,
+            staging,
             chunk_store,
             state: Mutex::new(State::default()),
             written: Condvar::new(),
             stats: FileCacheStats::default(),
-            tmp_seq: AtomicU64::new(0),
             worker: Mutex::new(None),
             foreground_reads: Arc::new(AtomicU64::new(0)),
         };
         {
-            let mut st = lock(&cache.state);
+            let mut st = cache.state.lock();
             cache.rescan(&mut st)?;
             cache.evict_to(&mut st, cache.config.max_bytes, None);
         }
@@ -423,8 +423,12 @@ impl FileCache {
     /// Counters and occupancy now.
     pub fn snapshot(&self) -> FileCacheSnapshot {
         let (files, bytes, pending) = {
-            let st = lock(&self.state);
-            (st.items.len() as u64, st.total, st.pending.len() as u64)
+            let st = self.state.lock();
+            (
+                st.items.len() as u64,
+                st.items.bytes(),
+                st.pending.len() as u64,
+            )
         };
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let s = &self.stats;
@@ -445,7 +449,7 @@ impl FileCache {
 
     /// True when `key` is cached (as far as this process knows).
     pub fn contains(&self, key: &FileKey) -> bool {
-        lock(&self.state).items.contains_key(key)
+        self.state.lock().items.contains(key)
     }
 
     /// Waits, at most `timeout`, while a put writes `key`; true when it is cached then.
@@ -454,48 +458,45 @@ impl FileCache {
     /// the cached file, instead of serving every read of it through FUSE.
     pub fn wait_written(&self, key: &FileKey, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let mut st = lock(&self.state);
+        let mut st = self.state.lock();
         while st.writing.contains(key) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            st = self
-                .written
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            self.written.wait_for(&mut st, left);
         }
-        st.items.contains_key(key)
+        st.items.contains(key)
     }
 
     /// True while a put writes `key`.
     #[cfg(test)]
     pub(crate) fn is_writing(&self, key: &FileKey) -> bool {
-        lock(&self.state).writing.contains(key)
+        self.state.lock().writing.contains(key)
     }
 
     /// Opens cached file `key` when it is there and `len` bytes long; a use for the LRU.
     pub fn get(&self, key: &FileKey, len: u64) -> Option<CachedFile> {
         let now = now_ms();
         let (item, touch) = {
-            let mut st = lock(&self.state);
-            match st.items.get_mut(key) {
-                Some(item) if item.len == len => {
-                    item.last_used_ms = now;
-                    let touch =
-                        now.saturating_sub(item.touched_ms) >= TOUCH_EVERY.as_millis() as u64;
-                    if touch {
-                        item.touched_ms = now;
-                    }
-                    (*item, touch)
-                }
-                _ => {
-                    drop(st);
-                    self.stats.misses.fetch_add(1, Ordering::Relaxed);
-                    return None;
-                }
+            let mut st = self.state.lock();
+            // A use only when the length matches (another length is another file).
+            let slot = match st.items.get(key) {
+                Some(s) if s.size() == len => st.items.touch(key),
+                _ => None,
+            };
+            let Some(slot) = slot else {
+                drop(st);
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            let item = &mut slot.value;
+            item.last_used_ms = now;
+            let touch = now.saturating_sub(item.touched_ms) >= TOUCH_EVERY.as_millis() as u64;
+            if touch {
+                item.touched_ms = now;
             }
+            (*item, touch)
         };
         let path = self.data_dir.join(file_name(key, &item.sha256));
         let opened = File::open(&path).and_then(|f| {
@@ -524,10 +525,7 @@ impl FileCache {
     }
 
     fn forget(&self, key: &FileKey) {
-        let mut st = lock(&self.state);
-        if let Some(item) = st.items.remove(key) {
-            st.total = st.total.saturating_sub(item.len);
-        }
+        self.state.lock().items.remove(key);
     }
 
     /// Writes file `key` of `len` bytes with `fill` (temporary file, fsync, rename),
@@ -543,8 +541,8 @@ impl FileCache {
             return Ok(PutOutcome::TooLarge);
         }
         {
-            let mut st = lock(&self.state);
-            if st.items.contains_key(key) {
+            let mut st = self.state.lock();
+            if st.items.contains(key) {
                 return Ok(PutOutcome::AlreadyPresent);
             }
             st.writing.insert(*key);
@@ -553,48 +551,36 @@ impl FileCache {
         struct Writing<'a>(&'a FileCache, FileKey);
         impl Drop for Writing<'_> {
             fn drop(&mut self) {
-                lock(&self.0.state).writing.remove(&self.1);
+                self.0.state.lock().writing.remove(&self.1);
                 self.0.written.notify_all();
             }
         }
         let _writing = Writing(self, *key);
-        let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp_path = self.tmp_dir.join(format!("{}-{seq}", std::process::id()));
-        let result = self.write_tmp(&tmp_path, len, fill);
-        let sha256 = match result {
-            Ok(sha) => sha,
-            Err(e) => {
-                let _ = fs::remove_file(&tmp_path);
-                return Err(e);
-            }
-        };
+        // A temp file not committed (a failed fill, a crash) never enters `data/`: the
+        // guard removes it, or the next open's recovery does.
+        let mut temp = self.staging.create().map_err(|e| {
+            Error::io(
+                format!("creating a file in {}", self.staging.dir().display()),
+                e,
+            )
+        })?;
+        let sha256 = write_hashed(temp.file_mut(), len, fill)?;
         let path = self.data_dir.join(file_name(key, &sha256));
-        if let Err(e) = fs::rename(&tmp_path, &path) {
-            let _ = fs::remove_file(&tmp_path);
-            return Err(Error::io(format!("committing {}", path.display()), e));
-        }
-        // Make the rename durable; a crash before this only loses the file.
-        if let Ok(d) = File::open(&self.data_dir) {
-            let _ = d.sync_all();
-        }
+        temp.commit(&path, Durability::Synced)
+            .map_err(|e| Error::io(format!("committing {}", path.display()), e))?;
         let now = now_ms();
-        let mut st = lock(&self.state);
-        if let Some(old) = st.items.insert(
-            *key,
-            Item {
-                sha256,
-                len,
-                last_used_ms: now,
-                touched_ms: now,
-            },
-        ) {
-            st.total = st.total.saturating_sub(old.len);
-            if old.sha256 != sha256 {
-                let _ = fs::remove_file(self.data_dir.join(file_name(key, &old.sha256)));
-            }
+        let mut st = self.state.lock();
+        let item = Item {
+            sha256,
+            last_used_ms: now,
+            touched_ms: now,
+        };
+        if let Some((_, old)) = st.items.insert(*key, len, item)
+            && old.sha256 != sha256
+        {
+            let _ = fs::remove_file(self.data_dir.join(file_name(key, &old.sha256)));
         }
-        st.total += len;
-        if st.total > self.config.max_bytes {
+        if st.items.bytes() > self.config.max_bytes {
             // Other processes may have added files: look at the directory first.
             if let Err(e) = self.rescan(&mut st) {
                 tracing::warn!(error = %e, "file cache: rescanning before eviction failed");
@@ -606,37 +592,6 @@ impl FileCache {
         Ok(PutOutcome::Stored)
     }
 
-    fn write_tmp(
-        &self,
-        tmp_path: &Path,
-        len: u64,
-        fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
-    ) -> Result<[u8; 32]> {
-        let file = ferry_store::new_private_file()
-            .open(tmp_path)
-            .map_err(|e| Error::io(format!("creating {}", tmp_path.display()), e))?;
-        let mut w = HashingWriter {
-            inner: BufWriter::with_capacity(IO_BLOCK, file),
-            hasher: Sha256::new(),
-            written: 0,
-            limit: len,
-        };
-        fill(&mut w).map_err(|e| Error::io("materializing a file", e))?;
-        if w.written != len {
-            return Err(Error::Invalid(format!(
-                "materialized {} bytes of a {len}-byte file",
-                w.written
-            )));
-        }
-        let file = w
-            .inner
-            .into_inner()
-            .map_err(|e| Error::io("flushing a materialized file", e.into_error()))?;
-        file.sync_all()
-            .map_err(|e| Error::io("syncing a materialized file", e))?;
-        Ok(w.hasher.finalize().into())
-    }
-
     /// Queues `job` for the background worker (started on first use, at low CPU
     /// priority). Returns false when the key is cached, already queued, or the queue is
     /// full. Never blocks.
@@ -645,20 +600,20 @@ impl FileCache {
             return false;
         }
         {
-            let mut st = lock(&self.state);
-            if st.items.contains_key(&job.key) || !st.pending.insert(job.key) {
+            let mut st = self.state.lock();
+            if st.items.contains(&job.key) || !st.pending.insert(job.key) {
                 return false;
             }
         }
         let key = job.key;
-        let mut worker = lock(&self.worker);
+        let mut worker = self.worker.lock();
         if worker.is_none() {
             match self.spawn_worker() {
                 Ok(tx) => *worker = Some(tx),
                 Err(e) => {
                     tracing::warn!(error = %e, "file cache: cannot start the worker");
                     drop(worker);
-                    lock(&self.state).pending.remove(&key);
+                    self.state.lock().pending.remove(&key);
                     return false;
                 }
             }
@@ -673,7 +628,7 @@ impl FileCache {
         };
         drop(worker);
         if !sent {
-            lock(&self.state).pending.remove(&key);
+            self.state.lock().pending.remove(&key);
             self.stats.skipped.fetch_add(1, Ordering::Relaxed);
         }
         sent
@@ -681,7 +636,7 @@ impl FileCache {
 
     /// True while `key` is queued or being written.
     pub fn is_pending(&self, key: &FileKey) -> bool {
-        lock(&self.state).pending.contains(key)
+        self.state.lock().pending.contains(key)
     }
 
     /// Notes a read served through FUSE (not by passthrough): materializing waits until
@@ -730,22 +685,25 @@ impl FileCache {
         } else {
             self.stats.skipped.fetch_add(1, Ordering::Relaxed);
         }
-        lock(&self.state).pending.remove(&key);
+        self.state.lock().pending.remove(&key);
     }
 
     /// Rehashes every cached file; removes those whose content no longer matches the
     /// SHA-256 in their name, forgets those that cannot be read.
     pub fn verify(&self) -> Result<FileVerifyReport> {
-        let items: Vec<(FileKey, Item)> = {
-            let mut st = lock(&self.state);
+        let items: Vec<(FileKey, [u8; 32], u64)> = {
+            let mut st = self.state.lock();
             self.rescan(&mut st)?;
-            st.items.iter().map(|(k, v)| (*k, *v)).collect()
+            st.items
+                .iter()
+                .map(|(k, s)| (*k, s.value.sha256, s.size()))
+                .collect()
         };
         let mut report = FileVerifyReport::default();
-        for (key, item) in items {
-            let path = self.data_dir.join(file_name(&key, &item.sha256));
+        for (key, sha256, size) in items {
+            let path = self.data_dir.join(file_name(&key, &sha256));
             match hash_file(&path) {
-                Ok((sha, len)) if sha == item.sha256 && len == item.len => report.checked += 1,
+                Ok((sha, len)) if sha == sha256 && len == size => report.checked += 1,
                 Ok(_) => {
                     report.checked += 1;
                     report.corrupt += 1;
@@ -767,8 +725,7 @@ impl FileCache {
     fn rescan(&self, st: &mut State) -> Result<()> {
         let rd = fs::read_dir(&self.data_dir)
             .map_err(|e| Error::io(format!("listing {}", self.data_dir.display()), e))?;
-        let mut items = HashMap::new();
-        let mut total = 0u64;
+        let mut found: HashMap<FileKey, (Item, u64)> = HashMap::new();
         for ent in rd {
             let ent = ent.map_err(|e| Error::io("listing the file cache", e))?;
             let name = ent.file_name();
@@ -786,60 +743,80 @@ impl FileCache {
             let last_used_ms = st
                 .items
                 .get(&key)
-                .filter(|i| i.sha256 == sha256)
-                .map(|i| i.last_used_ms)
+                .filter(|s| s.value.sha256 == sha256)
+                .map(|s| s.value.last_used_ms)
                 .unwrap_or_else(|| mtime_ms(&meta));
-            if let Some(dup) = items.insert(
-                key,
-                Item {
-                    sha256,
-                    len: meta.len(),
-                    last_used_ms,
-                    touched_ms: last_used_ms,
-                },
-            ) {
+            let item = Item {
+                sha256,
+                last_used_ms,
+                touched_ms: last_used_ms,
+            };
+            if let Some((dup, _)) = found.insert(key, (item, meta.len())) {
                 // Two contents for one key (cannot happen with verified sources): keep one.
-                total -= dup.len;
                 let _ = fs::remove_file(self.data_dir.join(file_name(&key, &dup.sha256)));
             }
-            total += meta.len();
+        }
+        // Least recently used first, so the index's order is the use order.
+        let mut found: Vec<(FileKey, (Item, u64))> = found.into_iter().collect();
+        found.sort_by_key(|(k, (item, _))| (item.last_used_ms, *k));
+        let mut items = LruIndex::new();
+        for (key, (item, len)) in found {
+            items.insert(key, len, item);
         }
         st.items = items;
-        st.total = total;
         Ok(())
     }
 
     /// Evicts least recently used files (never `keep`) until at most `target` bytes
     /// are cached.
     fn evict_to(&self, st: &mut State, target: u64, keep: Option<&FileKey>) {
-        if st.total <= target {
-            return;
+        if let Some(k) = keep {
+            st.items.pin(*k);
         }
-        let mut order: Vec<(u64, FileKey)> = st
-            .items
-            .iter()
-            .filter(|(k, _)| Some(*k) != keep)
-            .map(|(k, v)| (v.last_used_ms, *k))
-            .collect();
-        order.sort();
-        for (_, key) in order {
-            if st.total <= target {
-                break;
-            }
-            if let Some(item) = st.items.remove(&key) {
-                let path = self.data_dir.join(file_name(&key, &item.sha256));
-                match fs::remove_file(&path) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "file cache: eviction failed")
-                    }
+        let victims = st.items.take_victims(target);
+        if let Some(k) = keep {
+            st.items.unpin(k);
+        }
+        for victim in victims {
+            let path = self
+                .data_dir
+                .join(file_name(&victim.key, &victim.value.sha256));
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "file cache: eviction failed")
                 }
-                st.total = st.total.saturating_sub(item.len);
-                self.stats.evicted.fetch_add(1, Ordering::Relaxed);
             }
+            self.stats.evicted.fetch_add(1, Ordering::Relaxed);
         }
     }
+}
+
+/// Writes exactly `len` bytes with `fill` into `file`, synced by the commit; returns their
+/// SHA-256.
+fn write_hashed(
+    file: &mut File,
+    len: u64,
+    fill: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> Result<[u8; 32]> {
+    let mut w = HashingWriter {
+        inner: BufWriter::with_capacity(IO_BLOCK, file),
+        hasher: Sha256::new(),
+        written: 0,
+        limit: len,
+    };
+    fill(&mut w).map_err(|e| Error::io("materializing a file", e))?;
+    if w.written != len {
+        return Err(Error::Invalid(format!(
+            "materialized {} bytes of a {len}-byte file",
+            w.written
+        )));
+    }
+    w.inner
+        .flush()
+        .map_err(|e| Error::io("flushing a materialized file", e))?;
+    Ok(w.hasher.finalize().into())
 }
 
 /// SHA-256 and length of the file at `path`.
@@ -857,26 +834,6 @@ fn hash_file(path: &Path) -> io::Result<([u8; 32], u64)> {
         off += n as u64;
     }
     Ok((h.finalize().into(), off))
-}
-
-/// Removes temporary files left by processes that no longer run.
-fn clean_tmp(dir: &Path) -> Result<u64> {
-    let mut removed = 0;
-    let rd = fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
-    for ent in rd.flatten() {
-        let name = ent.file_name();
-        let owner_alive = name
-            .to_str()
-            .and_then(|n| n.split_once('-'))
-            .and_then(|(pid, _)| pid.parse::<u32>().ok())
-            .is_some_and(|pid| {
-                pid != std::process::id() && Path::new("/proc").join(pid.to_string()).exists()
-            });
-        if !owner_alive && fs::remove_file(ent.path()).is_ok() {
-            removed += 1;
-        }
-    }
-    Ok(removed)
 }
 
 /// How long FUSE reads must pause before the worker materializes a file.

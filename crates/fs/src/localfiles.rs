@@ -24,12 +24,13 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use ferry_index::merged::Location;
 use ferry_index::reader::LayerFormat;
 use ferry_store::ChunkKey;
+use parking_lot::{Mutex, RwLock};
 
 use crate::filecache::{CachedFile, FileCache, FileKey, Materialize};
 use crate::image::MountedImage;
@@ -42,10 +43,6 @@ const MAX_TRACKED: usize = 4096;
 /// Longest an open waits for its file while a put writes it to the cache: writing a
 /// few MiB takes tens of milliseconds; past this the open is served through FUSE.
 const WAIT_FOR_WRITE: std::time::Duration = std::time::Duration::from_millis(200);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// How an open is answered.
 #[derive(Debug)]
@@ -168,7 +165,7 @@ impl<B> LocalFiles<B> {
             self.cache.wait_written(k, WAIT_FOR_WRITE);
         }
         let stats = self.cache.stats();
-        let mut inodes = lock(&self.inodes);
+        let mut inodes = self.inodes.lock();
         let state = inodes.entry(ino).or_insert(InodeOpens {
             opens: 0,
             backing: None,
@@ -214,29 +211,19 @@ impl<B> LocalFiles<B> {
         }
         drop(inodes);
         stats.pread_opens.fetch_add(1, Ordering::Relaxed);
-        self.handles
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(fh, Arc::new(cached));
+        self.handles.write().insert(fh, Arc::new(cached));
         OpenMode::Served(fh)
     }
 
     /// The cached file handle `fh` reads from, if any.
     pub(crate) fn cached(&self, fh: u64) -> Option<Arc<CachedFile>> {
-        self.handles
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&fh)
-            .cloned()
+        self.handles.read().get(&fh).cloned()
     }
 
     /// Handle `fh` of `ino` was released.
     pub(crate) fn release(&self, ino: Ino, fh: u64) {
-        self.handles
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&fh);
-        let mut inodes = lock(&self.inodes);
+        self.handles.write().remove(&fh);
+        let mut inodes = self.inodes.lock();
         if let Some(state) = inodes.get_mut(&ino) {
             state.opens = state.opens.saturating_sub(1);
             if state.opens == 0 {
@@ -256,7 +243,7 @@ impl<B> LocalFiles<B> {
             return;
         };
         let done = {
-            let mut tracked = lock(&self.read_bytes);
+            let mut tracked = self.read_bytes.lock();
             if tracked.len() >= MAX_TRACKED && !tracked.contains_key(&ino) {
                 tracked.clear();
             }
@@ -277,7 +264,7 @@ impl<B> LocalFiles<B> {
     /// materialized now (checked on the worker, once per inode and mount).
     fn maybe_eager(&self, ino: Ino, loc: Location, size: u64, key: FileKey) {
         let min = self.cache.config().eager_min_bytes;
-        if min == 0 || size < min || !lock(&self.eager_tried).insert(ino) {
+        if min == 0 || size < min || !self.eager_tried.lock().insert(ino) {
             return;
         }
         let image = self.image.clone();

@@ -12,6 +12,12 @@
 //! on paths a caller names (blob files of an OCI layout through [`source::FileSource`]
 //! and [`image`], the directory [`pack`] reads). Everything parsed here comes from
 //! strangers, so every parser is bounded and returns [`Error`], never panics.
+//!
+//! [`inflated`] keeps its own small LRU rather than the cache crate the registry uses
+//! (quick_cache): it needs two bounds of its own (spans and windows, a window never
+//! costing a span), an idle release that drops what a burst stopped using, and strict
+//! recency; the crate offers one weight bound and its own eviction order, and the map
+//! holds tens of entries behind one short lock, so a port would add no speed.
 
 pub mod entry;
 pub mod error;

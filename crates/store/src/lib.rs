@@ -21,6 +21,11 @@
 //! again, e.g. after reading [`Store::pinned_keys`]) loses nothing, while pins of mounts
 //! that did not come back are dropped once the grace period ends.
 //!
+//! It also owns the one disk-cache primitive of the node ([`diskcache`]: staging
+//! directory, temp files, durability policy, LRU index with pins and reservations),
+//! which the chunk store, ferry-fs's file cache and the registry's blob cache are built
+//! on; it stays free of any cache's naming, verification or format.
+//!
 //! Privacy: the store's directories are 0700 and its files 0600 (see [`private_dir`]);
 //! a store made with wider modes is tightened when opened.
 //!
@@ -30,6 +35,7 @@
 
 mod clock;
 mod config;
+pub mod diskcache;
 mod error;
 mod key;
 mod meta;

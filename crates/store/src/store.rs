@@ -15,22 +15,24 @@
 //! - `tmp/`: files being written; emptied on open.
 //! - `meta.redb`: the metadata (see `meta.rs`).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use redb::Database;
 use serde::Serialize;
 use sha2::{Digest as _, Sha256};
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{DEFAULT_MAX_BYTES, StoreConfig};
+use crate::diskcache::{Durability, LruIndex, Slot, Staging, TempFile, TempRecovery};
 use crate::error::{Error, Result};
 use crate::key::ChunkKey;
 use crate::meta::{self, ENTRIES, PINS, Record, SETTINGS};
@@ -236,7 +238,7 @@ pub struct Store {
 struct Inner {
     root: PathBuf,
     chunks_dir: PathBuf,
-    tmp_dir: PathBuf,
+    staging: Staging,
     db: Database,
     max_bytes: u64,
     clock: Arc<dyn Clock>,
@@ -250,7 +252,6 @@ struct Inner {
     /// True while restored pins await re-registration.
     restore_pending: AtomicBool,
     counters: Counters,
-    temp_seq: AtomicU64,
     open_report: OpenReport,
     flusher: Mutex<Option<Flusher>>,
 }
@@ -269,10 +270,9 @@ fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
+/// What the index keeps about an entry besides its size and recency.
 #[derive(Debug, Clone, Copy)]
 struct Entry {
-    size: u64,
-    tick: u64,
     last_access_ms: u64,
     verified_at_ms: u64,
     /// Hashed and found good (or written) by this process.
@@ -288,20 +288,13 @@ struct Owner {
     restore_deadline_ms: Option<u64>,
 }
 
-/// The in-memory index. Invariants: `lru` holds exactly the committed entries nobody
-/// pins, keyed by their unique tick; `lru_bytes` is their size sum; `committed_bytes` is
-/// the size sum of `entries`; `pin_counts` holds only counts above zero; a busy key is
-/// never in `entries`.
+/// The in-memory index. Sizes, recency, reservations and pin counts are the shared
+/// disk-cache index's ([`LruIndex`]); a key's pin count there is the number of owners
+/// pinning it. Invariant: a busy key is never in `index`.
 #[derive(Debug, Default)]
 struct State {
-    entries: HashMap<ChunkKey, Entry>,
-    lru: BTreeMap<u64, ChunkKey>,
-    lru_bytes: u64,
-    committed_bytes: u64,
-    reserved_bytes: u64,
-    next_tick: u64,
+    index: LruIndex<ChunkKey, Entry>,
     next_generation: u64,
-    pin_counts: HashMap<ChunkKey, u32>,
     owners: HashMap<String, Owner>,
     busy: HashSet<ChunkKey>,
     /// Entries whose record is stale or, for entries put since the last flush, not
@@ -310,101 +303,57 @@ struct State {
 }
 
 impl State {
-    fn tick(&mut self) -> u64 {
-        self.next_tick += 1;
-        self.next_tick
-    }
-
-    fn is_pinned(&self, key: &ChunkKey) -> bool {
-        self.pin_counts.contains_key(key)
-    }
-
-    /// Marks an access; returns the entry as it now is.
-    fn touch(&mut self, key: &ChunkKey, now_ms: u64) -> Option<Entry> {
-        let tick = self.tick();
-        let pinned = self.is_pinned(key);
-        let entry = self.entries.get_mut(key)?;
-        if !pinned {
-            self.lru.remove(&entry.tick);
-            self.lru.insert(tick, *key);
-        }
-        entry.tick = tick;
-        entry.last_access_ms = now_ms;
-        let out = *entry;
+    /// Marks an access; returns the entry's size and the entry as it now is.
+    fn touch(&mut self, key: &ChunkKey, now_ms: u64) -> Option<(u64, Entry)> {
+        let slot = self.index.touch(key)?;
+        slot.value.last_access_ms = now_ms;
+        let out = (slot.size(), slot.value);
         self.dirty.insert(*key);
         Some(out)
     }
 
-    fn insert(&mut self, key: ChunkKey, mut entry: Entry) {
+    /// Adds a committed entry, the most recent one.
+    fn insert(&mut self, key: ChunkKey, size: u64, mut entry: Entry) {
         self.next_generation += 1;
         entry.generation = self.next_generation;
-        if !self.is_pinned(&key) {
-            self.lru.insert(entry.tick, key);
-            self.lru_bytes += entry.size;
-        }
-        self.committed_bytes += entry.size;
-        self.entries.insert(key, entry);
+        self.index.insert(key, size, entry);
     }
 
-    fn remove(&mut self, key: &ChunkKey) -> Option<Entry> {
-        let entry = self.entries.remove(key)?;
-        if self.lru.remove(&entry.tick).is_some() {
-            self.lru_bytes -= entry.size;
-        }
-        self.committed_bytes -= entry.size;
+    /// Adds an entry found at open with its persisted `tick`; returns the tick used.
+    fn restore(&mut self, key: ChunkKey, size: u64, entry: Entry, tick: u64) -> u64 {
+        self.index.insert_at(key, size, entry, tick)
+    }
+
+    fn remove(&mut self, key: &ChunkKey) -> Option<(u64, Entry)> {
+        let removed = self.index.remove(key)?;
         self.dirty.remove(key);
-        Some(entry)
+        Some(removed)
     }
 
     fn add_pin(&mut self, key: ChunkKey) {
-        let count = self.pin_counts.entry(key).or_insert(0);
-        *count += 1;
-        if *count == 1
-            && let Some(e) = self.entries.get(&key)
-            && self.lru.remove(&e.tick).is_some()
-        {
-            self.lru_bytes -= e.size;
-        }
+        self.index.pin(key);
     }
 
     fn drop_pin(&mut self, key: &ChunkKey) {
-        let Some(count) = self.pin_counts.get_mut(key) else {
-            return;
-        };
-        *count -= 1;
-        if *count == 0 {
-            self.pin_counts.remove(key);
-            if let Some(e) = self.entries.get(key) {
-                self.lru.insert(e.tick, *key);
-                self.lru_bytes += e.size;
-            }
-        }
+        self.index.unpin(key);
     }
 
     /// Removes least recently used unpinned entries until committed + reserved bytes are
     /// at most `target`; marks them busy. Returns them (key, size).
     fn take_victims(&mut self, target: u64) -> Vec<(ChunkKey, u64)> {
-        let mut victims = Vec::new();
-        while self.committed_bytes + self.reserved_bytes > target {
-            let Some((&tick, &key)) = self.lru.first_key_value() else {
-                break;
-            };
-            match self.remove(&key) {
-                Some(e) => {
-                    self.busy.insert(key);
-                    victims.push((key, e.size));
-                }
-                // Unreachable while the invariants hold; never loop on it.
-                None => {
-                    self.lru.remove(&tick);
-                }
-            }
-        }
+        let victims = self.index.take_victims(target);
         victims
+            .into_iter()
+            .map(|v| {
+                self.dirty.remove(&v.key);
+                self.busy.insert(v.key);
+                (v.key, v.size)
+            })
+            .collect()
     }
 
     fn pinned_bytes(&self) -> u64 {
-        self.committed_bytes - self.lru_bytes
+        self.index.pinned_bytes()
     }
 }
 
@@ -423,20 +372,6 @@ impl Drop for BusyGuard<'_> {
     }
 }
 
-/// A file in `tmp/`, removed on drop unless committed.
-struct TempFile {
-    path: PathBuf,
-    armed: bool,
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = fs::remove_file(&self.path);
-        }
-    }
-}
-
 #[derive(Debug)]
 struct Flusher {
     stop: Arc<(Mutex<bool>, Condvar)>,
@@ -446,7 +381,7 @@ struct Flusher {
 impl Flusher {
     fn signal(&self) {
         let (flag, cv) = &*self.stop;
-        *flag.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        *flag.lock() = true;
         cv.notify_all();
     }
 }
@@ -484,8 +419,7 @@ impl Store {
     /// Fails with [`Error::InUse`] while another process has it open.
     pub fn open_with(root: &Path, options: StoreOptions) -> Result<Store> {
         let chunks_dir = root.join("chunks");
-        let tmp_dir = root.join("tmp");
-        for dir in [root, &chunks_dir, &tmp_dir] {
+        for dir in [root, &chunks_dir] {
             crate::private_dir(dir).map_err(|e| Error::io(dir, e))?;
         }
         let db_path = root.join("meta.redb");
@@ -524,7 +458,11 @@ impl Store {
             metadata_rebuilt: rebuilt,
             ..OpenReport::default()
         };
-        report.removed_temp_files = clean_dir(&tmp_dir)?;
+        let tmp_dir = root.join("tmp");
+        // The metadata lock keeps other processes out, so every temp file is a dead one's.
+        let (staging, removed_temp_files) =
+            Staging::open(&tmp_dir, TempRecovery::All).map_err(|e| Error::io(&tmp_dir, e))?;
+        report.removed_temp_files = removed_temp_files;
         ensure_fanout_dirs(&chunks_dir)?;
         let now = options.clock.now_ms();
         let reconciled = reconcile(&chunks_dir, loaded, &mut report)?;
@@ -562,22 +500,15 @@ impl Store {
         for (key, rec) in records {
             // Keep persisted ticks (new ones must rank after them); only collisions, e.g.
             // among adopted files, are moved up, and persisted with the next flush.
-            let tick = rec.tick.max(state.next_tick + 1);
-            state.next_tick = tick;
-            if tick != rec.tick {
+            let entry = Entry {
+                last_access_ms: rec.last_access_ms,
+                verified_at_ms: rec.verified_at_ms,
+                verified: false,
+                generation: 0,
+            };
+            if state.restore(key, rec.size, entry, rec.tick) != rec.tick {
                 state.dirty.insert(key);
             }
-            state.insert(
-                key,
-                Entry {
-                    size: rec.size,
-                    tick,
-                    last_access_ms: rec.last_access_ms,
-                    verified_at_ms: rec.verified_at_ms,
-                    verified: false,
-                    generation: 0,
-                },
-            );
         }
         let deadline = now.saturating_add(duration_ms(options.pin_grace));
         for (owner, key) in reconciled.pins {
@@ -588,12 +519,12 @@ impl Store {
                 report.restored_pins += 1;
             }
         }
-        report.entries = state.entries.len() as u64;
+        report.entries = state.index.len() as u64;
 
         let inner = Arc::new(Inner {
             root: root.to_path_buf(),
             chunks_dir,
-            tmp_dir,
+            staging,
             db,
             max_bytes,
             clock: options.clock,
@@ -603,7 +534,6 @@ impl Store {
             pin_io: Mutex::new(()),
             flush_io: Mutex::new(()),
             counters: Counters::default(),
-            temp_seq: AtomicU64::new(0),
             open_report: report,
             flusher: Mutex::new(None),
         });
@@ -672,7 +602,7 @@ impl Store {
         };
         // Refuse before writing when pins leave no room (the commit re-checks).
         inner.check_room(size)?;
-        let (temp, ()) = inner.write_temp(key, |f| f.write_all(bytes))?;
+        let (temp, ()) = inner.write_temp(|f| f.write_all(bytes))?;
         inner.commit(guard, temp, size)?;
         Ok(PutOutcome::Stored)
     }
@@ -686,7 +616,7 @@ impl Store {
             return Ok(PutOutcome::AlreadyPresent);
         };
         let max = inner.max_bytes;
-        let (temp, (size, actual)) = inner.write_temp(key, |f| copy_hashing(reader, f, max))?;
+        let (temp, (size, actual)) = inner.write_temp(|f| copy_hashing(reader, f, max))?;
         if size > max {
             return Err(Error::TooLarge {
                 size,
@@ -774,7 +704,7 @@ impl Store {
 
     /// True when the key is committed (no access recorded, no verification).
     pub fn contains(&self, key: &ChunkKey) -> bool {
-        self.inner.lock_state().entries.contains_key(key)
+        self.inner.lock_state().index.contains(key)
     }
 
     /// Pins `keys` for `owner` (a live mount), adding to what it already pins: pinned
@@ -786,7 +716,7 @@ impl Store {
             return Err(Error::InvalidOwner(owner.chars().take(80).collect()));
         }
         let inner = &*self.inner;
-        let _io = inner.pin_io.lock().unwrap_or_else(PoisonError::into_inner);
+        let _io = inner.pin_io.lock();
         let added: Vec<ChunkKey> = {
             let mut st = inner.lock_state();
             let st = &mut *st;
@@ -845,8 +775,8 @@ impl Store {
                 bytes: o
                     .keys
                     .iter()
-                    .filter_map(|k| st.entries.get(k))
-                    .map(|e| e.size)
+                    .filter_map(|k| st.index.get(k))
+                    .map(Slot::size)
                     .sum(),
                 restored: o.restore_deadline_ms.is_some(),
             })
@@ -875,7 +805,7 @@ impl Store {
         Ok(GcReport {
             evicted_entries,
             freed_bytes,
-            bytes: st.committed_bytes,
+            bytes: st.index.bytes(),
             pinned_bytes: st.pinned_bytes(),
         })
     }
@@ -886,9 +816,9 @@ impl Store {
         let inner = &*self.inner;
         let snapshot: Vec<(ChunkKey, u64, u64)> = {
             let st = inner.lock_state();
-            st.entries
+            st.index
                 .iter()
-                .map(|(k, e)| (*k, e.size, e.generation))
+                .map(|(k, e)| (*k, e.size(), e.value.generation))
                 .collect()
         };
         let mut report = VerifyReport::default();
@@ -929,17 +859,17 @@ impl Store {
     pub fn list(&self) -> Vec<EntryInfo> {
         let st = self.inner.lock_state();
         let mut entries: Vec<(u64, EntryInfo)> = st
-            .entries
+            .index
             .iter()
             .map(|(k, e)| {
                 (
-                    e.tick,
+                    e.tick(),
                     EntryInfo {
                         key: *k,
-                        size: e.size,
-                        last_access_ms: e.last_access_ms,
-                        verified_at_ms: e.verified_at_ms,
-                        pins: st.pin_counts.get(k).copied().unwrap_or(0),
+                        size: e.size(),
+                        last_access_ms: e.value.last_access_ms,
+                        verified_at_ms: e.value.verified_at_ms,
+                        pins: st.index.pins(k),
                     },
                 )
             })
@@ -954,16 +884,12 @@ impl Store {
         let c = &inner.counters;
         let st = inner.lock_state();
         StoreStats {
-            entries: st.entries.len() as u64,
-            bytes: st.committed_bytes,
-            reserved_bytes: st.reserved_bytes,
+            entries: st.index.len() as u64,
+            bytes: st.index.bytes(),
+            reserved_bytes: st.index.reserved(),
             max_bytes: inner.max_bytes,
             pinned_bytes: st.pinned_bytes(),
-            pinned_entries: st
-                .pin_counts
-                .keys()
-                .filter(|k| st.entries.contains_key(k))
-                .count() as u64,
+            pinned_entries: st.index.pinned_entries() as u64,
             pin_owners: st.owners.len() as u64,
             hits: c.hits.load(Ordering::Relaxed),
             misses: c.misses.load(Ordering::Relaxed),
@@ -984,12 +910,7 @@ impl Store {
     /// Stops the background flusher, waits for it, and flushes. The metadata file is
     /// released when the last clone of this store is dropped.
     pub fn close(self) -> Result<()> {
-        let flusher = self
-            .inner
-            .flusher
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let flusher = self.inner.flusher.lock().take();
         if let Some(mut f) = flusher {
             f.signal();
             if let Some(h) = f.handle.take() {
@@ -1008,11 +929,7 @@ impl Store {
             .spawn(move || flusher_loop(weak, thread_stop, interval));
         match spawned {
             Ok(handle) => {
-                *self
-                    .inner
-                    .flusher
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = Some(Flusher {
+                *self.inner.flusher.lock() = Some(Flusher {
                     stop,
                     handle: Some(handle),
                 });
@@ -1026,12 +943,9 @@ impl Store {
 
 fn flusher_loop(weak: Weak<Inner>, stop: Arc<(Mutex<bool>, Condvar)>, interval: Duration) {
     let (flag, cv) = &*stop;
-    let mut stopped = flag.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut stopped = flag.lock();
     loop {
-        let (guard, _) = cv
-            .wait_timeout(stopped, interval)
-            .unwrap_or_else(PoisonError::into_inner);
-        stopped = guard;
+        cv.wait_for(&mut stopped, interval);
         if *stopped {
             return;
         }
@@ -1047,18 +961,13 @@ fn flusher_loop(weak: Weak<Inner>, stop: Arc<(Mutex<bool>, Condvar)>, interval: 
                 tracing::warn!(error = %e, "expiring restored pins failed");
             }
         }
-        stopped = flag.lock().unwrap_or_else(PoisonError::into_inner);
+        stopped = flag.lock();
     }
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Some(f) = self
-            .flusher
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
+        if let Some(f) = self.flusher.get_mut().take() {
             // Not joined: this may run on the flusher thread itself.
             f.signal();
         }
@@ -1070,7 +979,7 @@ impl Drop for Inner {
 
 impl Inner {
     fn lock_state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
     fn entry_path(&self, key: &ChunkKey) -> PathBuf {
@@ -1081,8 +990,8 @@ impl Inner {
     /// Finds an entry for a read and records the access; counts a miss when absent.
     fn lookup(&self, key: &ChunkKey) -> Option<Found> {
         let now = self.clock.now_ms();
-        let found = self.lock_state().touch(key, now).map(|e| Found {
-            size: e.size,
+        let found = self.lock_state().touch(key, now).map(|(size, e)| Found {
+            size,
             verified: e.verified,
             generation: e.generation,
         });
@@ -1130,7 +1039,7 @@ impl Inner {
     fn mark_verified(&self, key: &ChunkKey, generation: u64) {
         let now = self.clock.now_ms();
         let mut st = self.lock_state();
-        if let Some(e) = st.entries.get_mut(key)
+        if let Some(e) = st.index.value_mut(key)
             && e.generation == generation
         {
             e.verified = true;
@@ -1143,8 +1052,8 @@ impl Inner {
     fn drop_if_current(&self, key: &ChunkKey, generation: u64) -> Result<bool> {
         {
             let mut st = self.lock_state();
-            match st.entries.get(key) {
-                Some(e) if e.generation == generation => {}
+            match st.index.get(key) {
+                Some(e) if e.value.generation == generation => {}
                 _ => return Ok(false),
             }
             st.remove(key);
@@ -1179,40 +1088,27 @@ impl Inner {
                     key: *key,
                 });
             }
-            st = self
-                .settled
-                .wait(st)
-                .unwrap_or_else(PoisonError::into_inner);
+            self.settled.wait(&mut st);
         }
     }
 
     /// Writes a temp file with `fill`. Not fsynced: see [`Inner::commit`].
     fn write_temp<T>(
         &self,
-        key: &ChunkKey,
         fill: impl FnOnce(&mut File) -> io::Result<T>,
     ) -> Result<(TempFile, T)> {
-        let seq = self.temp_seq.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .tmp_dir
-            .join(format!("{}.{}.{seq}.part", key.hex(), std::process::id()));
-        let mut file = crate::new_private_file()
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
-        let temp = TempFile {
-            path: path.clone(),
-            armed: true,
-        };
-        let out = fill(&mut file).map_err(|e| Error::io(&path, e))?;
+        let mut temp = self
+            .staging
+            .create()
+            .map_err(|e| Error::io(self.staging.dir(), e))?;
+        let out = fill(temp.file_mut()).map_err(|e| Error::io(temp.path(), e))?;
         Ok((temp, out))
     }
 
     /// Fails with [`Error::Full`] when `size` more bytes cannot fit even after evicting
     /// every unpinned entry.
     fn room_in(&self, st: &State, size: u64) -> Result<()> {
-        let limit = self.max_bytes.saturating_sub(size);
-        let over = (st.committed_bytes + st.reserved_bytes).saturating_sub(limit);
-        if over > st.lru_bytes {
+        if !st.index.has_room(size, self.max_bytes) {
             return Err(Error::Full {
                 needed: size,
                 max_bytes: self.max_bytes,
@@ -1227,13 +1123,13 @@ impl Inner {
     }
 
     /// Makes room, renames the temp file into place and commits its record.
-    fn commit(&self, guard: BusyGuard<'_>, mut temp: TempFile, size: u64) -> Result<()> {
+    fn commit(&self, guard: BusyGuard<'_>, temp: TempFile, size: u64) -> Result<()> {
         let key = guard.key;
         let victims = {
             let mut st = self.lock_state();
             self.room_in(&st, size)?;
             let victims = st.take_victims(self.max_bytes.saturating_sub(size));
-            st.reserved_bytes += size;
+            st.index.reserve(size);
             victims
         };
         let evicted = self.evict(victims);
@@ -1246,29 +1142,21 @@ impl Inner {
         // without records as unverified, drops records whose file is missing or of the
         // wrong size, and hashes every entry on its first read, so a chunk torn by a
         // crash reads as a miss, never as wrong bytes.
-        let placed = (|| -> Result<Record> {
-            evicted?;
-            fs::rename(&temp.path, &path).map_err(|e| Error::io(&path, e))?;
-            temp.armed = false;
-            Ok(Record {
-                size,
-                last_access_ms: now,
-                tick: 0,
-                verified_at_ms: now,
-            })
-        })();
+        // A temp file not committed is removed when `temp` drops.
+        let placed = evicted.and_then(|()| {
+            temp.commit(&path, Durability::RenameOnly)
+                .map_err(|e| Error::io(&path, e))
+        });
         let mut st = self.lock_state();
-        st.reserved_bytes -= size;
+        st.index.release(size);
         match placed {
-            Ok(rec) => {
-                let tick = st.tick();
+            Ok(()) => {
                 st.insert(
                     key,
+                    size,
                     Entry {
-                        size,
-                        tick,
-                        last_access_ms: rec.last_access_ms,
-                        verified_at_ms: rec.verified_at_ms,
+                        last_access_ms: now,
+                        verified_at_ms: now,
                         verified: true,
                         generation: 0,
                     },
@@ -1282,10 +1170,6 @@ impl Inner {
             }
             Err(e) => {
                 drop(st);
-                if !temp.armed {
-                    // Renamed but not recorded: remove it so it is not adopted unverified.
-                    let _ = fs::remove_file(&path);
-                }
                 drop(guard);
                 Err(e)
             }
@@ -1324,7 +1208,7 @@ impl Inner {
     fn remove_records(&self, keys: &[ChunkKey]) -> Result<()> {
         // Not while a flush writes: it may hold a batch taken before these entries left
         // the index, and would otherwise write their records back after this removal.
-        let _io = self.flush_io.lock().unwrap_or_else(PoisonError::into_inner);
+        let _io = self.flush_io.lock();
         let txn = self.db.begin_write().map_err(Error::db)?;
         {
             let mut entries = txn.open_table(ENTRIES).map_err(Error::db)?;
@@ -1339,7 +1223,7 @@ impl Inner {
     /// that has not re-registered (checked under the pin lock, so a concurrent
     /// re-registration wins).
     fn unpin_owner(&self, owner: &str, only_restored: bool) -> Result<usize> {
-        let _io = self.pin_io.lock().unwrap_or_else(PoisonError::into_inner);
+        let _io = self.pin_io.lock();
         let released = {
             let mut st = self.lock_state();
             match st.owners.get(owner) {
@@ -1395,21 +1279,21 @@ impl Inner {
     }
 
     fn flush(&self) -> Result<()> {
-        let _io = self.flush_io.lock().unwrap_or_else(PoisonError::into_inner);
+        let _io = self.flush_io.lock();
         let batch: Vec<(ChunkKey, Record)> = {
             let mut st = self.lock_state();
             let dirty = std::mem::take(&mut st.dirty);
             dirty
                 .into_iter()
                 .filter_map(|k| {
-                    st.entries.get(&k).map(|e| {
+                    st.index.get(&k).map(|e| {
                         (
                             k,
                             Record {
-                                size: e.size,
-                                last_access_ms: e.last_access_ms,
-                                tick: e.tick,
-                                verified_at_ms: e.verified_at_ms,
+                                size: e.size(),
+                                last_access_ms: e.value.last_access_ms,
+                                tick: e.tick(),
+                                verified_at_ms: e.value.verified_at_ms,
                             },
                         )
                     })
@@ -1444,33 +1328,18 @@ impl Inner {
     #[cfg(test)]
     fn check_invariants(&self) {
         let st = self.lock_state();
-        let committed: u64 = st.entries.values().map(|e| e.size).sum();
-        assert_eq!(committed, st.committed_bytes, "committed bytes");
-        let lru: u64 = st
-            .lru
-            .values()
-            .map(|k| st.entries.get(k).map(|e| e.size).unwrap_or(u64::MAX))
-            .sum();
-        assert_eq!(lru, st.lru_bytes, "lru bytes");
-        for (k, e) in &st.entries {
-            let in_lru = st.lru.get(&e.tick) == Some(k);
-            assert_eq!(
-                in_lru,
-                !st.pin_counts.contains_key(k),
-                "lru membership of {k}"
-            );
-        }
-        let pinned_present = st
-            .pin_counts
-            .keys()
-            .filter(|k| st.entries.contains_key(k))
-            .count();
-        assert_eq!(st.lru.len() + pinned_present, st.entries.len());
-        for (k, n) in &st.pin_counts {
+        assert_eq!(st.index.inconsistency(), None);
+        for (k, _) in st.index.iter() {
             let owners = st.owners.values().filter(|o| o.keys.contains(k)).count();
-            assert_eq!(*n as usize, owners, "pin count of {k}");
+            assert_eq!(st.index.pins(k) as usize, owners, "pin count of {k}");
         }
-        assert!(st.busy.iter().all(|k| !st.entries.contains_key(k)));
+        for o in st.owners.values() {
+            for k in &o.keys {
+                let owners = st.owners.values().filter(|o| o.keys.contains(k)).count();
+                assert_eq!(st.index.pins(k) as usize, owners, "pin count of {k}");
+            }
+        }
+        assert!(st.busy.iter().all(|k| !st.index.contains(k)));
     }
 }
 
@@ -1581,23 +1450,6 @@ fn read_dir(dir: &Path) -> Result<Vec<fs::DirEntry>> {
     fs::read_dir(dir)
         .and_then(|it| it.collect::<io::Result<Vec<_>>>())
         .map_err(|e| Error::io(dir, e))
-}
-
-/// Removes everything in `dir`; returns how many entries.
-fn clean_dir(dir: &Path) -> Result<u64> {
-    let mut n = 0;
-    for e in read_dir(dir)? {
-        let path = e.path();
-        let is_dir = e.file_type().map(|t| t.is_dir()).unwrap_or(false);
-        let removed = if is_dir {
-            fs::remove_dir_all(&path)
-        } else {
-            remove_file_if_exists(&path)
-        };
-        removed.map_err(|e| Error::io(&path, e))?;
-        n += 1;
-    }
-    Ok(n)
 }
 
 /// Creates chunks/00 … chunks/ff, so a put never has to create a directory.

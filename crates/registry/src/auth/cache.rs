@@ -5,8 +5,8 @@
 //! different (wrong) credential can never hit an entry.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
 
+use parking_lot::RwLock;
 use sha2::{Digest, Sha256};
 
 /// Cache key: SHA-256 of the credential.
@@ -33,10 +33,7 @@ impl<V: Clone> ExpiringCache<V> {
 
     /// The value for `key` if present and not expired at `now`.
     pub fn get(&self, key: &CredentialKey, now: u64) -> Option<V> {
-        let entries = self
-            .entries
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let entries = self.entries.read();
         match entries.get(key) {
             Some((value, expires)) if *expires > now => Some(value.clone()),
             _ => None,
@@ -48,10 +45,7 @@ impl<V: Clone> ExpiringCache<V> {
         if expires <= now {
             return;
         }
-        let mut entries = self
-            .entries
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut entries = self.entries.write();
         if entries.len() >= self.capacity && !entries.contains_key(&key) {
             entries.retain(|_, (_, exp)| *exp > now);
             if entries.len() >= self.capacity {
@@ -66,17 +60,11 @@ impl<V: Clone> ExpiringCache<V> {
     }
 
     pub fn clear(&self) {
-        self.entries
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clear();
+        self.entries.write().clear();
     }
 
     pub fn len(&self) -> usize {
-        self.entries
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .len()
+        self.entries.read().len()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -1,17 +1,19 @@
 //! The blob cache on disk: content-addressed files under a size bound, least recently used
-//! evicted first.
+//! evicted first, on the node's shared disk-cache primitive ([`ferry_store::diskcache`]:
+//! the temp files, their recovery, the synced rename and the LRU index with pins and
+//! reservations are its; the names, the digest check and the deletions are this module's).
 //!
 //! Files are the truth: the in-memory index (size and last access of every blob) is rebuilt
 //! from the directory on start, ordered by modification time, which hits refresh at most
 //! once a minute so the order survives restarts. A blob enters the directory only by an
-//! atomic rename of a fully written, digest-verified, fsynced temp file; temp files left by
-//! a crash are deleted on start.
+//! atomic rename of a fully written, digest-verified, fsynced temp file
+//! ([`Durability::Synced`]); temp files left by a crash are deleted on start. Directories
+//! are 0700 and files 0600, like all node state.
 //!
 //! A blob somebody is reading or fetching is *pinned* and never evicted. Renames into the
 //! cache and deletions by eviction are serialized, so an eviction can never delete a file
 //! that a concurrent fetch has just committed under the same name.
 
-use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileExt;
@@ -20,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
+use ferry_store::diskcache::{Durability, LruIndex, Staging, TempRecovery, place};
 use parking_lot::Mutex;
 
 use super::CacheError;
@@ -27,92 +30,13 @@ use super::CacheError;
 /// A hit refreshes the file's mtime (the persisted LRU order) at most this often.
 const TOUCH_INTERVAL: Duration = Duration::from_secs(60);
 
-#[derive(Debug)]
-struct Entry {
-    size: u64,
-    tick: u64,
-    touched: SystemTime,
-}
-
-#[derive(Debug, Default)]
-struct Index {
-    entries: HashMap<String, Entry>,
-    by_tick: BTreeMap<u64, String>,
-    total: u64,
-    next_tick: u64,
-    /// Readers and fetches per blob (by hex); pinned blobs are never evicted.
-    pins: HashMap<String, usize>,
-    /// Bytes of temp files of fetches in progress.
-    reserved: u64,
-}
-
-impl Index {
-    fn bump(&mut self, hex: &str) -> Option<&mut Entry> {
-        let tick = self.next_tick;
-        self.next_tick += 1;
-        let entry = self.entries.get_mut(hex)?;
-        let old = std::mem::replace(&mut entry.tick, tick);
-        if let Some(name) = self.by_tick.remove(&old) {
-            self.by_tick.insert(tick, name);
-        }
-        Some(entry)
-    }
-
-    fn insert(&mut self, hex: String, size: u64, touched: SystemTime) {
-        if let Some(old) = self.entries.remove(&hex) {
-            self.by_tick.remove(&old.tick);
-            self.total -= old.size;
-        }
-        let tick = self.next_tick;
-        self.next_tick += 1;
-        self.total += size;
-        self.by_tick.insert(tick, hex.clone());
-        self.entries.insert(
-            hex,
-            Entry {
-                size,
-                tick,
-                touched,
-            },
-        );
-    }
-
-    /// Removes unpinned least recently used entries until the cache plus reservations fit
-    /// `max_bytes`; returns the removed names (files still to delete).
-    fn evict(&mut self, max_bytes: u64) -> Vec<String> {
-        let mut victims = Vec::new();
-        let mut over = (self.total + self.reserved).saturating_sub(max_bytes);
-        if over == 0 {
-            return victims;
-        }
-        let mut chosen: Vec<(u64, String)> = Vec::new();
-        for (tick, hex) in &self.by_tick {
-            if over == 0 {
-                break;
-            }
-            if self.pins.contains_key(hex) {
-                continue;
-            }
-            if let Some(entry) = self.entries.get(hex) {
-                over = over.saturating_sub(entry.size);
-                chosen.push((*tick, hex.clone()));
-            }
-        }
-        for (tick, hex) in chosen {
-            self.by_tick.remove(&tick);
-            if let Some(entry) = self.entries.remove(&hex) {
-                self.total -= entry.size;
-                victims.push(hex);
-            }
-        }
-        victims
-    }
-}
+/// Index entries by blob hex; the value is when the file's mtime was last refreshed.
+type Index = LruIndex<String, SystemTime>;
 
 #[derive(Debug)]
 struct Inner {
     blobs_dir: PathBuf,
-    tmp_dir: PathBuf,
+    staging: Staging,
     max_bytes: u64,
     index: Mutex<Index>,
     /// Held across "rename into cache" and "delete evicted files".
@@ -134,13 +58,7 @@ pub struct BlobPin {
 
 impl Drop for BlobPin {
     fn drop(&mut self) {
-        let mut index = self.inner.lock();
-        if let Some(count) = index.pins.get_mut(&self.hex) {
-            *count -= 1;
-            if *count == 0 {
-                index.pins.remove(&self.hex);
-            }
-        }
+        self.inner.lock().unpin(&self.hex);
     }
 }
 
@@ -153,8 +71,7 @@ pub struct Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let mut index = self.inner.lock();
-        index.reserved = index.reserved.saturating_sub(self.bytes);
+        self.inner.lock().release(self.bytes);
     }
 }
 
@@ -209,19 +126,18 @@ impl DiskCache {
     pub async fn open(root: &Path, max_bytes: u64) -> Result<DiskCache, CacheError> {
         let blobs_dir = root.join("blobs").join("sha256");
         let tmp_dir = root.join("tmp");
-        let (index, blobs_dir, tmp_dir) = {
-            let blobs_dir = blobs_dir.clone();
-            let tmp_dir = tmp_dir.clone();
-            blocking(move || {
-                let index = scan(&blobs_dir, &tmp_dir)?;
-                Ok((index, blobs_dir, tmp_dir))
-            })
-            .await?
-        };
+        let (index, blobs_dir, staging) = blocking(move || {
+            // This process is the directory's only user: every temp file is a dead one's.
+            let (staging, _) =
+                Staging::open(&tmp_dir, TempRecovery::All).map_err(|e| io_error(&tmp_dir, e))?;
+            let index = scan(&blobs_dir)?;
+            Ok((index, blobs_dir, staging))
+        })
+        .await?;
         let cache = DiskCache {
             inner: Arc::new(Inner {
                 blobs_dir,
-                tmp_dir,
+                staging,
                 max_bytes,
                 index: Mutex::new(index),
                 fs_lock: tokio::sync::Mutex::new(()),
@@ -238,12 +154,12 @@ impl DiskCache {
 
     /// Bytes of committed blobs.
     pub fn total_bytes(&self) -> u64 {
-        self.inner.lock().total
+        self.inner.lock().bytes()
     }
 
     /// Number of committed blobs.
     pub fn len(&self) -> usize {
-        self.inner.lock().entries.len()
+        self.inner.lock().len()
     }
 
     /// Whether no blob is cached.
@@ -253,12 +169,12 @@ impl DiskCache {
 
     /// Whether a blob is cached (no access recorded).
     pub fn contains(&self, hex: &str) -> bool {
-        self.inner.lock().entries.contains_key(hex)
+        self.inner.lock().contains(&hex.to_owned())
     }
 
     /// Size of a cached blob; counts as an access.
     pub fn size_of(&self, hex: &str) -> Option<u64> {
-        self.inner.lock().bump(hex).map(|e| e.size)
+        self.inner.lock().touch(&hex.to_owned()).map(|e| e.size())
     }
 
     fn blob_path(&self, hex: &str) -> PathBuf {
@@ -267,7 +183,7 @@ impl DiskCache {
 
     /// Pins `hex` (cached or not) against eviction until the pin is dropped.
     pub fn pin(&self, hex: &str) -> BlobPin {
-        *self.inner.lock().pins.entry(hex.to_owned()).or_insert(0) += 1;
+        self.inner.lock().pin(hex.to_owned());
         BlobPin {
             inner: Arc::clone(&self.inner),
             hex: hex.to_owned(),
@@ -279,18 +195,19 @@ impl DiskCache {
         let (size, touch) = {
             let mut index = self.inner.lock();
             let now = SystemTime::now();
-            let Some(entry) = index.bump(hex) else {
+            let key = hex.to_owned();
+            let Some(entry) = index.touch(&key) else {
                 return Ok(None);
             };
-            let size = entry.size;
+            let size = entry.size();
             let touch = now
-                .duration_since(entry.touched)
+                .duration_since(entry.value)
                 .map(|age| age >= TOUCH_INTERVAL)
                 .unwrap_or(false);
             if touch {
-                entry.touched = now;
+                entry.value = now;
             }
-            *index.pins.entry(hex.to_owned()).or_insert(0) += 1;
+            index.pin(key);
             (size, touch)
         };
         let pin = BlobPin {
@@ -319,29 +236,25 @@ impl DiskCache {
             None => {
                 // Deleted behind our back: forget it.
                 drop(pin);
-                let mut index = self.inner.lock();
-                if let Some(entry) = index.entries.remove(hex) {
-                    index.by_tick.remove(&entry.tick);
-                    index.total -= entry.size;
-                }
+                self.inner.lock().remove(&hex.to_owned());
                 Ok(None)
             }
         }
     }
 
-    /// Creates a temp file for fetching blob `hex`.
-    pub async fn create_temp(&self, hex: &str) -> Result<TempBlob, CacheError> {
-        let path = self
-            .inner
-            .tmp_dir
-            .join(format!("{hex}.{:016x}.part", rand::random::<u64>()));
+    /// Creates a temp file for fetching a blob; the caller commits or discards it.
+    pub async fn create_temp(&self) -> Result<TempBlob, CacheError> {
+        let inner = Arc::clone(&self.inner);
         blocking(move || {
-            let writer = File::options()
-                .write(true)
-                .create_new(true)
-                .open(&path)
-                .map_err(|e| io_error(&path, e))?;
-            let reader = File::open(&path).map_err(|e| io_error(&path, e))?;
+            let dir = inner.staging.dir();
+            let temp = inner.staging.create().map_err(|e| io_error(dir, e))?;
+            let writer = temp
+                .file()
+                .try_clone()
+                .map_err(|e| io_error(temp.path(), e))?;
+            let reader = File::open(temp.path()).map_err(|e| io_error(temp.path(), e))?;
+            // The download streams on in another task; it commits or discards the path.
+            let path = temp.keep();
             Ok(TempBlob {
                 path,
                 writer,
@@ -353,7 +266,7 @@ impl DiskCache {
 
     /// Sets aside `bytes` for a fetch in progress, evicting to make room.
     pub async fn reserve(&self, bytes: u64) -> Reservation {
-        self.inner.lock().reserved += bytes;
+        self.inner.lock().reserve(bytes);
         let reservation = Reservation {
             inner: Arc::clone(&self.inner),
             bytes,
@@ -377,22 +290,15 @@ impl DiskCache {
         }
         let _fs = self.inner.fs_lock.lock().await;
         let target = self.blob_path(hex);
-        let (temp_owned, dir) = (temp.to_owned(), self.inner.blobs_dir.clone());
+        let temp_owned = temp.to_owned();
         blocking(move || {
-            let file = File::open(&temp_owned).map_err(|e| io_error(&temp_owned, e))?;
-            file.sync_all().map_err(|e| io_error(&temp_owned, e))?;
-            std::fs::rename(&temp_owned, &target).map_err(|e| io_error(&target, e))?;
-            // Make the rename itself durable; a failure here only risks losing the entry.
-            if let Ok(dir) = File::open(&dir) {
-                let _ = dir.sync_all();
-            }
-            Ok(())
+            place(&temp_owned, &target, Durability::Synced).map_err(|e| io_error(&target, e))
         })
         .await?;
         let victims = {
             let mut index = self.inner.lock();
             index.insert(hex.to_owned(), size, SystemTime::now());
-            index.evict(self.inner.max_bytes)
+            index.take_victims(self.inner.max_bytes)
         };
         self.delete_files(victims).await;
         Ok(true)
@@ -401,20 +307,20 @@ impl DiskCache {
     /// Evicts to stay under the bound now.
     pub async fn evict_now(&self) {
         let _fs = self.inner.fs_lock.lock().await;
-        let victims = self.inner.lock().evict(self.inner.max_bytes);
+        let victims = self.inner.lock().take_victims(self.inner.max_bytes);
         self.delete_files(victims).await;
     }
 
     /// Deletes evicted files; the caller holds `fs_lock`.
-    async fn delete_files(&self, victims: Vec<String>) {
+    async fn delete_files(&self, victims: Vec<ferry_store::diskcache::Victim<String, SystemTime>>) {
         if victims.is_empty() {
             return;
         }
         tracing::debug!(count = victims.len(), "evicting cached blobs");
         let dir = self.inner.blobs_dir.clone();
         let result = blocking(move || {
-            for hex in victims {
-                let path = dir.join(&hex);
+            for victim in victims {
+                let path = dir.join(&victim.key);
                 if let Err(e) = std::fs::remove_file(&path)
                     && e.kind() != io::ErrorKind::NotFound
                 {
@@ -440,17 +346,10 @@ impl DiskCache {
     }
 }
 
-/// Rebuilds the index from the directory: leftover temp files go, stray names are ignored.
-fn scan(blobs_dir: &Path, tmp_dir: &Path) -> Result<Index, CacheError> {
-    std::fs::create_dir_all(blobs_dir).map_err(|e| io_error(blobs_dir, e))?;
-    std::fs::create_dir_all(tmp_dir).map_err(|e| io_error(tmp_dir, e))?;
-    for entry in std::fs::read_dir(tmp_dir).map_err(|e| io_error(tmp_dir, e))? {
-        let entry = entry.map_err(|e| io_error(tmp_dir, e))?;
-        let path = entry.path();
-        if let Err(e) = std::fs::remove_file(&path) {
-            tracing::warn!(path = %path.display(), error = %e, "cannot remove leftover temp file");
-        }
-    }
+/// Rebuilds the index from the directory, oldest modification first; stray names are
+/// ignored. Files made before the cache was private are tightened.
+fn scan(blobs_dir: &Path) -> Result<Index, CacheError> {
+    ferry_store::private_dir(blobs_dir).map_err(|e| io_error(blobs_dir, e))?;
     let mut found: Vec<(SystemTime, String, u64)> = Vec::new();
     for entry in std::fs::read_dir(blobs_dir).map_err(|e| io_error(blobs_dir, e))? {
         let entry = entry.map_err(|e| io_error(blobs_dir, e))?;
@@ -464,11 +363,14 @@ fn scan(blobs_dir: &Path, tmp_dir: &Path) -> Result<Index, CacheError> {
             Ok(meta) if meta.is_file() => meta,
             _ => continue,
         };
+        let path = entry.path();
+        ferry_store::tighten(&path, ferry_store::PRIVATE_FILE_MODE)
+            .map_err(|e| io_error(&path, e))?;
         let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
         found.push((modified, name, meta.len()));
     }
     found.sort();
-    let mut index = Index::default();
+    let mut index = Index::new();
     for (modified, name, size) in found {
         index.insert(name, size, modified);
     }
@@ -503,7 +405,7 @@ mod tests {
     use super::*;
 
     async fn put(cache: &DiskCache, hex: &str, content: &[u8]) {
-        let temp = cache.create_temp(hex).await.unwrap();
+        let temp = cache.create_temp().await.unwrap();
         write_all(&temp.writer, content).unwrap();
         assert!(
             cache
@@ -551,7 +453,7 @@ mod tests {
     async fn a_blob_bigger_than_the_cache_is_not_kept() {
         let dir = tempfile::tempdir().unwrap();
         let cache = DiskCache::open(dir.path(), 10).await.unwrap();
-        let temp = cache.create_temp(&name(7)).await.unwrap();
+        let temp = cache.create_temp().await.unwrap();
         write_all(&temp.writer, &[0; 11]).unwrap();
         assert!(!cache.commit(&name(7), &temp.path, 11).await.unwrap());
         assert!(cache.is_empty());
@@ -565,7 +467,7 @@ mod tests {
             let cache = DiskCache::open(dir.path(), 1000).await.unwrap();
             put(&cache, &name(1), &[1; 10]).await;
             put(&cache, &name(2), &[2; 20]).await;
-            let temp = cache.create_temp(&name(3)).await.unwrap();
+            let temp = cache.create_temp().await.unwrap();
             write_all(&temp.writer, b"partial").unwrap();
         }
         std::fs::write(dir.path().join("blobs/sha256/not-a-digest"), b"x").unwrap();

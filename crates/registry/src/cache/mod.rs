@@ -713,7 +713,7 @@ impl Shared {
         if let Some(inflight) = self.joinable(repo, hex)? {
             return Ok(inflight.map(|i| (i, false)));
         }
-        let temp = self.disk.create_temp(hex).await?;
+        let temp = self.disk.create_temp().await?;
         let (sender, receiver) = watch::channel(Progress {
             written: 0,
             size: None,

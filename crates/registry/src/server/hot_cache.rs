@@ -1,4 +1,4 @@
-//! A small, bounded, sharded in-memory cache with expiry, keyed by two strings.
+//! A small, bounded in-memory cache with expiry, keyed by two strings, on quick_cache.
 //!
 //! The registry's hot path (a fleet asking for the same few manifests and layers) must not
 //! touch storage for every request. This caches facts that are either content-addressed
@@ -6,63 +6,77 @@
 //! links, tags): entries expire after a TTL so replicas sharing an object store converge,
 //! and this process invalidates its own entries on delete.
 //!
-//! Lookups do not allocate: the two key strings are hashed to a `u64` and the stored key
-//! is compared, so a hash collision is only a miss, never a wrong answer. Eviction when a
-//! shard is full drops expired entries first, then arbitrary ones (the hash order), which
-//! is good enough for a working set that mostly fits.
+//! Lookups do not allocate: the two key strings are looked up through a borrowed key
+//! equivalent to the stored one. Eviction is quick_cache's (a scan-resistant CLOCK-PRO
+//! variant, sharded, no background threads); expired entries are dropped when found. The
+//! two bounds (entries and total weight) become one weight: every entry is charged at
+//! least the weight budget of one entry (`max_weight / max_entries`), so neither bound can
+//! be passed.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
-use std::sync::RwLock;
+use std::hash::{Hash, Hasher};
 use std::time::{Duration, Instant};
 
-const SHARDS: usize = 16;
+use quick_cache::sync::Cache;
+use quick_cache::{Equivalent, Weighter};
 
-/// Hasher for keys that are already uniformly distributed `u64`s.
-#[derive(Default)]
-struct IdentityHasher(u64);
+/// Divisor of the weight bound an entry may use at most (one shard's worth of the old
+/// sharded cache): a single entry cannot flush a large part of the cache.
+const MAX_ENTRY_SHARE: u64 = 16;
 
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
+/// Stored key: the two strings.
+type Key = (Box<str>, Box<str>);
+
+/// A borrowed key, hashed exactly like [`Key`] (a tuple hashes its fields in order).
+struct KeyRef<'a>(&'a str, &'a str);
+
+impl Hash for KeyRef<'_> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+        self.1.hash(state);
     }
 }
 
+impl Equivalent<Key> for KeyRef<'_> {
+    fn equivalent(&self, key: &Key) -> bool {
+        *key.0 == *self.0 && *key.1 == *self.1
+    }
+}
+
+#[derive(Clone)]
 struct Entry<V> {
-    a: Box<str>,
-    b: Box<str>,
     value: V,
-    weight: u64,
+    /// What the entry is charged (see the module doc).
+    charge: u64,
     inserted: Instant,
 }
 
-struct Shard<V> {
-    map: HashMap<u64, Entry<V>, BuildHasherDefault<IdentityHasher>>,
-    weight: u64,
+#[derive(Clone)]
+struct Charge;
+
+impl<V> Weighter<Key, Entry<V>> for Charge {
+    fn weight(&self, _key: &Key, entry: &Entry<V>) -> u64 {
+        entry.charge
+    }
 }
 
 /// A bounded TTL cache from `(a, b)` to `V`.
 pub struct HotCache<V> {
-    shards: Box<[RwLock<Shard<V>>]>,
-    hasher: RandomState,
+    /// `None` when disabled.
+    cache: Option<Cache<Key, Entry<V>, Charge>>,
     ttl: Duration,
-    max_entries_per_shard: usize,
-    max_weight_per_shard: u64,
+    /// Least charge of an entry.
+    unit: u64,
+    /// Heaviest weight admitted.
+    max_entry_weight: u64,
+    /// The weight bound is the entry bound alone (`u64::MAX`: weights are not counted).
+    count_only: bool,
 }
 
 impl<V> std::fmt::Debug for HotCache<V> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HotCache")
             .field("ttl", &self.ttl)
-            .field("max_entries_per_shard", &self.max_entries_per_shard)
+            .field("unit", &self.unit)
             .finish()
     }
 }
@@ -71,129 +85,76 @@ impl<V: Clone> HotCache<V> {
     /// At most `max_entries` entries and `max_weight` total weight (e.g. bytes); entries
     /// older than `ttl` are not returned. `max_entries == 0` disables the cache.
     pub fn new(max_entries: usize, max_weight: u64, ttl: Duration) -> Self {
-        let shards = (0..SHARDS)
-            .map(|_| {
-                RwLock::new(Shard {
-                    map: HashMap::default(),
-                    weight: 0,
-                })
-            })
-            .collect();
+        let entries = max_entries as u64;
+        // Weights too large to sum safely mean "no weight bound": count entries only.
+        let count_only = entries == 0 || max_weight / entries >= u64::from(u32::MAX);
+        let (capacity, unit) = if count_only {
+            (entries, 1)
+        } else {
+            (max_weight, max_weight.div_ceil(entries).max(1))
+        };
+        let cache = (max_entries > 0).then(|| Cache::with_weighter(max_entries, capacity, Charge));
         HotCache {
-            shards,
-            hasher: RandomState::new(),
+            cache,
             ttl,
-            max_entries_per_shard: max_entries.div_ceil(SHARDS),
-            max_weight_per_shard: max_weight / SHARDS as u64,
+            unit,
+            max_entry_weight: max_weight / MAX_ENTRY_SHARE,
+            count_only,
         }
-    }
-
-    fn hash(&self, a: &str, b: &str) -> u64 {
-        let mut h = self.hasher.build_hasher();
-        h.write(a.as_bytes());
-        h.write_u8(0xff);
-        h.write(b.as_bytes());
-        h.finish()
-    }
-
-    fn shard(&self, h: u64) -> &RwLock<Shard<V>> {
-        &self.shards[(h as usize) % SHARDS]
     }
 
     /// The cached value, if present and fresh.
     pub fn get(&self, a: &str, b: &str) -> Option<V> {
-        if self.max_entries_per_shard == 0 {
-            return None;
+        let cache = self.cache.as_ref()?;
+        let key = KeyRef(a, b);
+        let entry = cache.get(&key)?;
+        if entry.inserted.elapsed() < self.ttl {
+            Some(entry.value)
+        } else {
+            cache.remove(&key);
+            None
         }
-        let h = self.hash(a, b);
-        let shard = self.shard(h).read().unwrap_or_else(|p| p.into_inner());
-        let e = shard.map.get(&h)?;
-        (e.inserted.elapsed() < self.ttl && &*e.a == a && &*e.b == b).then(|| e.value.clone())
     }
 
-    /// Caches `value` with `weight` (ignored if it alone exceeds a shard's budget).
+    /// Caches `value` with `weight` (ignored if it alone exceeds a sixteenth of the
+    /// weight bound).
     pub fn insert(&self, a: &str, b: &str, value: V, weight: u64) {
-        if self.max_entries_per_shard == 0 || weight > self.max_weight_per_shard {
+        let Some(cache) = &self.cache else { return };
+        if weight > self.max_entry_weight {
             return;
         }
-        let h = self.hash(a, b);
-        let mut shard = self.shard(h).write().unwrap_or_else(|p| p.into_inner());
-        if let Some(old) = shard.map.remove(&h) {
-            shard.weight -= old.weight;
-        }
-        if shard.map.len() >= self.max_entries_per_shard
-            || shard.weight + weight > self.max_weight_per_shard
-        {
-            self.evict(&mut shard, weight);
-        }
-        shard.weight += weight;
-        shard.map.insert(
-            h,
+        let charge = if self.count_only {
+            1
+        } else {
+            weight.max(self.unit)
+        };
+        cache.insert(
+            (a.into(), b.into()),
             Entry {
-                a: a.into(),
-                b: b.into(),
                 value,
-                weight,
+                charge,
                 inserted: Instant::now(),
             },
         );
     }
 
-    fn evict(&self, shard: &mut Shard<V>, incoming: u64) {
-        let ttl = self.ttl;
-        let before = shard.map.len();
-        shard.map.retain(|_, e| e.inserted.elapsed() < ttl);
-        if shard.map.len() != before {
-            shard.weight = shard.map.values().map(|e| e.weight).sum();
-        }
-        while !shard.map.is_empty()
-            && (shard.map.len() >= self.max_entries_per_shard
-                || shard.weight + incoming > self.max_weight_per_shard)
-        {
-            let Some(&victim) = shard.map.keys().next() else {
-                break;
-            };
-            if let Some(e) = shard.map.remove(&victim) {
-                shard.weight -= e.weight;
-            }
-        }
-    }
-
     /// Drops the entry for `(a, b)`.
     pub fn remove(&self, a: &str, b: &str) {
-        let h = self.hash(a, b);
-        let mut shard = self.shard(h).write().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = shard.map.get(&h)
-            && &*e.a == a
-            && &*e.b == b
-            && let Some(e) = shard.map.remove(&h)
-        {
-            shard.weight -= e.weight;
+        if let Some(cache) = &self.cache {
+            cache.remove(&KeyRef(a, b));
         }
     }
 
     /// Drops every entry for which `drop(a, b, value)` is true (rare invalidations).
-    pub fn remove_where(&self, mut drop: impl FnMut(&str, &str, &V) -> bool) {
-        for shard in self.shards.iter() {
-            let mut shard = shard.write().unwrap_or_else(|p| p.into_inner());
-            let mut freed = 0;
-            shard.map.retain(|_, e| {
-                let gone = drop(&e.a, &e.b, &e.value);
-                if gone {
-                    freed += e.weight;
-                }
-                !gone
-            });
-            shard.weight -= freed;
+    pub fn remove_where(&self, drop: impl Fn(&str, &str, &V) -> bool) {
+        if let Some(cache) = &self.cache {
+            cache.retain(|k, e| !drop(&k.0, &k.1, &e.value));
         }
     }
 
-    /// Entries currently held (including expired ones not yet evicted).
+    /// Entries currently held (including expired ones not yet dropped).
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.read().unwrap_or_else(|p| p.into_inner()).map.len())
-            .sum()
+        self.cache.as_ref().map_or(0, |c| c.len())
     }
 
     /// Whether the cache holds nothing.

@@ -39,13 +39,14 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
+use parking_lot::{Mutex, MutexGuard};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::task::JoinHandle;
@@ -204,8 +205,7 @@ impl FsStorage {
     fn sessions(
         &self,
     ) -> MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<Option<RunningHash>>>>> {
-        // Every change to the map is a single insert/remove: a poisoned lock is consistent.
-        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+        self.sessions.lock()
     }
 
     fn session(&self, id: &str) -> Arc<tokio::sync::Mutex<Option<RunningHash>>> {
