@@ -29,7 +29,13 @@
 //! or 16 MiB. (One budget for both let the unfaulted pages of a start's libraries hold
 //! back every neighbour for most of a pandas start.)
 //!
-//! Planning ([`Nearby::plan`]) is pure; the pool only runs fetches. It must not read file
+//! The first read of a package's `__init__` also brings its subpackages' `__init__`s
+//! ([`Asks::inits`]), as rests: an import opens them next, and the neighbours' budget is
+//! often spent on a start's earlier directories by then.
+//!
+//! Planning ([`Nearby::plan`]) is pure. The pool runs fetches, and tasks that plan from
+//! bytes already landed ([`crate::image::needed`]: the libraries a loader opens), the
+//! urgent ones ([`Urgency::Now`]) before the guesses. This module must not read file
 //! data or keep any.
 
 use std::collections::{HashSet, VecDeque};
