@@ -30,6 +30,7 @@
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 need_root "useradd, FUSE, private containerd"
 need_cmd containerd ctr runc jq curl gcc useradd userdel setpriv timeout
@@ -40,20 +41,7 @@ small_image
 require_ferry pull
 
 # The attacker: a fresh unprivileged account.
-ATTACKER=ferrysec$$
-useradd --no-create-home --shell /usr/sbin/nologin "$ATTACKER" >/dev/null
-e2e_defer "userdel $ATTACKER"
-ATT_UID=$(id -u "$ATTACKER")
-ATT_GID=$(id -g "$ATTACKER")
-# as_attacker CMD...: CMD as the attacker (no groups), output in OUT, exit in RC. env
-# runs CMD: setpriv itself resolves the program it starts before its checks apply, so a
-# path only root can walk would still start.
-as_attacker() {
-    set +e
-    OUT=$(cd / && timeout 30 setpriv --reuid "$ATT_UID" --regid "$ATT_GID" --clear-groups -- env -- "$@" 2>&1)
-    RC=$?
-    set -e
-}
+sec_attacker ferrysec
 say() { sed 's/^/    | /' <<<"$1" | tail -"${2:-6}"; }
 # As /var/lib on a node: the attacker may walk down to ferry's own directories.
 chmod 0755 "$E2E_TMP"
@@ -88,21 +76,7 @@ int main(int argc, char **argv) {
 }
 EOF
 gcc -static -O1 -o "$SEC/sec/whoami" "$E2E_TMP/whoami.c"
-# /sec/dropto CMD ARGS...: CMD as uid/gid 1000 (ctr run has no --user)
-cat >"$E2E_TMP/dropto.c" <<'EOF'
-#include <stdio.h>
-#include <unistd.h>
-int main(int argc, char **argv) {
-    if (argc < 2 || setgid(1000) != 0 || setuid(1000) != 0) {
-        perror("dropto");
-        return 1;
-    }
-    execv(argv[1], argv + 1);
-    perror("exec");
-    return 1;
-}
-EOF
-gcc -static -O1 -o "$SEC/sec/dropto" "$E2E_TMP/dropto.c"
+sec_dropto "$SEC/sec/dropto"
 chown 0:0 "$SEC/sec/whoami"
 chmod 4755 "$SEC/sec/whoami"
 mknod -m 0666 "$SEC/sec/zero" c 1 5

@@ -19,8 +19,9 @@
 # registry, pulled lazily with `ferry pull` through `ferry daemon`'s snapshotter.
 #
 # Checks:
-#  1. `ctr images mount` (a View snapshot, mounted by ctr as containerd mounts it) at a
-#     path the attacker can reach: the view is ro,nosuid,nodev; the attacker reads the
+#  1. A View snapshot of the layer, mounted with the command `ctr snapshots mounts`
+#     prints (as containerd would mount it; `ctr images mount` cannot unpack into a
+#     proxy snapshotter in ctr 1.6) at a path the attacker can reach: the view is ro,nosuid,nodev; the attacker reads the
 #     0644 file through it (so the checks below are not passed by a view it cannot
 #     reach), the setuid program runs with the attacker's euid and cannot read a
 #     root-only host file, the device node cannot be opened.
@@ -35,6 +36,7 @@
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../e2e/lib.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 need_root "useradd, FUSE, private containerd"
 need_cmd containerd ctr runc jq curl gcc useradd userdel setpriv timeout python3
@@ -43,19 +45,7 @@ find_ferry
 e2e_init
 require_ferry pull
 
-ATTACKER=ferryview$$
-useradd --no-create-home --shell /usr/sbin/nologin "$ATTACKER" >/dev/null
-e2e_defer "userdel $ATTACKER"
-ATT_UID=$(id -u "$ATTACKER")
-ATT_GID=$(id -g "$ATTACKER")
-# as_attacker CMD...: CMD as the attacker (no groups), output in OUT, exit in RC (env
-# runs CMD so that the attacker's own rights decide whether it can start).
-as_attacker() {
-    set +e
-    OUT=$(cd / && timeout 30 setpriv --reuid "$ATT_UID" --regid "$ATT_GID" --clear-groups -- env -- "$@" 2>&1)
-    RC=$?
-    set -e
-}
+sec_attacker ferryview
 # ctr_run ARGS...: `ctr run --rm --allow-new-privs --snapshotter ferry ARGS`, output in OUT,
 # exit in RC
 ctr_run() {
@@ -107,21 +97,7 @@ int main(void) {
 }
 EOF
 gcc -static -O1 -o "$LAYER/sec/hold" "$E2E_TMP/hold.c"
-cat >"$E2E_TMP/dropto.c" <<'EOF'
-#include <stdio.h>
-#include <unistd.h>
-/* dropto CMD ARGS...: CMD as uid/gid 1000 (ctr run has no --user) */
-int main(int argc, char **argv) {
-    if (argc < 2 || setgid(1000) != 0 || setuid(1000) != 0) {
-        perror("dropto");
-        return 1;
-    }
-    execv(argv[1], argv + 1);
-    perror("exec");
-    return 1;
-}
-EOF
-gcc -static -O1 -o "$LAYER/sec/dropto" "$E2E_TMP/dropto.c"
+sec_dropto "$LAYER/sec/dropto"
 chown 0:0 "$LAYER/sec/probe"
 chmod 4755 "$LAYER/sec/probe"
 mknod -m 0666 "$LAYER/sec/zero" c 1 5
