@@ -20,6 +20,7 @@ PHASES = {
     "c": "(c) ferry, published trace",
     "d": "(d) ferry, warm store",
     "e": "(e) chroot, cold page cache",
+    "f": "(f) ferry, new tag, old trace",
 }
 NUMERIC = [
     "first_s", "pull_s", "wire", "wire_first", "fetched", "fetched_first", "requests",
@@ -91,6 +92,8 @@ def ratios(rows, workloads):
             for lat in lats:
                 add(reg, w, f"c/d at {lat} ms", first(reg, lat, n, "c"), first(reg, lat, n, "d"), 1.2, "<=")
             for lat in lats:
+                add(reg, w, f"f/d at {lat} ms", first(reg, lat, n, "f"), first(reg, lat, n, "d"), 1.3, "<=")
+            for lat in lats:
                 b = t.get((reg, lat, n, "b"))
                 if b is None:
                     continue
@@ -156,7 +159,7 @@ def chart(rows, workloads, out):
     t = {(r["registry"], r["latency_ms"], r["workload"], r["phase"]): r["first_s"] for r in rows}
     regs = list(dict.fromkeys(r["registry"] for r in rows if r["phase"] != "e"))
     lats = sorted({r["latency_ms"] for r in rows if r["phase"] != "e"}, key=int)
-    phases = [p for p in "abcde" if any(r["phase"] == p for r in rows)]
+    phases = [p for p in "abcdef" if any(r["phase"] == p for r in rows)]
     cols, nrows = max(len(lats), 1), max(len(regs), 1)
     png = os.path.join(out, "cold-start.png")
     top = 30 * max([r["first_s"] for r in rows if r["first_s"]] + [1])

@@ -13,6 +13,10 @@
 #       fresh containerd and daemon
 #   (e) the command in a chroot of the image's extracted root filesystem (with /proc and
 #       /dev), cold page cache: the floor. Once per workload and round, no registry.
+#   (f) ferry, empty store, a new tag: the image with its top (app) layer rebuilt, pushed
+#       as v2 to a repository whose v1 has the workload's trace; v2 has none of its own,
+#       so the node prefetches with v1's (found by the repository's ferry.trace tag and
+#       mapped to v2's files by path). A repository of its own each run.
 #
 # The daemon's config names only paths: every other setting is the embedded default
 # (`ferry daemon --print-config`), background fill included. Each phase gets a fresh
@@ -55,7 +59,7 @@ else
     REGISTRIES=${REGISTRIES:-ferry docker}
     LATENCIES=${LATENCIES:-0 10 25}
 fi
-PHASES=${PHASES:-a b c d e}
+PHASES=${PHASES:-a b c d e f}
 TRACE_TYPES=(--referrer-type application/vnd.ferry.index.v1 --referrer-type application/vnd.ferry.trace.v1+json)
 
 workload_cmd() {
@@ -132,11 +136,19 @@ for r in $REGISTRIES; do
     REG_PID_OF[$r]=$REG_PID
 done
 copy() { "$FERRY" copy --plain-http "$@" >>"$OUT/copy.txt" 2>&1 || { tail -5 "$OUT/copy.txt" >&2; e2e_die "ferry copy $*"; }; }
+# (f)'s new version: the top layer rebuilt with /app/version.txt added (a new build of
+# the application on the same base layers: a new layer digest, config and manifest)
+if has_phase f; then
+    python3 "$HERE/oci-layout.py" new-version --layout "$LAYOUT" --tag "$TAG" --new-tag "$TAG-v2" \
+        --set app/version.txt=$'2\n'
+    "$FERRY" index "oci:$LAYOUT:$TAG-v2" >"$OUT/index-v2.txt"
+fi
 # bench/plain (never traced: (b)) and one repository per workload (its trace: (c), (d)),
 # blobs pushed once per registry and mounted into the other repositories
 for r in $REGISTRIES; do
     copy "oci:$LAYOUT:$TAG" "${REG_AT[$r]}/bench/plain:v1"
     for w in $WORKLOADS; do copy "${REG_AT[$r]}/bench/plain:v1" "${REG_AT[$r]}/bench/$w:v1"; done
+    if has_phase f; then copy "oci:$LAYOUT:$TAG-v2" "${REG_AT[$r]}/bench/plain:v2"; fi
 done
 mark "published"
 e2e_log "published to $(for r in $REGISTRIES; do printf '%s ' "$r=${REG_AT[$r]}"; done)"
@@ -163,7 +175,7 @@ trace_bytes() { # HOST REPO -> bytes the published trace reads
     blob=$(trace_manifest "$1" "$2" | jq -r '.layers[0].digest') || return 1
     curl -fsS --noproxy '*' "http://$1/v2/$2/blobs/$blob" | jq '[.reads[].len] | add // 0'
 }
-if has_phase c || has_phase d; then
+if has_phase c || has_phase d || has_phase f; then
     first_reg=${REGISTRIES%% *}
     PHASE_REG_PID=${REG_PID_OF[$first_reg]}
     for w in $WORKLOADS; do
@@ -187,7 +199,10 @@ if has_phase c || has_phase d; then
         TRACE_BYTES[$w]=$(trace_bytes "${REG_AT[$first_reg]}" "bench/$w")
         e2e_log "trace $w: recorded automatically at its first start, ${TRACE_BYTES[$w]} bytes read"
         for r in $REGISTRIES; do
-            [[ $r == "$first_reg" ]] || copy "${TRACE_TYPES[@]}" "$ref" "${REG_AT[$r]}/bench/$w:v1"
+            [[ $r == "$first_reg" ]] && continue
+            copy "${TRACE_TYPES[@]}" "$ref" "${REG_AT[$r]}/bench/$w:v1"
+            # the repository's newest trace, as the recording node left it on the first
+            copy "${REG_AT[$first_reg]}/bench/$w:ferry.trace" "${REG_AT[$r]}/bench/$w:ferry.trace"
         done
     done
     mark "traces recorded"
@@ -307,6 +322,18 @@ phase_e() { # WORKLOAD
     e2e_log "$1 (e) chroot: first output after $(cat "$E2E_TMP/seconds") s ($(cat "$E2E_TMP/first-line"))"
 }
 
+# new_tag_repo REGISTRY WORKLOAD -> a repository no start has used, holding v1 with its
+# trace, the ferry.trace tag that points at it, and v2 (the new version, no trace)
+new_tag_repo() {
+    local at=${REG_AT[$1]} repo
+    NEW_N=$((${NEW_N:-0} + 1))
+    repo=bench/$2-new-$NEW_N
+    copy "${TRACE_TYPES[@]}" "$at/bench/$2:v1" "$at/$repo:v1"
+    copy "$at/bench/$2:ferry.trace" "$at/$repo:ferry.trace"
+    copy "$at/bench/plain:v2" "$at/$repo:v2"
+    echo "$repo"
+}
+
 T_BENCH=$SECONDS
 for ROUND in $(seq "$RUNS"); do
     e2e_log "round $ROUND/$RUNS"
@@ -339,6 +366,12 @@ for ROUND in $(seq "$RUNS"); do
                         wait_prefetch # the warm store holds what the trace names and what (c) read
                         phase_ferry "$r" "$l" "$w" d "$host/bench/$w:v1" "$E2E_TMP/store-c"
                     fi
+                fi
+                if has_phase f && [[ ${TRACE_STATUS[$w]:-} == published ]]; then
+                    rm -rf "$E2E_TMP/store-f"
+                    repo=$(new_tag_repo "$r" "$w")
+                    phase_ferry "$r" "$l" "$w" f "$host/$repo:v2" "$E2E_TMP/store-f"
+                    rm -rf "$E2E_TMP/store-f"
                 fi
                 stop_daemon
             done

@@ -20,9 +20,18 @@ Subcommands:
       application/vnd.oci.image.layer.v1.tar+gzip layer made with
       `tar --numeric-owner --xattrs -C LAYERDIR -cf - . | gzip -6`.
       Prints per-layer and total sizes.
+
+  new-version --layout DIR --tag TAG --new-tag NEW --set PATH=TEXT [--set ...]
+      Tag NEW in the layout at DIR: the image TAG with its top layer rewritten, each
+      PATH (relative, e.g. app/version.txt) replaced by TEXT or added; the config's
+      last diff_id and the manifest follow. The lower layers stay the same blobs, as
+      they do when a new version of an application is built on the same base.
 """
 import argparse
 import datetime
+import gzip
+import io
+import tarfile
 import hashlib
 import json
 import os
@@ -213,6 +222,68 @@ def write_layout(args):
         sys.exit(f"image is only {tu} bytes uncompressed, wanted >= {args.min_bytes}")
 
 
+def new_version(args):
+    d = args.layout
+
+    def blob(dg):
+        return os.path.join(d, "blobs", *dg.split(":"))
+
+    def put(data):
+        dg = "sha256:" + hashlib.sha256(data).hexdigest()
+        with open(blob(dg), "wb") as f:
+            f.write(data)
+        return dg
+
+    def load(dg):
+        with open(blob(dg), "rb") as f:
+            return f.read()
+
+    sets = {}
+    for s in args.set:
+        path, sep, text = s.partition("=")
+        if not sep or not path.strip("./"):
+            sys.exit(f"--set takes PATH=TEXT, not {s!r}")
+        sets[path.strip("./").lstrip("/")] = text.encode()
+    with open(os.path.join(d, "index.json")) as f:
+        index = json.load(f)
+    ref = "org.opencontainers.image.ref.name"
+    desc = next((m for m in index["manifests"] if m.get("annotations", {}).get(ref) == args.tag), None)
+    if desc is None:
+        sys.exit(f"no tag {args.tag} in {d}")
+    man = json.loads(load(desc["digest"]))
+    cfg = json.loads(load(man["config"]["digest"]))
+    top = man["layers"][-1]
+    if not top["mediaType"].endswith("+gzip"):
+        sys.exit(f"the top layer is {top['mediaType']}, not a gzip tar")
+    src = tarfile.open(fileobj=io.BytesIO(gzip.decompress(load(top["digest"]))))
+    out = io.BytesIO()
+    dst = tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT)
+    for m in src.getmembers():
+        data = src.extractfile(m).read() if m.isfile() else None
+        name = m.name.lstrip("./")
+        if name in sets:
+            data = sets.pop(name)
+            m.size = len(data)
+        dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    for name, data in sets.items():
+        extra = tarfile.TarInfo(name)
+        extra.size, extra.mode, extra.mtime = len(data), 0o644, int(datetime.datetime.now().timestamp())
+        dst.addfile(extra, io.BytesIO(data))
+    dst.close()
+    raw = out.getvalue()
+    gz = gzip.compress(raw, compresslevel=6, mtime=0)
+    man["layers"][-1] = {"mediaType": top["mediaType"], "digest": put(gz), "size": len(gz)}
+    cfg["rootfs"]["diff_ids"][-1] = "sha256:" + hashlib.sha256(raw).hexdigest()
+    cb = json.dumps(cfg).encode()
+    man["config"] = {"mediaType": man["config"]["mediaType"], "digest": put(cb), "size": len(cb)}
+    mb = json.dumps(man).encode()
+    index["manifests"] = [m for m in index["manifests"] if m.get("annotations", {}).get(ref) != args.new_tag]
+    index["manifests"].append({"mediaType": desc["mediaType"], "digest": put(mb), "size": len(mb),
+                               "annotations": {ref: args.new_tag}})
+    with open(os.path.join(d, "index.json"), "w") as f:
+        json.dump(index, f)
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd_name", required=True)
@@ -226,9 +297,16 @@ def main():
     w.add_argument("--env", action="append")
     w.add_argument("--min-bytes", type=int, default=0)
     w.add_argument("layers", nargs="+")
+    n = sub.add_parser("new-version")
+    n.add_argument("--layout", required=True)
+    n.add_argument("--tag", required=True)
+    n.add_argument("--new-tag", required=True)
+    n.add_argument("--set", action="append", required=True)
     a = ap.parse_args()
     if a.cmd_name == "convert-whiteouts":
         convert_whiteouts(a.dir, a.lowers)
+    elif a.cmd_name == "new-version":
+        new_version(a)
     else:
         write_layout(a)
 

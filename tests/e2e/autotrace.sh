@@ -154,41 +154,8 @@ IMG=$E2E_TMP/img
 indexed_small "$IMG"
 # v2: layer 2 with /app/hello.txt rewritten and /app/version.txt added (its config's
 # diff_id and the manifest follow), tagged v2 in the same layout, then indexed
-python3 - "$IMG" <<'PY'
-import gzip, hashlib, io, json, os, sys, tarfile, time
-d = sys.argv[1]
-def blob(dg): return os.path.join(d, "blobs", *dg.split(":"))
-def put(data):
-    dg = "sha256:" + hashlib.sha256(data).hexdigest()
-    with open(blob(dg), "wb") as f: f.write(data)
-    return dg
-index = json.load(open(os.path.join(d, "index.json")))
-desc = next(m for m in index["manifests"] if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == "small")
-man = json.load(open(blob(desc["digest"])))
-cfg = json.load(open(blob(man["config"]["digest"])))
-top = man["layers"][-1]
-src = tarfile.open(fileobj=io.BytesIO(gzip.decompress(open(blob(top["digest"]), "rb").read())))
-out = io.BytesIO()
-dst = tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT)
-for m in src.getmembers():
-    data = src.extractfile(m).read() if m.isfile() else None
-    if m.name.lstrip("./") == "app/hello.txt":
-        data = b"hello from version 2 of the ferry small image\n"; m.size = len(data)
-    dst.addfile(m, io.BytesIO(data) if data is not None else None)
-extra = tarfile.TarInfo("app/version.txt"); body = b"2\n"; extra.size = len(body); extra.mtime = int(time.time())
-dst.addfile(extra, io.BytesIO(body))
-dst.close()
-raw = out.getvalue()
-gz = gzip.compress(raw, mtime=0)
-man["layers"][-1] = {"mediaType": top["mediaType"], "digest": put(gz), "size": len(gz)}
-cfg["rootfs"]["diff_ids"][-1] = "sha256:" + hashlib.sha256(raw).hexdigest()
-cb = json.dumps(cfg).encode()
-man["config"] = {"mediaType": man["config"]["mediaType"], "digest": put(cb), "size": len(cb)}
-mb = json.dumps(man).encode()
-index["manifests"].append({"mediaType": desc["mediaType"], "digest": put(mb), "size": len(mb),
-                           "annotations": {"org.opencontainers.image.ref.name": "v2"}})
-json.dump(index, open(os.path.join(d, "index.json"), "w"))
-PY
+python3 "$FERRY_ROOT/bench/oci-layout.py" new-version --layout "$IMG" --tag small --new-tag v2 \
+    --set app/hello.txt=$'hello from version 2 of the ferry small image\n' --set app/version.txt=$'2\n'
 fy "$E2E_TMP/index2.out" "$E2E_TMP/index2.err" index --min-layer-size 0 --span 65536 "oci:$IMG:v2"
 [[ $RC == 0 ]] || { show "$E2E_TMP/index2.err"; e2e_die "ferry index of v2 failed"; }
 
