@@ -154,7 +154,14 @@ fn fill_at_once() -> WarmConfig {
 
 #[test]
 fn trace_reads_are_prefetched_first_and_in_order() {
-    let (blob, index, files) = gzip_layer();
+    // `dir/c` lies after `a` in the blob, further than prefetch merges ranges across
+    // (random bytes in between compress to themselves).
+    let files = vec![
+        ("a", noise(300 << 10, 1)),
+        ("between", noise(COALESCE_GAP as usize + (256 << 10), 3)),
+        ("dir/c", noise(200 << 10, 2)),
+    ];
+    let (blob, index) = indexed_gzip_layer(&files);
     let backend = LogBackend::new(blob.clone());
     let dir = tempfile::tempdir().unwrap();
     let image = mount(
@@ -1081,27 +1088,27 @@ fn a_trace_of_another_version_is_clamped_to_the_files_of_this_one() {
 
 #[test]
 fn prefetch_merges_close_ranges_of_a_group_and_keeps_trace_order() {
-    let k = 1 << 10;
+    let g = COALESCE_GAP;
     let jobs = vec![
-        (0, 500 * k..600 * k),
-        (1, 0..10 * k),
-        (0, 0..100 * k),
-        (0, 650 * k..700 * k), // within the gap of the first: joins it
-        (1, 500 * k..510 * k), // far from (1, 0..10K): stays apart
+        (0, 5 * g..6 * g),
+        (1, 0..g / 10),
+        (0, 0..g),                  // 4 gaps before the first: stays apart
+        (0, 6 * g + g / 2..7 * g),  // within the gap of the first: joins it
+        (1, 5 * g..5 * g + g / 10), // far from (1, 0..g/10): stays apart
     ];
     assert_eq!(
         coalesce(jobs),
         vec![
-            (0, 500 * k..700 * k),
-            (1, 0..10 * k),
-            (0, 0..100 * k),
-            (1, 500 * k..510 * k)
+            (0, 5 * g..7 * g),
+            (1, 0..g / 10),
+            (0, 0..g),
+            (1, 5 * g..5 * g + g / 10)
         ]
     );
     // Groups end after COALESCE_BYTES: a close range in the next group stays apart, so a
     // late read is never pulled before earlier ones.
     let big = COALESCE_BYTES;
-    let jobs = vec![(0, 0..big), (0, big + k..big + 2 * k)];
+    let jobs = vec![(0, 0..big), (0, big + g / 8..big + g / 4)];
     assert_eq!(coalesce(jobs.clone()), jobs);
 }
 
