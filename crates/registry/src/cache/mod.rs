@@ -47,6 +47,7 @@ pub use config::UpstreamConfig;
 use crate::server::metrics::Metrics;
 use crate::storage::{BlobRead, StoredManifest};
 use disk::DiskCache;
+use ferry_oci::digest::is_digest_reference;
 use ferry_registry_client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use fetch::{FetchJob, FetchState, Inflight, Progress};
 use flight::SingleFlight;
@@ -260,10 +261,6 @@ fn sha256_hex(digest: &str) -> Result<&str, CacheError> {
     ferry_oci::digest::parse_sha256(digest)
         .map_err(|_| CacheError::Invalid(format!("digest {digest:?} (only sha256 is cached)")))?;
     Ok(&digest["sha256:".len()..])
-}
-
-fn is_digest_reference(reference: &str) -> bool {
-    reference.contains(':')
 }
 
 /// The upstream `host[:port]` of a URL, and whether it is plain HTTP.
