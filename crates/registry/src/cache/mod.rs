@@ -5,7 +5,7 @@
 //! layers at once. Each object must cost upstream one request, however many nodes ask, and
 //! nodes must not wait for the whole object to land before their bytes start flowing.
 //!
-//! - Manifests and small documents live in a byte-bounded memory LRU ([`memory`]). Digest
+//! - Manifests and small documents live in a byte-bounded memory cache ([`memory`]). Digest
 //!   references are immutable and never revalidated; tags are served for `manifest_ttl`,
 //!   then revalidated with a HEAD (re-fetched only if the digest moved). Tag lists and
 //!   referrers are kept for `list_ttl`.
