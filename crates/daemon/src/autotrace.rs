@@ -348,11 +348,13 @@ fn repo_key(repository: &str) -> String {
     hex[..16.min(hex.len())].to_owned()
 }
 
+/// The 64 hex digits of a `sha256:` manifest digest, checked by ferry-oci's one digest
+/// parser (so uppercase hex is refused, as everywhere else).
 fn manifest_hex(manifest: &str) -> Result<&str> {
-    manifest
-        .strip_prefix("sha256:")
-        .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
-        .ok_or_else(|| Error::InvalidRequest(format!("{manifest:?} is not a manifest digest")))
+    ferry_oci::digest::parse_sha256(manifest).map_err(|e| {
+        Error::InvalidRequest(format!("{manifest:?} is not a manifest digest: {e}"))
+    })?;
+    Ok(&manifest["sha256:".len()..])
 }
 
 impl NodeTraces {

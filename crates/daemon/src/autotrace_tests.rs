@@ -392,6 +392,17 @@ fn recording_ends_when_its_mounts_go_or_someone_stops_it() {
 }
 
 #[test]
+fn manifest_digests_go_through_the_digest_parser() {
+    let lower = manifest('a');
+    assert_eq!(manifest_hex(&lower).unwrap(), &lower["sha256:".len()..]);
+    // Uppercase hex is no sha256 digest: refused here as by ferry-oci everywhere else.
+    assert!(manifest_hex(&format!("sha256:{}", "A".repeat(64))).is_err());
+    assert!(manifest_hex(&format!("sha256:{}", "a".repeat(63))).is_err());
+    assert!(manifest_hex(&format!("sha512:{}", "a".repeat(128))).is_err());
+    assert!(manifest_hex("a".repeat(64).as_str()).is_err());
+}
+
+#[test]
 fn stop_rule_needs_a_first_read() {
     let now = Instant::now();
     assert_eq!(

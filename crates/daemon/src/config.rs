@@ -380,8 +380,7 @@ impl DaemonConfig {
 /// The default control socket: `/run/ferry/daemon.sock` for root, else
 /// `$XDG_RUNTIME_DIR/ferry/daemon.sock`, else `/tmp/ferry-$UID/daemon.sock`.
 pub fn default_control_socket() -> PathBuf {
-    // SAFETY: getuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::getuid() };
+    let uid = nix::unistd::getuid().as_raw();
     control_socket_for(uid, std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from))
 }
 

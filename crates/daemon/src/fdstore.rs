@@ -27,6 +27,7 @@ use std::io::{IoSlice, IoSliceMut};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::signal::{SigHandler, Signal, signal};
 use nix::sys::socket::{
     self, AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag,
     SockType, UnixAddr, sockopt,
@@ -500,14 +501,16 @@ impl Holder {
 /// then aborts those connections, so their mounts fail with ENOTCONN and can be
 /// unmounted, instead of waiting for a daemon that is not coming back.
 pub fn run_holder(socket: &Path, persistent: bool) -> Result<(), HolderError> {
-    let ignored: &[libc::c_int] = if persistent {
-        &[libc::SIGHUP]
+    let ignored: &[Signal] = if persistent {
+        &[Signal::SIGHUP]
     } else {
-        &[libc::SIGINT, libc::SIGHUP]
+        &[Signal::SIGINT, Signal::SIGHUP]
     };
     for &sig in ignored {
-        // SAFETY: setting a signal's disposition to ignore has no preconditions.
-        unsafe { libc::signal(sig, libc::SIG_IGN) };
+        // SAFETY: setting a signal's disposition to ignore installs no handler, so it has
+        // no preconditions; it fails only for signals that cannot be ignored.
+        unsafe { signal(sig, SigHandler::SigIgn) }
+            .map_err(|e| io_err(format!("ignoring {sig}"))(io::Error::from(e)))?;
     }
     // A live holder keeps its socket: replacing it would orphan what it holds.
     if connect(socket).is_ok() {

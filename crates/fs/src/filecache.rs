@@ -118,7 +118,7 @@ impl FileKey {
 }
 
 fn parse_hex32(s: &str) -> Option<[u8; 32]> {
-    if s.len() != 64 || !s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+    if !ferry_oci::digest::is_sha256_hex(s) {
         return None;
     }
     let mut out = [0u8; 32];

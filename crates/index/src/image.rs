@@ -26,7 +26,7 @@ use crate::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use crate::merged::MergedImage;
 use crate::reader::{LayerFormat, LayerReader};
 use crate::source::{FileSource, RangeSource};
-use crate::windows::BlobWindows;
+use crate::windows::{BlobWindows, WindowSource};
 
 /// Layers smaller than this (compressed) are not indexed by default: one span of a
 /// typical layer is about this size, so fetching such a layer whole costs no more than
@@ -146,7 +146,7 @@ pub fn open_layout_image(
 /// the daemon's report of which layers can be lazy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerWay<'a, I = ()> {
-    /// Span by span, through its ferry index ([`check_index_size`] before use).
+    /// Span by span, through its ferry index ([`indexed_windows`] before use).
     Indexed(I),
     /// Member by member, through the eStargz TOC whose digest is `toc`.
     Estargz {
@@ -199,8 +199,55 @@ pub fn whole_compression(layer: &Descriptor) -> Result<LayerCompression> {
     })
 }
 
-/// Picks the reader for one layer of a layout. A version-2 index's windows blob is read
-/// beside the layer blob ([`RangeSource::sibling`], so a counting wrapper counts it too).
+/// Checks that `index` is for `layer`'s blob and finds the blob a version-2 index keeps
+/// its windows in, beside the layer blob `source` ([`RangeSource::sibling`], so a
+/// counting wrapper counts it too); `None` when the index keeps its windows inline. What
+/// every opener of an indexed layer does first (layouts here, ferry-fs's lazy mounts).
+pub fn indexed_windows(
+    layer: &Descriptor,
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+) -> Result<Option<Arc<dyn RangeSource>>> {
+    check_index_size(layer, index)?;
+    let Some(w) = &index.windows else {
+        return Ok(None);
+    };
+    source.sibling(&w.digest, w.size).map(Some).ok_or_else(|| {
+        Error::NotFound(format!(
+            "windows blob {} ({} bytes) of the index of layer {} cannot be reached beside \
+             the layer blob; is the layout or repository complete?",
+            w.digest,
+            w.size,
+            layer.digest()
+        ))
+    })
+}
+
+/// The reader of an indexed layer: its spans read through `source`, its windows from
+/// `windows` (else from the index itself, which then keeps them inline).
+pub fn indexed_reader(
+    index: Arc<LayerIndex>,
+    source: Arc<dyn RangeSource>,
+    windows: Option<Arc<dyn WindowSource>>,
+) -> LayerReader {
+    let reader = LayerReader::new(LayerFormat::Indexed(index), source);
+    match windows {
+        Some(w) => reader.with_windows(w),
+        None => reader,
+    }
+}
+
+/// The reader of an eStargz layer, its TOC (digest `toc`) and members read through
+/// `source`.
+pub fn estargz_reader(source: Arc<dyn RangeSource>, toc: &str) -> Result<LayerReader> {
+    let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
+    Ok(LayerReader::new(
+        LayerFormat::Estargz(Arc::new(esgz)),
+        source,
+    ))
+}
+
+/// Picks the reader for one layer of a layout, the blobs read straight from `source`.
 pub fn layer_reader(
     layer: &Descriptor,
     indexes: &HashMap<String, Arc<LayerIndex>>,
@@ -208,32 +255,11 @@ pub fn layer_reader(
 ) -> Result<LayerReader> {
     match LayerWay::of(layer, indexes.get(layer.digest().as_ref())) {
         LayerWay::Indexed(index) => {
-            check_index_size(layer, index)?;
-            let windows = match &index.windows {
-                Some(w) => Some(source.sibling(&w.digest, w.size).ok_or_else(|| {
-                    Error::NotFound(format!(
-                        "windows blob {} ({} bytes) of the index of layer {}; is the layout \
-                         complete?",
-                        w.digest,
-                        w.size,
-                        layer.digest()
-                    ))
-                })?),
-                None => None,
-            };
-            let reader = LayerReader::new(LayerFormat::Indexed(index.clone()), source);
-            Ok(match windows {
-                Some(w) => reader.with_windows(Arc::new(BlobWindows::new(w, true))),
-                None => reader,
-            })
+            let windows = indexed_windows(layer, index, source.as_ref())?
+                .map(|w| Arc::new(BlobWindows::new(w, true)) as Arc<dyn WindowSource>);
+            Ok(indexed_reader(index.clone(), source, windows))
         }
-        LayerWay::Estargz { toc } => {
-            let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
-            Ok(LayerReader::new(
-                LayerFormat::Estargz(Arc::new(esgz)),
-                source,
-            ))
-        }
+        LayerWay::Estargz { toc } => estargz_reader(source, toc),
         LayerWay::Whole => LayerReader::whole(source, whole_compression(layer)?),
     }
 }

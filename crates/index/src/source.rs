@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use ferry_oci::digest::is_sha256_hex;
+
 /// Random-access, read-only bytes of one blob.
 pub trait RangeSource: Send + Sync {
     /// Total size of the blob in bytes.
@@ -82,13 +84,6 @@ impl FileSource {
             path: path.to_path_buf(),
         })
     }
-}
-
-/// True for the 64 lowercase hex digits of a sha256 blob file name.
-fn is_sha256_hex(s: &str) -> bool {
-    s.len() == 64
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 impl RangeSource for FileSource {

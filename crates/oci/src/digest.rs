@@ -62,6 +62,24 @@ pub fn parse_sha256_bytes(s: &str) -> Result<[u8; 32]> {
     Ok(raw)
 }
 
+/// Whether a manifest reference (the `REF` of `/v2/NAME/manifests/REF`) names a digest
+/// rather than a tag: a `:` makes it a digest, since no tag may contain one. The one rule
+/// for telling them apart; [`parse`] still decides whether the digest is valid.
+pub fn is_digest_reference(reference: &str) -> bool {
+    reference.contains(':')
+}
+
+/// Whether `s` is exactly `len` lowercase hex digits (no uppercase, no prefix).
+pub fn is_lower_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Whether `s` is the hex part of a sha256 digest: 64 lowercase hex digits, as ferry's
+/// stores and caches name their files and keys.
+pub fn is_sha256_hex(s: &str) -> bool {
+    is_lower_hex(s, 64)
+}
+
 /// Whether `d` is a sha256 digest (and so, being parsed, 64 lowercase hex digits).
 pub fn is_sha256(d: &Digest) -> bool {
     *d.algorithm() == oci_spec::image::DigestAlgorithm::Sha256
@@ -136,6 +154,25 @@ mod tests {
             d.to_string(),
             "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
         );
+    }
+
+    #[test]
+    fn sha256_hex_is_64_lowercase_hex() {
+        let good = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+        assert!(is_sha256_hex(good));
+        assert!(!is_sha256_hex(&good.to_uppercase()));
+        assert!(!is_sha256_hex(&good[1..]));
+        assert!(!is_sha256_hex(&format!("{good}0")));
+        assert!(!is_sha256_hex(&format!("sha256:{good}")));
+        assert!(!is_sha256_hex(&good.replace('e', "g")));
+        assert!(is_lower_hex("0a", 2));
+        assert!(!is_lower_hex("0A", 2));
+    }
+
+    #[test]
+    fn digest_references_have_a_colon() {
+        assert!(is_digest_reference("sha256:abc"));
+        assert!(!is_digest_reference("latest"));
     }
 
     #[test]

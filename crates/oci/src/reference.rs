@@ -267,7 +267,7 @@ pub enum Reference {
 impl Reference {
     /// Parses a tag or a digest: a `:` makes it a digest, since no tag may contain one.
     pub fn parse(s: &str) -> Result<Self> {
-        if s.contains(':') {
+        if crate::digest::is_digest_reference(s) {
             crate::digest::parse(s).map(Reference::Digest)
         } else {
             Tag::parse(s).map(Reference::Tag)

@@ -21,6 +21,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use ferry_oci::{ImageRef, OciLayout, Platform};
+use ferry_registry_client::{Client, ClientConfig};
 
 /// Opens the OCI layout an `oci:DIR:TAG` reference names; registries come with the
 /// registry client.
@@ -59,6 +60,59 @@ pub fn layout_platform_ref(
             .digest()
             .to_string()),
     }
+}
+
+/// The image `--platform` names: the platform's manifest by digest (`oci:DIR@sha256:…`,
+/// `HOST/REPO@sha256:…`), chosen from an image index by ferry-oci's one chooser, so that
+/// the lazy filesystem and the daemon open exactly it; an image that is not an index is
+/// itself.
+pub fn platform_image(
+    image: &str,
+    platform: &ferry_oci::Platform,
+    plain_http: bool,
+) -> Result<String> {
+    use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
+    let parsed = ferry_oci::ImageRef::parse(image)?;
+    let reference = parsed.reference().to_owned();
+    match parsed {
+        ferry_oci::ImageRef::Layout { dir, .. } => {
+            let layout = ferry_oci::OciLayout::open(&dir)
+                .with_context(|| format!("opening {}", dir.display()))?;
+            let chosen = layout_platform_ref(&layout, reference, Some(platform))?;
+            Ok(format!("oci:{}@{chosen}", dir.display()))
+        }
+        ferry_oci::ImageRef::Registry {
+            registry,
+            repository,
+            ..
+        } => {
+            let mut cfg = ClientConfig::default();
+            if plain_http {
+                cfg.registry.entry(registry.clone()).or_default().plain_http = true;
+            }
+            let client = Client::new(cfg)?;
+            let repo = ferry_registry_client::Repo::new(registry.clone(), repository.clone());
+            let doc = current_thread_runtime()?
+                .block_on(client.get_manifest(&repo, &reference, &[]))
+                .with_context(|| format!("resolving {image}"))?;
+            if doc.media_type != OCI_INDEX && doc.media_type != DOCKER_MANIFEST_LIST {
+                return Ok(image.to_owned());
+            }
+            let index: ferry_oci::ImageIndex = serde_json::from_slice(&doc.bytes)
+                .with_context(|| format!("image index {} of {image}", doc.digest))?;
+            let chosen = ferry_oci::choose_manifest(&index, platform)
+                .with_context(|| format!("{image} (image index {})", doc.digest))?;
+            Ok(format!("{registry}/{repository}@{}", chosen.digest()))
+        }
+    }
+}
+
+/// A current-thread async runtime for one command's registry calls.
+pub fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 /// Like [`layout_ref`] but creates the layout when it does not exist (outputs).

@@ -90,7 +90,7 @@ pub struct UmountArgs {
 /// Runs `ferry mount`.
 pub fn run(mut args: Args) -> Result<()> {
     if let Some(platform) = args.platform.take() {
-        args.image = platform_image(&args.image, &platform, args.plain_http)?;
+        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
     }
     let mountpoint = args
         .mountpoint
@@ -240,54 +240,6 @@ fn run_detached(args: &Args, mountpoint: &Path) -> Result<()> {
     }
 }
 
-/// The image `--platform` names: the platform's manifest by digest (`oci:DIR@sha256:…`,
-/// `HOST/REPO@sha256:…`), chosen from an image index by ferry-oci's one chooser, so that
-/// the lazy filesystem and the daemon open exactly it; an image that is not an index is
-/// itself.
-fn platform_image(image: &str, platform: &ferry_oci::Platform, plain_http: bool) -> Result<String> {
-    use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
-    let parsed = ferry_oci::ImageRef::parse(image)?;
-    let reference = parsed.reference().to_owned();
-    match parsed {
-        ferry_oci::ImageRef::Layout { dir, .. } => {
-            let layout = ferry_oci::OciLayout::open(&dir)
-                .with_context(|| format!("opening {}", dir.display()))?;
-            let chosen = super::layout_platform_ref(&layout, reference, Some(platform))?;
-            Ok(format!("oci:{}@{chosen}", dir.display()))
-        }
-        ferry_oci::ImageRef::Registry {
-            registry,
-            repository,
-            ..
-        } => {
-            let mut cfg = ClientConfig::default();
-            if plain_http {
-                cfg.registry.entry(registry.clone()).or_default().plain_http = true;
-            }
-            let client = Client::new(cfg)?;
-            let repo = ferry_registry_client::Repo::new(registry.clone(), repository.clone());
-            let doc = current_thread_runtime()?
-                .block_on(client.get_manifest(&repo, &reference, &[]))
-                .with_context(|| format!("resolving {image}"))?;
-            if doc.media_type != OCI_INDEX && doc.media_type != DOCKER_MANIFEST_LIST {
-                return Ok(image.to_owned());
-            }
-            let index: ferry_oci::ImageIndex = serde_json::from_slice(&doc.bytes)
-                .with_context(|| format!("image index {} of {image}", doc.digest))?;
-            let chosen = ferry_oci::choose_manifest(&index, platform)
-                .with_context(|| format!("{image} (image index {})", doc.digest))?;
-            Ok(format!("{registry}/{repository}@{}", chosen.digest()))
-        }
-    }
-}
-
-fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
-}
-
 fn control_socket(socket: Option<&Path>, config: Option<&Path>) -> Result<PathBuf> {
     Ok(match socket {
         Some(s) => s.to_path_buf(),
@@ -317,7 +269,7 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
     }
     let socket = control_socket(args.socket.as_deref(), args.config.as_deref())?;
     let client = ControlClient::new(&socket);
-    let runtime = current_thread_runtime()?;
+    let runtime = super::current_thread_runtime()?;
     let health = client.clone().with_timeout(Duration::from_secs(5));
     if runtime.block_on(health.health()).is_err() {
         start_daemon(args, &socket, &health, &runtime)?;
@@ -436,7 +388,7 @@ pub fn run_umount(args: UmountArgs) -> Result<()> {
         .with_context(|| format!("mount point {}", args.mountpoint.display()))?;
     let socket = control_socket(args.socket.as_deref(), args.config.as_deref())?;
     let client = ControlClient::new(&socket).with_timeout(Duration::from_secs(120));
-    let runtime = current_thread_runtime()?;
+    let runtime = super::current_thread_runtime()?;
     match runtime.block_on(client.unmount(&mountpoint)) {
         Ok(()) => return Ok(()),
         Err(ferry_daemon::Error::Remote { status: 404, .. }) => {}

@@ -61,6 +61,10 @@ struct RecordArgs {
     /// trace recorded until then is kept.
     #[arg(long, value_name = "SECS")]
     duration: Option<u64>,
+    /// The platform to record from a multi-platform image (default: this machine's). Its
+    /// manifest is mounted, and the trace recorded for it, by digest.
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    platform: Option<ferry_oci::Platform>,
     /// The command and its arguments, as seen inside the image.
     #[arg(last = true, required = true, num_args = 1..)]
     command: Vec<String>,
@@ -77,6 +81,10 @@ struct ShowArgs {
     /// Print the trace JSON instead of a summary.
     #[arg(long)]
     json: bool,
+    /// The platform whose trace to show, of a multi-platform image (default: this
+    /// machine's).
+    #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
+    platform: Option<ferry_oci::Platform>,
 }
 
 /// Runs `ferry trace`.
@@ -164,9 +172,12 @@ fn open_store(args: &RecordArgs) -> Result<Option<Arc<Store>>> {
     }
 }
 
-fn record(args: RecordArgs) -> Result<()> {
+fn record(mut args: RecordArgs) -> Result<()> {
     if !args.publish && args.output.is_none() {
         bail!("nothing to do with the trace: pass --output FILE and/or --publish");
+    }
+    if let Some(platform) = args.platform.take() {
+        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
     }
     let client = client_for(&args.image, args.plain_http)?;
     let runtime = RangeRuntime::new()?;
@@ -305,7 +316,10 @@ fn run_chrooted(root: &Path, args: &RecordArgs) -> Result<std::process::ExitStat
     }
 }
 
-fn show(args: ShowArgs) -> Result<()> {
+fn show(mut args: ShowArgs) -> Result<()> {
+    if let Some(platform) = args.platform.take() {
+        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
+    }
     let client = client_for(&args.image, args.plain_http)?;
     let runtime = RangeRuntime::new()?;
     let home = Home::of(&args.image, &client, &runtime)?;

@@ -22,11 +22,12 @@ pub mod tree;
 
 use std::sync::Arc;
 
-use ferry_index::estargz::EstargzLayer;
-use ferry_index::image::{LayerWay, check_index_size, whole_compression};
+use ferry_index::image::{
+    LayerWay, estargz_reader, indexed_reader, indexed_windows, whole_compression,
+};
 use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::MergedImage;
-use ferry_index::reader::{LayerFormat, LayerReader};
+use ferry_index::reader::LayerReader;
 use ferry_index::source::{FileSource, RangeSource};
 use ferry_registry_client::{Client, RangeRuntime};
 use ferry_store::{ChunkKey, Store};
@@ -357,24 +358,15 @@ fn layer_reader(
     let digest = layer.descriptor.digest().to_string();
     match LayerWay::of(&layer.descriptor, layer.index.clone()) {
         LayerWay::Indexed(index) => {
-            check_index_size(&layer.descriptor, &index)?;
-            let windows = match &index.windows {
-                Some(w) => {
-                    let backend = layer.source.sibling(&w.digest, w.size).ok_or_else(|| {
-                        Error::Invalid(format!(
-                            "the index of {digest} keeps its windows in blob {}, which cannot \
-                             be reached beside the layer",
-                            w.digest
-                        ))
-                    })?;
-                    let fallback = layer
-                        .fallback
-                        .as_ref()
-                        .and_then(|f| f.sibling(&w.digest, w.size));
-                    Some((backend, fallback))
-                }
-                None => None,
-            };
+            // The windows blob beside the layer, and beside its fallback when it has one.
+            let windows =
+                indexed_windows(&layer.descriptor, &index, layer.source.as_ref())?.map(|backend| {
+                    let fallback = match (&index.windows, &layer.fallback) {
+                        (Some(w), Some(f)) => f.sibling(&w.digest, w.size),
+                        _ => None,
+                    };
+                    (backend, fallback)
+                });
             let mut source =
                 LayerSource::indexed(layer.source, &index, store, limiter, config, stats);
             if let Some(fallback) = layer.fallback {
@@ -384,8 +376,7 @@ fn layer_reader(
                 source = source.with_windows(backend, fallback);
             }
             let source = source.into_shared();
-            let reader = LayerReader::new(LayerFormat::Indexed(index), source.clone())
-                .with_windows(source.clone())
+            let reader = indexed_reader(index, source.clone(), Some(source.clone()))
                 .with_inflated_cache(inflated_spans().clone());
             Ok((reader, Some(source)))
         }
@@ -395,8 +386,7 @@ fn layer_reader(
                 source = source.with_whole_blob(store, &digest);
             }
             let source = Arc::new(source);
-            let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
-            let reader = LayerReader::new(LayerFormat::Estargz(Arc::new(esgz)), source.clone());
+            let reader = estargz_reader(source.clone(), toc)?;
             Ok((reader, Some(source)))
         }
         LayerWay::Whole => {

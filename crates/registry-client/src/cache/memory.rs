@@ -1,138 +1,128 @@
 //! Bounded in-memory cache for small documents (manifests, tag lists, referrers indexes).
 //!
 //! Bounded by bytes, not entries, because a manifest list can be a hundred times larger
-//! than a single-platform manifest; the least recently used entries go first. Each entry
-//! remembers when upstream last vouched for it, so the caller can decide between fresh,
-//! revalidate, and serve-stale — the policy lives in the caller, this only keeps time.
+//! than a single-platform manifest. Each entry remembers when upstream last vouched for
+//! it, so the caller can decide between fresh, revalidate, and serve-stale — the policy
+//! lives in the caller, this only keeps time. Eviction is quick_cache's (a scan-resistant
+//! CLOCK-PRO variant: entries used again outlive those seen once), in one shard so the
+//! whole byte bound is available to any entry.
 
-use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::time::Instant;
 
-use parking_lot::Mutex;
+use quick_cache::sync::{Cache, EntryAction};
+use quick_cache::{OptionsBuilder, Weighter};
 
 /// Fixed bookkeeping cost charged per entry on top of the caller's weight.
 pub const ENTRY_OVERHEAD: u64 = 96;
 
-#[derive(Debug)]
+/// Entries a cache is sized for at first (quick_cache grows past it as needed).
+const ESTIMATED_ENTRIES: usize = 1024;
+
+#[derive(Debug, Clone)]
 struct Slot<V> {
     value: V,
+    /// The caller's weight plus [`ENTRY_OVERHEAD`].
     weight: u64,
     validated_at: Instant,
-    tick: u64,
 }
 
-#[derive(Debug)]
-struct Lru<K, V> {
-    slots: HashMap<K, Slot<V>>,
-    by_tick: BTreeMap<u64, K>,
-    used: u64,
-    next_tick: u64,
+#[derive(Debug, Clone)]
+struct SlotWeight;
+
+impl<K, V> Weighter<K, Slot<V>> for SlotWeight {
+    fn weight(&self, _key: &K, slot: &Slot<V>) -> u64 {
+        slot.weight
+    }
 }
 
-/// A byte-bounded LRU map whose entries carry the time they were last validated.
-#[derive(Debug)]
+/// A byte-bounded cache whose entries carry the time they were last validated.
 pub struct MemoryCache<K, V> {
     capacity: u64,
-    lru: Mutex<Lru<K, V>>,
+    cache: Cache<K, Slot<V>, SlotWeight>,
+}
+
+impl<K: Eq + Hash, V: Clone> std::fmt::Debug for MemoryCache<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryCache")
+            .field("capacity", &self.capacity)
+            .field("used", &self.cache.weight())
+            .field("len", &self.cache.len())
+            .finish()
+    }
 }
 
 impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
     /// An empty cache holding at most `capacity` bytes (weights plus overhead).
     pub fn new(capacity: u64) -> Self {
-        MemoryCache {
-            capacity,
-            lru: Mutex::new(Lru {
-                slots: HashMap::new(),
-                by_tick: BTreeMap::new(),
-                used: 0,
-                next_tick: 0,
-            }),
-        }
+        let mut options = OptionsBuilder::new();
+        options
+            .shards(1)
+            .estimated_items_capacity(ESTIMATED_ENTRIES)
+            .weight_capacity(capacity);
+        let cache = match options.build() {
+            Ok(options) => {
+                Cache::with_options(options, SlotWeight, Default::default(), Default::default())
+            }
+            // Unreachable: every option above is set.
+            Err(_) => Cache::with_weighter(ESTIMATED_ENTRIES, capacity, SlotWeight),
+        };
+        MemoryCache { capacity, cache }
     }
 
     /// The value and when it was last validated; marks it recently used.
     pub fn get(&self, key: &K) -> Option<(V, Instant)> {
-        let mut lru = self.lru.lock();
-        let tick = lru.next_tick;
-        lru.next_tick += 1;
-        let slot = lru.slots.get_mut(key)?;
-        let old_tick = std::mem::replace(&mut slot.tick, tick);
-        let found = (slot.value.clone(), slot.validated_at);
-        if let Some(k) = lru.by_tick.remove(&old_tick) {
-            lru.by_tick.insert(tick, k);
-        }
-        Some(found)
+        self.cache.get(key).map(|s| (s.value, s.validated_at))
     }
 
-    /// Stores `value` (costing `weight` bytes) as validated at `validated_at`, evicting the
-    /// least recently used entries to fit. A value larger than the whole cache is not kept.
+    /// Stores `value` (costing `weight` bytes) as validated at `validated_at`, evicting
+    /// what the cache's policy picks to fit. A value larger than the whole cache is not
+    /// kept (and replaces nothing: an earlier value under `key` is dropped).
     pub fn insert(&self, key: K, value: V, weight: u64, validated_at: Instant) {
         let weight = weight.saturating_add(ENTRY_OVERHEAD);
-        let mut lru = self.lru.lock();
-        if let Some(old) = lru.slots.remove(&key) {
-            lru.by_tick.remove(&old.tick);
-            lru.used -= old.weight;
-        }
         if weight > self.capacity {
+            self.cache.remove(&key);
             return;
         }
-        while lru.used + weight > self.capacity {
-            let Some((_, victim)) = lru.by_tick.pop_first() else {
-                break;
-            };
-            if let Some(old) = lru.slots.remove(&victim) {
-                lru.used -= old.weight;
-            }
-        }
-        let tick = lru.next_tick;
-        lru.next_tick += 1;
-        lru.used += weight;
-        lru.by_tick.insert(tick, key.clone());
-        lru.slots.insert(
+        self.cache.insert(
             key,
             Slot {
                 value,
                 weight,
                 validated_at,
-                tick,
             },
         );
     }
 
     /// Records that upstream confirmed the entry is still current.
     pub fn revalidated(&self, key: &K, at: Instant) {
-        if let Some(slot) = self.lru.lock().slots.get_mut(key) {
-            slot.validated_at = at;
-        }
+        // `Some(ZERO)`: an entry being loaded elsewhere is not waited for.
+        let _ = self
+            .cache
+            .entry(key, Some(std::time::Duration::ZERO), |_, slot| {
+                slot.validated_at = at;
+                EntryAction::Retain(())
+            });
     }
 
     /// Drops an entry; returns whether it was there.
     pub fn remove(&self, key: &K) -> bool {
-        let mut lru = self.lru.lock();
-        match lru.slots.remove(key) {
-            Some(old) => {
-                lru.by_tick.remove(&old.tick);
-                lru.used -= old.weight;
-                true
-            }
-            None => false,
-        }
+        self.cache.remove(key).is_some()
     }
 
     /// Bytes charged now.
     pub fn used(&self) -> u64 {
-        self.lru.lock().used
+        self.cache.weight()
     }
 
     /// Number of entries.
     pub fn len(&self) -> usize {
-        self.lru.lock().slots.len()
+        self.cache.len()
     }
 
     /// Whether the cache holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.cache.is_empty()
     }
 }
 
@@ -144,20 +134,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn evicts_least_recently_used_to_stay_under_the_bound() {
+    fn evicts_an_entry_seen_once_to_stay_under_the_bound() {
         let now = Instant::now();
         let cache: MemoryCache<&str, u32> = MemoryCache::new(3 * (100 + ENTRY_OVERHEAD));
         cache.insert("a", 1, 100, now);
         cache.insert("b", 2, 100, now);
         cache.insert("c", 3, 100, now);
         assert_eq!(cache.len(), 3);
-        // Touch "a" so "b" is the oldest.
+        // Touch "a": one of the entries seen only once goes, not it.
         assert_eq!(cache.get(&"a").unwrap().0, 1);
         cache.insert("d", 4, 100, now);
-        assert!(cache.get(&"b").is_none());
+        assert_eq!(cache.len(), 3);
         assert_eq!(cache.get(&"a").unwrap().0, 1);
-        assert_eq!(cache.get(&"c").unwrap().0, 3);
         assert_eq!(cache.get(&"d").unwrap().0, 4);
+        let b_or_c = [cache.get(&"b"), cache.get(&"c")];
+        assert_eq!(b_or_c.iter().filter(|v| v.is_some()).count(), 1);
         assert_eq!(cache.used(), 3 * (100 + ENTRY_OVERHEAD));
         // A big entry pushes out several.
         cache.insert("big", 5, 250, now);

@@ -5,9 +5,11 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::{Instant, SystemTime};
+
+use parking_lot::RwLock;
 
 use super::rules::ANONYMOUS;
 
@@ -293,7 +295,7 @@ impl UserFile {
     /// a change if the last look was more than a second ago.
     pub fn current(&self) -> (Arc<Htpasswd>, u64) {
         self.maybe_reload();
-        let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+        let state = self.state.read();
         (state.users.clone(), state.generation)
     }
 
@@ -305,10 +307,7 @@ impl UserFile {
 
     /// The current generation without reloading.
     pub fn generation(&self) -> u64 {
-        self.state
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .generation
+        self.state.read().generation
     }
 
     fn maybe_reload(&self) {
@@ -330,7 +329,7 @@ impl UserFile {
     pub fn reload_if_changed(&self) {
         let new_stamp = stamp(&self.path).ok();
         {
-            let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+            let state = self.state.read();
             if state.stamp == new_stamp && new_stamp.is_some() {
                 return;
             }
@@ -353,7 +352,7 @@ impl UserFile {
                 }
             }
         };
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = self.state.write();
         state.users = Arc::new(users);
         state.stamp = new_stamp;
         state.generation += 1;

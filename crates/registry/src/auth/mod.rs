@@ -527,9 +527,9 @@ fn run_blocking<T>(work: impl FnOnce() -> T) -> T {
 /// A bcrypt hash of `cost` nobody's password matches, verified for unknown users. One
 /// per cost in use (at most 28), made once.
 fn dummy_hash(cost: u32) -> Arc<str> {
-    static DUMMIES: std::sync::Mutex<Vec<(u32, Arc<str>)>> = std::sync::Mutex::new(Vec::new());
+    static DUMMIES: parking_lot::Mutex<Vec<(u32, Arc<str>)>> = parking_lot::Mutex::new(Vec::new());
     let cost = cost.clamp(4, 31);
-    let mut dummies = DUMMIES.lock().unwrap_or_else(|p| p.into_inner());
+    let mut dummies = DUMMIES.lock();
     if let Some((_, h)) = dummies.iter().find(|(c, _)| *c == cost) {
         return h.clone();
     }

@@ -99,13 +99,6 @@ fn io_error(path: &Path, source: io::Error) -> CacheError {
     }
 }
 
-fn is_sha256_hex(name: &str) -> bool {
-    name.len() == 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, CacheError> + Send + 'static,
 ) -> Result<T, CacheError> {
@@ -356,7 +349,7 @@ fn scan(blobs_dir: &Path) -> Result<Index, CacheError> {
         let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
             continue;
         };
-        if !is_sha256_hex(&name) {
+        if !ferry_oci::digest::is_sha256_hex(&name) {
             continue;
         }
         let meta = match entry.metadata() {

@@ -5,7 +5,7 @@
 //! layers at once. Each object must cost upstream one request, however many nodes ask, and
 //! nodes must not wait for the whole object to land before their bytes start flowing.
 //!
-//! - Manifests and small documents live in a byte-bounded memory LRU ([`memory`]). Digest
+//! - Manifests and small documents live in a byte-bounded memory cache ([`memory`]). Digest
 //!   references are immutable and never revalidated; tags are served for `manifest_ttl`,
 //!   then revalidated with a HEAD (re-fetched only if the digest moved). Tag lists and
 //!   referrers are kept for `list_ttl`.
@@ -47,6 +47,7 @@ pub use config::UpstreamConfig;
 use crate::server::metrics::Metrics;
 use crate::storage::{BlobRead, StoredManifest};
 use disk::DiskCache;
+use ferry_oci::digest::is_digest_reference;
 use ferry_registry_client::{Client, ClientConfig, ClientError, Credentials, RegistryConfig, Repo};
 use fetch::{FetchJob, FetchState, Inflight, Progress};
 use flight::SingleFlight;
@@ -260,10 +261,6 @@ fn sha256_hex(digest: &str) -> Result<&str, CacheError> {
     ferry_oci::digest::parse_sha256(digest)
         .map_err(|_| CacheError::Invalid(format!("digest {digest:?} (only sha256 is cached)")))?;
     Ok(&digest["sha256:".len()..])
-}
-
-fn is_digest_reference(reference: &str) -> bool {
-    reference.contains(':')
 }
 
 /// The upstream `host[:port]` of a URL, and whether it is plain HTTP.

@@ -123,16 +123,11 @@ pub fn parse_digest(digest: &str) -> Result<Digest, ApiError> {
 
 /// Parses a manifest reference: a sha256 digest (it has a `:`) or a tag.
 pub fn parse_reference(reference: &str) -> Result<Reference, ApiError> {
-    if is_digest_reference(reference) {
+    if ferry_oci::digest::is_digest_reference(reference) {
         parse_digest(reference).map(Reference::Digest)
     } else {
         parse_tag(reference).map(Reference::Tag)
     }
-}
-
-/// Whether a manifest reference is a digest (else it is a tag).
-pub fn is_digest_reference(reference: &str) -> bool {
-    reference.contains(':')
 }
 
 #[cfg(test)]
@@ -224,7 +219,7 @@ mod tests {
         assert!(parse_tag("v1.0_rc-1").is_ok());
         assert!(parse_tag(".hidden").is_err());
         assert!(parse_tag(&"t".repeat(129)).is_err());
-        assert!(is_digest_reference(&good));
-        assert!(!is_digest_reference("latest"));
+        assert!(matches!(parse_reference(&good), Ok(Reference::Digest(_))));
+        assert!(matches!(parse_reference("latest"), Ok(Reference::Tag(_))));
     }
 }

@@ -151,12 +151,6 @@ pub(crate) fn sha256_hex(digest: &str) -> Result<&str> {
     Ok(&digest["sha256:".len()..])
 }
 
-fn is_lower_hex(s: &str, len: usize) -> bool {
-    s.len() == len
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-}
-
 /// `sha256:<hex>` of a finished hash.
 pub(crate) fn digest_string(hasher: sha2::Sha256) -> String {
     use sha2::Digest as _;
@@ -180,7 +174,7 @@ pub(crate) fn new_upload_id() -> String {
 /// Whether `id` could be one [`new_upload_id`] issued; anything else is an unknown
 /// session (and never reaches a path or key).
 pub(crate) fn valid_upload_id(id: &str) -> bool {
-    is_lower_hex(id, UPLOAD_ID_LEN)
+    ferry_oci::digest::is_lower_hex(id, UPLOAD_ID_LEN)
 }
 
 /// Refuses repository names outside the distribution grammar (ferry-oci's one rule):
