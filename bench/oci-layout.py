@@ -241,9 +241,9 @@ def new_version(args):
     sets = {}
     for s in args.set:
         path, sep, text = s.partition("=")
-        if not sep or not path.strip("./"):
+        if not sep or not path.lstrip("./"):
             sys.exit(f"--set takes PATH=TEXT, not {s!r}")
-        sets[path.strip("./").lstrip("/")] = text.encode()
+        sets[path.lstrip("./")] = text.encode()
     with open(os.path.join(d, "index.json")) as f:
         index = json.load(f)
     ref = "org.opencontainers.image.ref.name"

@@ -584,8 +584,8 @@ const COALESCE_GAP: u64 = 1 << 20;
 /// earlier one of its layer at most [`COALESCE_GAP`] away (taking that one's place). A
 /// start's reads jump between files, but a group's lie in a few stretches of each
 /// layer, and a registry pays per request (Debian's about 5 ms of CPU each, whatever
-/// the size): measured on a gcc start's trace, 199 requests for 30 MB. The device splits what is merged into
-/// requests of at most its request size.
+/// the size): measured on a gcc start's trace, 199 requests for 30 MB. The device
+/// splits what is merged into requests of at most its request size.
 fn coalesce(jobs: Vec<(usize, Range<u64>)>) -> Vec<(usize, Range<u64>)> {
     let mut out: Vec<(usize, Range<u64>)> = Vec::with_capacity(jobs.len());
     let mut group_start = 0;

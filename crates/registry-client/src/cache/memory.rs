@@ -76,8 +76,9 @@ impl<K: Eq + Hash + Clone, V: Clone> MemoryCache<K, V> {
     }
 
     /// Stores `value` (costing `weight` bytes) as validated at `validated_at`, evicting
-    /// what the cache's policy picks to fit. A value larger than the whole cache is not
-    /// kept (and replaces nothing: an earlier value under `key` is dropped).
+    /// what the cache's policy picks to fit. A value larger than quick_cache admits (its
+    /// hot share, 97 % of the whole cache) is not kept, and an earlier value under `key`
+    /// is dropped.
     pub fn insert(&self, key: K, value: V, weight: u64, validated_at: Instant) {
         let weight = weight.saturating_add(ENTRY_OVERHEAD);
         if weight > self.capacity {
