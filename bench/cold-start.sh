@@ -97,7 +97,19 @@ proxy_down() { [[ -z $PROXY_PID ]] || jq .down "$PROXY_STATS"; }
 # a run's wall time goes besides the timed starts
 mark() { printf '%s %s\n' "$(since "$T_START")" "$*" >>"$OUT/timeline.log"; }
 sum_of() { jq "[.mounts[].stats.$2] | add // 0" "$1"; } # STATUS_FILE FIELD
-cold_cache() { sync; echo 3 >/proc/sys/vm/drop_caches; }
+# The image's bytes cold, the node's own programs resident (ferry, ctr, runc, the shim),
+# as on a node that has started containers before: dropping their pages too charged a
+# cold phase 0.1-0.2 s of loading binaries (ferry 140 MB, ctr 23 MB) that no running
+# node pays and that (d), after a sync alone, did not pay.
+cold_cache() {
+    sync
+    echo 3 >/proc/sys/vm/drop_caches
+    local p progs=("$FERRY")
+    for p in ctr runc containerd-shim-runc-v2; do
+        p=$(command -v "$p") && progs+=("$p")
+    done
+    cat "${progs[@]}" >/dev/null
+}
 
 # ON_FIRST_LINE hook: what the node had done when the first line arrived
 snapshot_first() {
@@ -246,7 +258,7 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     mark "$1 $2 $3 ($4): start"
     stop_daemon
     mark "$1 $2 $3 ($4): previous daemon stopped"
-    start_daemon "$6"
+    start_daemon "$6" "${DAEMON_EXTRA:-}"
     mark "$1 $2 $3 ($4): daemon up"
     fresh_containerd "$E2E_TMP/ferry/run/snapshotter.sock"
     mark "$1 $2 $3 ($4): containerd up"
@@ -254,13 +266,28 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     mark "$1 $2 $3 ($4): caches dropped"
     rm -f "$E2E_TMP"/first-*
     cpu_d0=$(cpu_secs "$DAEMON_PID") cpu_r0=$(cpu_secs "$PHASE_REG_PID") wire0=$(proxy_down)
+    local perf_pids=()
+    if [[ -n ${PERF:-} ]]; then # whole-machine profile and FUSE requests of the phase
+        mkdir -p "$OUT/perf"
+        local base=$OUT/perf/$1-$2ms-$3-$4
+        perf record -q -e cpu-clock -F 997 -g -a -o "$base.data" >/dev/null 2>&1 &
+        perf_pids+=($!)
+        perf record -q -e fuse:fuse_request_send -e fuse:fuse_request_end -c 1 -a -o "$base.fuse.data" >/dev/null 2>&1 &
+        perf_pids+=($!)
+        sleep 0.5
+    fi
     T0=$(now)
     ferry_pull_ctr "$5"
     pull_s=$(since "$T0")
     CTR_ID=$((CTR_ID + 1))
     first_output ctr_ run --rm --snapshotter ferry "$5" "bench-$CTR_ID" "$(workload_cmd "$3")"
+    for p in "${perf_pids[@]}"; do kill -INT "$p" 2>/dev/null || true; wait "$p" || true; done
     mark "$1 $2 $3 ($4): run done"
     check_line "$3"
+    # the node's own account of the phase, for where its time went
+    mkdir -p "$OUT/logs"
+    cp "$E2E_TMP/ferry/daemon.log" "$OUT/logs/$1-$2ms-$3-$4.daemon.log" 2>/dev/null || true
+    cp "$E2E_TMP/pull.log" "$OUT/logs/$1-$2ms-$3-$4.pull.log" 2>/dev/null || true
     status_json >"$end"
     first=$E2E_TMP/first-status.json
     local wire="" wire_first=""
