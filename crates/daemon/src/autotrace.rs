@@ -588,13 +588,16 @@ impl RemoteTraces for RegistryTraces {
     }
 }
 
-/// The per-image-manifest trace state of the node's mounts.
+/// The per-image-manifest trace state of the node's mounts (and how far the image's
+/// pull has come, which its prefetch waits for).
 #[derive(Debug, Default)]
 pub struct ImageTraces {
     state: Mutex<LookupState>,
     ready: parking_lot::Condvar,
     /// The shared recorder, while this image's first start is recorded.
     pub recorder: Mutex<Option<std::sync::Arc<Recorder>>>,
+    /// The lazy layers the image's pull has still to mount.
+    pub settle: crate::settle::PullSettle,
 }
 
 #[derive(Debug, Default)]

@@ -156,6 +156,9 @@ pub struct ResolvedLayer {
     pub index: Option<Arc<LayerIndex>>,
     /// The index blob it came from.
     index_blob: Option<String>,
+    /// Digests of the image's layers a lazy mount serves (indexed or eStargz), in
+    /// manifest order: the mounts its pull will make.
+    pub lazy_layers: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -291,11 +294,21 @@ impl LayerIndexes {
             Some(blob) => Some(fetch_index(self.inner.clone(), repo.clone(), blob.clone()).await?),
             None => None,
         };
+        let lazy_layers = image
+            .layers
+            .iter()
+            .filter(|d| {
+                crate::mounts::layer_kind_of(d, image.index_blobs.contains_key(d.digest().as_ref()))
+                    .is_lazy()
+            })
+            .map(|d| d.digest().to_string())
+            .collect();
         Ok(ResolvedLayer {
             manifest_digest: image.manifest_digest.clone(),
             descriptor,
             index,
             index_blob: blob.map(|b| b.digest().to_string()),
+            lazy_layers,
         })
     }
 

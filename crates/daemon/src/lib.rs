@@ -31,7 +31,9 @@
 //!
 //! Startup traces ([`autotrace`]): an image with no trace records one during its first
 //! start here and shares it (referrer push, ferry's registry endpoint, the node store);
-//! a mount looks its trace up in the background and warms up once it has the answer.
+//! a mount looks its trace up in the background and warms up once it has the answer
+//! and its image's pull has mounted the image's other lazy layers ([`settle`], bounded),
+//! so prefetch does not slow the pull the container waits for.
 //!
 //! It must not parse layer formats, registry documents or tar itself: it wires ferry-fs,
 //! ferry-index, the registry client, the store and the snapshotter together.
@@ -51,6 +53,7 @@ pub mod memory;
 pub mod metrics;
 pub mod mounts;
 pub mod remote;
+pub mod settle;
 
 pub use config::DaemonConfig;
 pub use control::{ControlClient, DaemonInfo, Health, StatusReport, UnmountRequest};

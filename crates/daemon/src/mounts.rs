@@ -52,6 +52,11 @@ const IMAGE_CACHE_ENTRIES: usize = 32;
 /// Longest a mount's warm-up waits for its image's trace lookup before it starts
 /// without a trace (the lookup runs in the background; the mount never waits for it).
 const TRACE_LOOKUP_WAIT: Duration = Duration::from_secs(10);
+/// Longest a mount's trace prefetch waits for its image's pull to mount the image's
+/// other lazy layers ([`crate::settle`]): a pull's mounts follow each other within
+/// tens of milliseconds; an image whose pull stops short (a layer mounted some other
+/// way) loses at most this much of its prefetch.
+const PULL_SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// Ask for a mount (`POST /v1/mounts`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -954,12 +959,28 @@ impl MountManager {
 
     /// The source to mount: the whole image for a merged view; for one layer only that
     /// layer (so the other layers are not touched), resolved once per image.
+    /// The pull of manifest `manifest` of `image` mounts its `lazy` layers, but for
+    /// those this node serves already (shared with an image pulled before): its
+    /// prefetch waits for them ([`crate::settle`]).
+    fn expect_mounts(&self, image: &str, manifest: &str, lazy: &[String]) {
+        let served: HashSet<String> = self
+            .mounts
+            .lock()
+            .values()
+            .filter_map(|m| m.info.layer.clone())
+            .collect();
+        self.image_traces(image, manifest)
+            .settle
+            .expect(lazy.iter().filter(|l| !served.contains(*l)).cloned());
+    }
+
     fn source_for(&self, image: &str, layer: Option<&str>) -> Result<ImageSource> {
         let Some(layer) = layer else {
             return Ok(ImageSource::open(image, &self.client, &self.runtime)?);
         };
         if let Some((repo, resolved)) = self.registry_layer(image, layer, &[])? {
             self.indexes.taken(&repo, &resolved);
+            self.expect_mounts(image, &resolved.manifest_digest, &resolved.lazy_layers);
             let spec = LayerSpec::from_registry(
                 &self.client,
                 &repo,
@@ -979,6 +1000,13 @@ impl MountManager {
                 .find(|(d, _, _)| d.digest().as_ref() == layer)
             && layer_kind_of(desc, index.is_some()).is_lazy()
         {
+            let lazy: Vec<String> = template
+                .layers
+                .iter()
+                .filter(|(d, i, _)| layer_kind_of(d, i.is_some()).is_lazy())
+                .map(|(d, _, _)| d.digest().to_string())
+                .collect();
+            self.expect_mounts(image, &template.manifest_digest, &lazy);
             return Ok(ImageSource {
                 manifest_digest: template.manifest_digest.clone(),
                 layers: vec![LayerSpec::new(desc.clone(), index.clone(), source.clone())],
@@ -1038,6 +1066,9 @@ impl MountManager {
             ferry_fs::mount(fs, mountpoint, &opts)?
         };
         mark_served(mountpoint, true);
+        if let Some(layer) = &request.layer {
+            traces.settle.mounted(layer);
+        }
         let warm = self.start_warm(&image, mountpoint, traces);
         tracing::info!(
             mountpoint = %mountpoint.display(),
@@ -1105,6 +1136,9 @@ impl MountManager {
             .name("ferry-warm-start".into())
             .spawn(move || {
                 let found = traces.wait(TRACE_LOOKUP_WAIT);
+                if found.is_some() && !traces.settle.wait(PULL_SETTLE_WAIT) {
+                    tracing::debug!(mountpoint = %mountpoint.display(), "prefetch starts before the image's pull mounted all its lazy layers");
+                }
                 if filled.lock().closed {
                     return;
                 }
