@@ -170,6 +170,11 @@ pub struct InodeTree {
 }
 
 impl InodeTree {
+    /// True when some node carries an xattr (the image's own, or an opaque marker).
+    pub fn has_xattrs(&self) -> bool {
+        self.nodes.iter().any(|n| !n.xattrs.is_empty())
+    }
+
     /// The merged root filesystem of `image` (all layers, whiteouts applied).
     pub fn merged(image: &MergedImage) -> InodeTree {
         let mut b = Builder::new();
@@ -656,6 +661,7 @@ mod tests {
             b.xattrs.is_empty(),
             "the merged view shows no overlay xattrs"
         );
+        assert!(!tree.has_xattrs(), "no entry has any");
     }
 
     #[test]
@@ -690,6 +696,9 @@ mod tests {
         assert_eq!(b.xattr(OVERLAY_OPAQUE_XATTR), Some(&b"y"[..]));
         let a = tree.get(tree.resolve("a").unwrap()).unwrap();
         assert_eq!(a.xattr(OVERLAY_OPAQUE_XATTR), None);
+        assert!(tree.has_xattrs(), "the opaque marker is an xattr");
+        let lower = InodeTree::single_layer(&image, 0).unwrap();
+        assert!(!lower.has_xattrs(), "a layer without xattrs or opaque dirs");
         assert!(InodeTree::single_layer(&image, 2).is_none());
     }
 
