@@ -156,9 +156,9 @@ pub struct ResolvedLayer {
     pub index: Option<Arc<LayerIndex>>,
     /// The index blob it came from.
     index_blob: Option<String>,
-    /// Digests of the image's layers a lazy mount serves (indexed or eStargz), in
-    /// manifest order: the mounts its pull will make.
-    pub lazy_layers: Vec<String>,
+    /// Digests of the image's layers, in manifest order, each with whether a lazy
+    /// mount serves it (indexed or eStargz) or it is unpacked: what its pull brings in.
+    pub layers: Vec<(String, bool)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -294,21 +294,21 @@ impl LayerIndexes {
             Some(blob) => Some(fetch_index(self.inner.clone(), repo.clone(), blob.clone()).await?),
             None => None,
         };
-        let lazy_layers = image
+        let layers = image
             .layers
             .iter()
-            .filter(|d| {
-                crate::mounts::layer_kind_of(d, image.index_blobs.contains_key(d.digest().as_ref()))
-                    .is_lazy()
+            .map(|d| {
+                let has_index = image.index_blobs.contains_key(d.digest().as_ref());
+                let lazy = crate::mounts::layer_kind_of(d, has_index).is_lazy();
+                (d.digest().to_string(), lazy)
             })
-            .map(|d| d.digest().to_string())
             .collect();
         Ok(ResolvedLayer {
             manifest_digest: image.manifest_digest.clone(),
             descriptor,
             index,
             index_blob: blob.map(|b| b.digest().to_string()),
-            lazy_layers,
+            layers,
         })
     }
 

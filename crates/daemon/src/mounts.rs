@@ -57,6 +57,9 @@ const TRACE_LOOKUP_WAIT: Duration = Duration::from_secs(10);
 /// tens of milliseconds; an image whose pull stops short (a layer mounted some other
 /// way) loses at most this much of its prefetch.
 const PULL_SETTLE_WAIT: Duration = Duration::from_secs(2);
+/// Longest it then waits for the image's unindexed layers to be unpacked (a small top
+/// layer takes ~0.1 s; one unpacked for an earlier image is never announced).
+const UNPACK_SETTLE_WAIT: Duration = Duration::from_millis(500);
 
 /// Ask for a mount (`POST /v1/mounts`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,6 +169,9 @@ pub trait MountBackend: Send + Sync {
     /// lookups may start now, so their own calls find them done or in flight.
     fn layer_kind(&self, image: &str, layer: &str, ahead: &[String])
     -> Result<(LayerKind, String)>;
+    /// `layer` of the image with manifest `manifest` was unpacked the ordinary way and
+    /// committed: its pull has moved past it ([`crate::settle`]).
+    fn layer_unpacked(&self, _manifest: &str, _layer: &str) {}
 }
 
 /// One layer as last opened: descriptor, ferry index, range source.
@@ -959,19 +965,28 @@ impl MountManager {
 
     /// The source to mount: the whole image for a merged view; for one layer only that
     /// layer (so the other layers are not touched), resolved once per image.
-    /// The pull of manifest `manifest` of `image` mounts its `lazy` layers, but for
-    /// those this node serves already (shared with an image pulled before): its
-    /// prefetch waits for them ([`crate::settle`]).
-    fn expect_mounts(&self, image: &str, manifest: &str, lazy: &[String]) {
+    /// The pull of manifest `manifest` of `image` brings in its `layers` (digest, and
+    /// whether it is mounted lazily), but for the lazy ones this node serves already
+    /// (shared with an image pulled before): its prefetch waits for them
+    /// ([`crate::settle`]).
+    fn expect_layers(&self, image: &str, manifest: &str, layers: &[(String, bool)]) {
         let served: HashSet<String> = self
             .mounts
             .lock()
             .values()
             .filter_map(|m| m.info.layer.clone())
             .collect();
+        let lazy = layers
+            .iter()
+            .filter(|(l, lazy)| *lazy && !served.contains(l))
+            .map(|(l, _)| l.clone());
+        let unpacked = layers
+            .iter()
+            .filter(|(_, lazy)| !*lazy)
+            .map(|(l, _)| l.clone());
         self.image_traces(image, manifest)
             .settle
-            .expect(lazy.iter().filter(|l| !served.contains(*l)).cloned());
+            .expect(lazy, unpacked);
     }
 
     fn source_for(&self, image: &str, layer: Option<&str>) -> Result<ImageSource> {
@@ -980,7 +995,7 @@ impl MountManager {
         };
         if let Some((repo, resolved)) = self.registry_layer(image, layer, &[])? {
             self.indexes.taken(&repo, &resolved);
-            self.expect_mounts(image, &resolved.manifest_digest, &resolved.lazy_layers);
+            self.expect_layers(image, &resolved.manifest_digest, &resolved.layers);
             let spec = LayerSpec::from_registry(
                 &self.client,
                 &repo,
@@ -1000,13 +1015,17 @@ impl MountManager {
                 .find(|(d, _, _)| d.digest().as_ref() == layer)
             && layer_kind_of(desc, index.is_some()).is_lazy()
         {
-            let lazy: Vec<String> = template
+            let layers: Vec<(String, bool)> = template
                 .layers
                 .iter()
-                .filter(|(d, i, _)| layer_kind_of(d, i.is_some()).is_lazy())
-                .map(|(d, _, _)| d.digest().to_string())
+                .map(|(d, i, _)| {
+                    (
+                        d.digest().to_string(),
+                        layer_kind_of(d, i.is_some()).is_lazy(),
+                    )
+                })
                 .collect();
-            self.expect_mounts(image, &template.manifest_digest, &lazy);
+            self.expect_layers(image, &template.manifest_digest, &layers);
             return Ok(ImageSource {
                 manifest_digest: template.manifest_digest.clone(),
                 layers: vec![LayerSpec::new(desc.clone(), index.clone(), source.clone())],
@@ -1067,7 +1086,7 @@ impl MountManager {
         };
         mark_served(mountpoint, true);
         if let Some(layer) = &request.layer {
-            traces.settle.mounted(layer);
+            traces.settle.arrived(layer);
         }
         let warm = self.start_warm(&image, mountpoint, traces);
         tracing::info!(
@@ -1136,7 +1155,7 @@ impl MountManager {
             .name("ferry-warm-start".into())
             .spawn(move || {
                 let found = traces.wait(TRACE_LOOKUP_WAIT);
-                if found.is_some() && !traces.settle.wait(PULL_SETTLE_WAIT) {
+                if found.is_some() && !traces.settle.wait(PULL_SETTLE_WAIT, UNPACK_SETTLE_WAIT) {
                     tracing::debug!(mountpoint = %mountpoint.display(), "prefetch starts before the image's pull mounted all its lazy layers");
                 }
                 if filled.lock().closed {
@@ -1311,6 +1330,12 @@ impl MountBackend for MountManager {
             .kind(layer)
             .ok_or_else(|| Error::InvalidRequest(format!("image {image} has no layer {layer}")))?;
         Ok((kind, template.manifest_digest.clone()))
+    }
+
+    fn layer_unpacked(&self, manifest: &str, layer: &str) {
+        if let Some((_, traces)) = self.traces.lock().get(manifest) {
+            traces.settle.arrived(layer);
+        }
     }
 }
 

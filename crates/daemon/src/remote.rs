@@ -67,6 +67,12 @@ impl LazyLayers {
 }
 
 impl RemoteLayers for LazyLayers {
+    fn layer_committed(&self, labels: &LayerLabels) {
+        if let (Some(manifest), Some(layer)) = (&labels.manifest_digest, &labels.layer_digest) {
+            self.backend.layer_unpacked(manifest, layer);
+        }
+    }
+
     fn prepare_remote(
         &self,
         labels: &HashMap<String, String>,

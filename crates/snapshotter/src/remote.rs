@@ -106,6 +106,10 @@ pub trait RemoteLayers: Send + Sync {
     fn release(&self, _mount: &RemoteMount, _target_dir: &Path) -> Result<(), RemoteError> {
         Ok(())
     }
+
+    /// A layer that was not served lazily (`labels`: its Prepare's) has been unpacked
+    /// and committed: the image's pull has moved past it.
+    fn layer_committed(&self, _labels: &LayerLabels) {}
 }
 
 /// The labels of a remote-capable Prepare, parsed once for implementations. ferry's own
@@ -194,6 +198,7 @@ struct MemoryState {
     prepared: Vec<LayerLabels>,
     restored: Vec<String>,
     released: Vec<String>,
+    committed: Vec<LayerLabels>,
 }
 
 /// The provider name [`MemoryRemoteLayers`] puts in its mounts.
@@ -235,6 +240,11 @@ impl MemoryRemoteLayers {
     /// Layer digests released by Remove, in order.
     pub fn released(&self) -> Vec<String> {
         self.state().released.clone()
+    }
+
+    /// The labels of every unpacked layer committed, in order.
+    pub fn committed(&self) -> Vec<LayerLabels> {
+        self.state().committed.clone()
     }
 }
 
@@ -287,6 +297,10 @@ impl RemoteLayers for MemoryRemoteLayers {
         let digest = mount.state.get("layer-digest").cloned().unwrap_or_default();
         self.state().released.push(digest);
         Ok(())
+    }
+
+    fn layer_committed(&self, labels: &LayerLabels) {
+        self.state().committed.push(labels.clone());
     }
 }
 

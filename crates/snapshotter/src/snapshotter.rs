@@ -543,7 +543,7 @@ impl Snapshotter {
         check_key(name)?;
         check_key(key)?;
         check_labels(&labels)?;
-        let _guard = self.lock();
+        let guard = self.lock();
         let txn = self.meta.write()?;
         let active = txn.get(ns, key)?.ok_or_else(|| Error::not_found(key))?;
         if active.kind != Kind::Active {
@@ -557,6 +557,14 @@ impl Snapshotter {
         }
         let usage = disk_usage(&self.fs_dir(active.id))?;
         let now = Stamp::now();
+        // An unpacked image layer (its Prepare carried the layer's labels).
+        let layer = LayerLabels::parse(
+            &active
+                .labels
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        );
         let committed = Record {
             kind: Kind::Committed,
             labels: labels.into_iter().collect(),
@@ -567,7 +575,11 @@ impl Snapshotter {
         txn.delete(ns, key)?;
         txn.put(ns, name, &committed)?;
         txn.commit()?;
+        drop(guard);
         tracing::debug!(ns, key, name, id = committed.id, "committed snapshot");
+        if let Some(layer) = layer {
+            self.remote.layer_committed(&layer);
+        }
         Ok(())
     }
 

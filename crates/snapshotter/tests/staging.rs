@@ -11,6 +11,7 @@ use std::sync::Arc;
 use ferry_snapshotter::meta::Kind;
 use ferry_snapshotter::remote::{
     LABEL_CRI_LAYER_DIGEST, LABEL_FERRY_STAGED_DIR, LABEL_STAGED_DIR, LABEL_TARGET,
+    MemoryRemoteLayers,
 };
 use ferry_snapshotter::{Error, NoRemoteLayers, Snapshotter};
 
@@ -281,4 +282,52 @@ fn cleanup_removes_only_stale_staged_layers() {
     );
     assert_eq!(report.removed, 1);
     assert!(!staged.exists(), "a stale staged layer is removed");
+}
+
+/// The daemon holds an image's trace prefetch until its pull is through (crates/daemon
+/// `settle`): it learns that an unpacked layer is in when that layer's snapshot commits,
+/// staged or unpacked by containerd, and only for image layers.
+#[test]
+fn committed_image_layers_are_reported_to_the_remote_side() {
+    let root = tempfile::tempdir().unwrap();
+    let remote = Arc::new(MemoryRemoteLayers::new());
+    let s = Snapshotter::open(root.path(), remote.clone()).unwrap();
+
+    let base = stage(&s, "base", &[("etc/os-release", "ferry")]);
+    let err = s
+        .prepare(
+            NS,
+            "extract-1",
+            "",
+            staged_labels("chain-1", &base, LABEL_STAGED_DIR),
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::AlreadyExists { .. }), "{err}");
+    // containerd's own unpack: Prepare with the layer's labels, Commit under the target.
+    let labels: HashMap<String, String> = [
+        (LABEL_TARGET, "chain-2"),
+        (LABEL_CRI_LAYER_DIGEST, "sha256:bb"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    s.prepare(NS, "extract-2", "chain-1", labels).unwrap();
+    s.commit(NS, "chain-2", "extract-2", HashMap::new())
+        .unwrap();
+    // A container's snapshot committed (as `ctr snapshot commit` does) is no image layer.
+    s.prepare(NS, "work", "chain-2", HashMap::new()).unwrap();
+    s.commit(NS, "saved", "work", HashMap::new()).unwrap();
+
+    let reported: Vec<(String, Option<String>)> = remote
+        .committed()
+        .into_iter()
+        .map(|l| (l.target, l.layer_digest))
+        .collect();
+    assert_eq!(
+        reported,
+        vec![
+            ("chain-1".to_string(), Some("sha256:aa".to_string())),
+            ("chain-2".to_string(), Some("sha256:bb".to_string())),
+        ]
+    );
 }
