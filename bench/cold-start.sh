@@ -95,7 +95,7 @@ sub() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 proxy_down() { [[ -z $PROXY_PID ]] || jq .down "$PROXY_STATS"; }
 # mark WHAT: a line in $OUT/timeline.log (seconds since the bench started), to see where
 # a run's wall time goes besides the timed starts
-mark() { printf '%s %s\n' "$(since "$T_START")" "$*" >>"$OUT/timeline.log"; }
+mark() { printf '%s %s %s\n' "$(since "$T_START")" "$(date -u +%T.%3N)" "$*" >>"$OUT/timeline.log"; }
 sum_of() { jq "[.mounts[].stats.$2] | add // 0" "$1"; } # STATUS_FILE FIELD
 # The image's bytes cold, the node's own programs resident (ferry, ctr, runc, the shim),
 # as on a node that has started containers before: dropping their pages too charged a
@@ -276,9 +276,11 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
         perf_pids+=($!)
         sleep 0.5
     fi
+    mark "$1 $2 $3 ($4): pull"
     T0=$(now)
     ferry_pull_ctr "$5"
     pull_s=$(since "$T0")
+    mark "$1 $2 $3 ($4): pulled, run"
     CTR_ID=$((CTR_ID + 1))
     first_output ctr_ run --rm --snapshotter ferry "$5" "bench-$CTR_ID" "$(workload_cmd "$3")"
     for p in "${perf_pids[@]}"; do kill -INT "$p" 2>/dev/null || true; wait "$p" || true; done
