@@ -10,7 +10,7 @@
 //! * **the tree of each piece** ([`PieceTree`]): the roots that fetch it from the
 //!   registry, every other member's parent, the children each member serves (never more
 //!   than the fan-out, whatever the fleet size), and the fallbacks after a parent fails;
-//! * **the simulator** (module `sim`) behind `ferry sim`, which drives the same functions
+//! * **the simulator** ([`sim`]) behind `ferry sim`, which drives the same functions
 //!   through a discrete-event model of a fleet start.
 //!
 //! It must not open sockets, read clocks, spawn threads or touch files: time and
@@ -21,6 +21,7 @@ mod error;
 mod membership;
 mod piece;
 mod schedule;
+pub mod sim;
 
 pub use error::{Error, Result};
 pub use membership::{Member, Membership, PeerId, hrw_score};
