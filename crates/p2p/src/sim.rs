@@ -5,8 +5,10 @@
 //! image's working set, cut into pieces of the layer blobs; the containers of a node
 //! share what it fetched (one chunk store per node). A node's NIC is full duplex: an
 //! uplink and a downlink of the NIC's bandwidth, each a FIFO that a transfer holds for
-//! `bytes / bandwidth`; a transfer runs at the smaller of its two ends. The registry is
-//! one uplink of its own bandwidth, every request paying its latency first. With peers,
+//! `bytes / bandwidth`. The registry is
+//! one uplink of its own bandwidth, every request paying its latency first. Each link
+//! is a FIFO of its own, and a transfer ends when both its ends have carried it: no
+//! joint reservation, so no idle gaps a real link would not have either. With peers,
 //! a node fetches a piece from its parent in the piece's tree while the parent is still
 //! receiving it (in-progress forwarding): it can begin once the parent has verified the
 //! first span, and cannot finish before the parent has the last span plus that span's
@@ -20,7 +22,8 @@
 //! headers and manifests, switch and rack limits, lazy reads overlapping the start
 //! (everything is fetched before the start cost, which is conservative), a piece
 //! served by a node that turns out corrupt (same path as a death: a fallback after
-//! verification fails), and gaps a FIFO link could have filled with a later request.
+//! verification fails), and fair sharing among concurrent transfers (a FIFO finishes
+//! the first request early and the last one as late as sharing would).
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::BinaryHeap;
@@ -457,27 +460,32 @@ impl<'a> Sim<'a> {
         let bytes = self.pieces[piece as usize];
         let nic = self.config.nic_bytes_per_s;
         let source = self.slot(node, piece).source;
-        let (begin, end);
-        if source == ORIGIN {
-            let reg = self.config.registry_bytes_per_s;
-            begin = (now + self.config.registry_latency_s)
-                .max(self.registry_free)
-                .max(self.down_free[node as usize]);
-            self.registry_free = begin + bytes as f64 / reg;
-            end = begin + bytes as f64 / reg.min(nic);
+        // Each link is a FIFO of its own: the transfer takes its turn on the sender's
+        // uplink and on the receiver's downlink and ends when both have carried it.
+        let (ready, up_free, up_bytes_per_s) = if source == ORIGIN {
             self.registry_egress += bytes;
             self.registry_fetches[piece as usize] += 1;
+            (
+                now + self.config.registry_latency_s,
+                &mut self.registry_free,
+                self.config.registry_bytes_per_s,
+            )
         } else {
             let parent_began = self.slot(source, piece).begun_at.unwrap_or(now);
             let first_span = self.config.span_bytes.min(bytes) as f64 / nic;
-            let s = source as usize;
-            begin = (now.max(parent_began + first_span) + self.config.peer_latency_s)
-                .max(self.up_free[s])
-                .max(self.down_free[node as usize]);
-            self.up_free[s] = begin + bytes as f64 / nic;
-            end = begin + bytes as f64 / nic;
-        }
-        self.down_free[node as usize] = begin + bytes as f64 / nic;
+            (
+                now.max(parent_began + first_span) + self.config.peer_latency_s,
+                &mut self.up_free[source as usize],
+                nic,
+            )
+        };
+        let up_start = ready.max(*up_free);
+        *up_free = up_start + bytes as f64 / up_bytes_per_s;
+        let up_end = *up_free;
+        let down_free = &mut self.down_free[node as usize];
+        let down_start = ready.max(*down_free);
+        *down_free = down_start + bytes as f64 / nic;
+        let (begin, end) = (up_start.max(down_start), up_end.max(*down_free));
         let slot = self.slot(node, piece);
         slot.phase = Phase::Receiving;
         let generation = slot.generation;
