@@ -228,9 +228,9 @@ mod tests {
                     }
                 }
                 assert_eq!(origin, roots.min(n));
-                for m in 0..n {
-                    assert!(served[m] <= fanout);
-                    assert_eq!(t.children(m).count(), served[m]);
+                for (m, &count) in served.iter().enumerate() {
+                    assert!(count <= fanout);
+                    assert_eq!(t.children(m).count(), count);
                 }
                 assert_eq!(t.roots().count(), roots.min(n));
             }
