@@ -150,6 +150,18 @@ impl SimConfig {
         if self.working_set_bytes.div_ceil(self.piece_bytes) > 1 << 20 {
             return Err(invalid("piece-size", "over a million pieces per node"));
         }
+        // One state (about 64 bytes) per node and piece: refuse runs that would need
+        // gigabytes rather than discover it by running out of memory.
+        let states =
+            (self.nodes as u64).saturating_mul(self.working_set_bytes.div_ceil(self.piece_bytes));
+        if states > MAX_STATES {
+            return Err(invalid(
+                "nodes",
+                format!(
+                    "{states} node × piece states (at most {MAX_STATES}; use larger pieces or fewer nodes)"
+                ),
+            ));
+        }
         positive("nic", self.nic_bytes_per_s)?;
         positive("registry bandwidth", self.registry_bytes_per_s)?;
         non_negative("registry-latency", self.registry_latency_s)?;
@@ -210,6 +222,9 @@ pub fn run(config: &SimConfig) -> Result<SimReport> {
 }
 
 const ORIGIN: u32 = u32::MAX;
+
+/// Node × piece states a run may hold (about 2 GB).
+const MAX_STATES: u64 = 32 << 20;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
