@@ -833,6 +833,12 @@ mod tests {
                 registry_latency_s: f64::NAN,
                 ..small(1)
             },
+            // 1,000,000 nodes × 1,280 pieces: over the state bound.
+            SimConfig {
+                nodes: 1_000_000,
+                piece_bytes: 4096,
+                ..small(1)
+            },
         ] {
             assert!(matches!(run(&c), Err(Error::Invalid { .. })));
         }
