@@ -845,6 +845,47 @@ mod tests {
     }
 
     #[test]
+    fn no_run_beats_the_links() {
+        // Every node must pull the working set through its own downlink, and without
+        // peers the registry's uplink must carry it once per node.
+        for nodes in [1, 16, 300] {
+            for schedule in [None, SimConfig::default().schedule] {
+                let c = SimConfig {
+                    schedule,
+                    ..small(nodes)
+                };
+                let r = run(&c).unwrap();
+                let ws = c.working_set_bytes as f64;
+                assert!(r.all_data_s >= ws / c.nic_bytes_per_s);
+                if schedule.is_none() {
+                    assert!(r.all_data_s >= nodes as f64 * ws / c.registry_bytes_per_s);
+                }
+                let waves = c.containers_per_node.div_ceil(c.start_parallelism) as f64;
+                let expected = r.all_data_s + waves * c.start_cost_s;
+                assert!((r.all_started_s - expected).abs() < 1e-9);
+            }
+        }
+    }
+
+    #[test]
+    fn forwarding_while_arriving_is_never_slower_than_store_and_forward() {
+        for topology in [Topology::PieceHrw, Topology::BlobTree] {
+            let base = with(topology, 2, 4, small(500));
+            let whole = SimConfig {
+                piece_bytes: 4 << 20,
+                span_bytes: 4 << 20,
+                ..base.clone()
+            };
+            let by_span = SimConfig {
+                span_bytes: 256 << 10,
+                ..whole.clone()
+            };
+            let (a, b) = (run(&whole).unwrap(), run(&by_span).unwrap());
+            assert!(b.all_data_s < a.all_data_s, "{topology:?}: {b:?} vs {a:?}");
+        }
+    }
+
+    #[test]
     fn same_seed_same_figures() {
         let c = SimConfig {
             dead_fraction: 0.1,
