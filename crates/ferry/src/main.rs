@@ -72,6 +72,9 @@ enum Command {
     Trace(cmd::trace::Args),
     /// Measurements driven by the scripts under bench/.
     Bench(cmd::bench::Args),
+    /// Simulate a fleet starting one image, with ferry's peer scheduling or without:
+    /// time until every container started (p50/p99/max) and registry egress.
+    Sim(cmd::sim::Args),
 }
 
 fn main() -> ExitCode {
@@ -95,6 +98,7 @@ fn main() -> ExitCode {
         Command::Pull(a) => cmd::pull::run(a),
         Command::Trace(a) => cmd::trace::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Sim(a) => cmd::sim::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,6 +12,7 @@ pub mod mount;
 pub mod pack;
 pub mod pull;
 pub mod registry;
+pub mod sim;
 pub mod snapshotter;
 pub mod status;
 pub mod store;
