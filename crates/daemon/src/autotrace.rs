@@ -596,7 +596,7 @@ pub struct ImageTraces {
     ready: parking_lot::Condvar,
     /// The shared recorder, while this image's first start is recorded.
     pub recorder: Mutex<Option<std::sync::Arc<Recorder>>>,
-    /// The lazy layers the image's pull has still to mount.
+    /// The layers the image's pull has still to bring in (mount, or unpack and commit).
     pub settle: crate::settle::PullSettle,
 }
 

@@ -32,7 +32,8 @@
 //! Startup traces ([`autotrace`]): an image with no trace records one during its first
 //! start here and shares it (referrer push, ferry's registry endpoint, the node store);
 //! a mount looks its trace up in the background and warms up once it has the answer
-//! and its image's pull has mounted the image's other lazy layers ([`settle`], bounded),
+//! and its image's pull has mounted its other lazy layers and committed its unpacked
+//! ones ([`settle`], bounded),
 //! so prefetch does not slow the pull the container waits for.
 //!
 //! It must not parse layer formats, registry documents or tar itself: it wires ferry-fs,

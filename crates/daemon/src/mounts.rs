@@ -1156,7 +1156,7 @@ impl MountManager {
             .spawn(move || {
                 let found = traces.wait(TRACE_LOOKUP_WAIT);
                 if found.is_some() && !traces.settle.wait(PULL_SETTLE_WAIT, UNPACK_SETTLE_WAIT) {
-                    tracing::debug!(mountpoint = %mountpoint.display(), "prefetch starts before the image's pull mounted all its lazy layers");
+                    tracing::debug!(mountpoint = %mountpoint.display(), "prefetch starts before the image's pull brought in all its layers");
                 }
                 if filled.lock().closed {
                     return;

@@ -28,6 +28,13 @@ struct Pending {
     unpacked: HashSet<String>,
 }
 
+impl Pending {
+    /// Every expected layer is in (never before the expectation is known).
+    fn all_in(&self) -> bool {
+        self.known && self.lazy.is_empty() && self.unpacked.is_empty()
+    }
+}
+
 /// The layers of one image still to come in through its pull.
 #[derive(Debug, Default)]
 pub struct PullSettle {
@@ -62,8 +69,7 @@ impl PullSettle {
 
     /// True once every expected layer is in (false while nothing is expected yet).
     pub fn is_settled(&self) -> bool {
-        let p = self.pending.lock();
-        p.known && p.lazy.is_empty() && p.unpacked.is_empty()
+        self.pending.lock().all_in()
     }
 
     /// Waits until the lazy layers are mounted (at most `lazy_bound`), then until the
@@ -77,14 +83,12 @@ impl PullSettle {
             }
         }
         let deadline = Instant::now() + rest_bound;
-        loop {
-            if pending.known && pending.lazy.is_empty() && pending.unpacked.is_empty() {
-                return true;
-            }
+        while !pending.all_in() {
             if self.changed.wait_until(&mut pending, deadline).timed_out() {
-                return pending.known && pending.lazy.is_empty() && pending.unpacked.is_empty();
+                return pending.all_in();
             }
         }
+        true
     }
 }
 
