@@ -180,6 +180,48 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
         registry.register("store_max_bytes", "The chunk store's bound", max);
         registry.register("store_entries", "Entries in the chunk store", entries);
     }
+    if let Some(files) = backend.file_cache_status() {
+        let gauge = |v: u64| {
+            let g = Gauge::<i64>::default();
+            g.set(gauge_value(v));
+            g
+        };
+        let counter = |v: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            c
+        };
+        registry.register(
+            "file_cache_files",
+            "Files in the file cache",
+            gauge(files.files),
+        );
+        registry.register(
+            "file_cache_bytes",
+            "Bytes in the file cache",
+            gauge(files.bytes),
+        );
+        registry.register(
+            "file_cache_passthrough_opens",
+            "Opens served by FUSE passthrough from the file cache",
+            counter(files.passthrough_opens),
+        );
+        registry.register(
+            "file_pack_files",
+            "Small files in the small-file pack",
+            gauge(files.pack_files),
+        );
+        registry.register(
+            "file_pack_bytes",
+            "Bytes in the small-file pack",
+            gauge(files.pack_bytes),
+        );
+        registry.register(
+            "file_pack_reads",
+            "Reads served from the small-file pack",
+            counter(files.pack_hits),
+        );
+    }
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .map_err(|e| Error::Control(format!("encoding metrics: {e}")))?;

@@ -43,6 +43,10 @@ use crate::error::{Error, Result};
 /// Default bound on cached bytes.
 pub const DEFAULT_FILE_CACHE_BYTES: u64 = 2 << 30;
 
+/// Default bound on the small-file pack: a pandas start reads about 25 MB of small
+/// files, so this holds the small files of tens of starts.
+pub const DEFAULT_PACK_BYTES: u64 = 512 << 20;
+
 /// Materializations waiting for the worker at most; more are dropped (they are
 /// retried the next time the file qualifies).
 const QUEUE_LEN: usize = 64;
@@ -71,6 +75,9 @@ pub struct FileCacheConfig {
     pub eager_min_bytes: u64,
     /// Serve cached files through FUSE passthrough when the kernel allows it.
     pub passthrough: bool,
+    /// Bound on the small-file pack (files under `min_file_bytes` that a start reads,
+    /// kept decompressed together; [`crate::filepack`]); 0 turns it off.
+    pub pack_max_bytes: u64,
 }
 
 impl Default for FileCacheConfig {
@@ -82,6 +89,7 @@ impl Default for FileCacheConfig {
             min_file_bytes: 256 << 10,
             eager_min_bytes: 1 << 20,
             passthrough: true,
+            pack_max_bytes: DEFAULT_PACK_BYTES,
         }
     }
 }
@@ -105,6 +113,16 @@ impl FileKey {
         h.update(data_offset.to_be_bytes());
         h.update(size.to_be_bytes());
         FileKey(h.finalize().into())
+    }
+
+    /// The key's bytes.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// The key with these bytes (as [`FileKey::as_bytes`] gave them).
+    pub fn from_bytes(bytes: [u8; 32]) -> FileKey {
+        FileKey(bytes)
     }
 
     /// Lower-case hex.
@@ -256,6 +274,15 @@ pub struct FileCacheSnapshot {
     /// Files queued or being materialized right now.
     #[serde(default)]
     pub pending: u64,
+    /// Small files in the small-file pack ([`crate::filepack`]).
+    #[serde(default)]
+    pub pack_files: u64,
+    /// Their bytes.
+    #[serde(default)]
+    pub pack_bytes: u64,
+    /// Reads served from the pack.
+    #[serde(default)]
+    pub pack_hits: u64,
 }
 
 /// What [`FileCache::verify`] found.
@@ -300,6 +327,8 @@ pub struct FileCache {
     /// Reads served through FUSE so far (by every mount using the cache): the worker
     /// waits for them to pause before materializing.
     foreground_reads: Arc<AtomicU64>,
+    /// Small files kept together; `None` when off or another process appends to it.
+    pack: Option<crate::filepack::FilePack>,
 }
 
 impl std::fmt::Debug for FileCache {
@@ -386,6 +415,17 @@ impl FileCache {
         // Other ferry processes of the node may be writing here.
         let (staging, _) = Staging::open(&tmp_dir, TempRecovery::DeadProcesses)
             .map_err(|e| Error::io(format!("recovering {}", tmp_dir.display()), e))?;
+        let pack = if config.pack_max_bytes > 0 {
+            let pack_dir = dir.join("pack");
+            let pack = crate::filepack::FilePack::open(&pack_dir, config.pack_max_bytes)
+                .map_err(|e| Error::io(format!("opening {}", pack_dir.display()), e))?;
+            if pack.is_none() {
+                tracing::info!(dir = %pack_dir.display(), "another ferry process keeps the small-file pack; small files are read through their layers");
+            }
+            pack
+        } else {
+            None
+        };
         let cache = FileCache {
             config: config.clone(),
             data_dir,
@@ -396,6 +436,7 @@ impl FileCache {
             stats: FileCacheStats::default(),
             worker: Mutex::new(None),
             foreground_reads: Arc::new(AtomicU64::new(0)),
+            pack,
         };
         {
             let mut st = cache.state.lock();
@@ -408,6 +449,11 @@ impl FileCache {
     /// The configuration it was opened with.
     pub fn config(&self) -> &FileCacheConfig {
         &self.config
+    }
+
+    /// The small-file pack, when on and this process appends to it.
+    pub fn pack(&self) -> Option<&crate::filepack::FilePack> {
+        self.pack.as_ref()
     }
 
     /// The chunk store it was opened with.
@@ -430,6 +476,7 @@ impl FileCache {
                 st.pending.len() as u64,
             )
         };
+        let (pack_files, pack_bytes) = self.pack.as_ref().map_or((0, 0), |p| p.occupancy());
         let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let s = &self.stats;
         FileCacheSnapshot {
@@ -444,6 +491,9 @@ impl FileCache {
             passthrough_opens: l(&s.passthrough_opens),
             pread_opens: l(&s.pread_opens),
             pending,
+            pack_files,
+            pack_bytes,
+            pack_hits: self.pack.as_ref().map_or(0, |p| l(&p.stats().hits)),
         }
     }
 

@@ -8,7 +8,8 @@
 //!
 //! * transport ([`fuse`]): fuser, multi-threaded, kernel caching on (the image never
 //!   changes), read-only; fully local files handed to the kernel by FUSE passthrough
-//!   from the decompressed file cache ([`filecache`]);
+//!   from the decompressed file cache ([`filecache`]), small files a start read before
+//!   served with `pread` from the small-file pack beside it ([`filepack`]);
 //! * mounted image ([`image`]): the layers wired through device and cache, their merged
 //!   table and the inode tree a mount shows ([`image::tree`]), the reads a recording
 //!   notes ([`image::recorder`]), and what a read that misses tells of the reads to
@@ -40,6 +41,7 @@ pub mod backend;
 pub mod device;
 pub mod error;
 pub mod filecache;
+pub mod filepack;
 pub mod fuse;
 pub mod image;
 mod localfiles;

@@ -125,6 +125,42 @@ impl<B> LocalFiles<B> {
             .flatten()
     }
 
+    /// The small-file pack's key for `node`, when the pack is on and takes it: a regular
+    /// file under `min_file_bytes` (bigger ones go to the file cache) of a layer that is
+    /// not held whole in memory.
+    pub(crate) fn pack_key(&self, node: &Node) -> Option<FileKey> {
+        self.cache.pack()?;
+        if node.kind != NodeKind::File
+            || node.size == 0
+            || node.size >= self.cache.config().min_file_bytes
+        {
+            return None;
+        }
+        let loc = node.data?;
+        let layer = self.image.image.layers().get(loc.layer)?;
+        if matches!(layer.format(), LayerFormat::Whole { .. }) {
+            return None;
+        }
+        self.key(loc, node.size)
+    }
+
+    /// Reads file `key` from the small-file pack; `None` when it is not there.
+    pub(crate) fn read_packed(&self, key: &FileKey, offset: u64, buf: &mut [u8]) -> Option<usize> {
+        self.cache.pack()?.read_at(key, offset, buf)
+    }
+
+    /// Keeps `data`, read at `offset` of `node`, in the small-file pack when it is the
+    /// whole file (a small file is read whole at once: the kernel's readahead asks for
+    /// all of it).
+    pub(crate) fn pack_whole(&self, key: &FileKey, node: &Node, offset: u64, data: &[u8]) {
+        if offset == 0
+            && data.len() as u64 == node.size
+            && let Some(pack) = self.cache.pack()
+        {
+            pack.put(key, data);
+        }
+    }
+
     /// The cache key of the file at `loc`.
     pub(crate) fn key(&self, loc: Location, size: u64) -> Option<FileKey> {
         file_key(&self.image, loc, size)
@@ -318,8 +354,7 @@ pub(crate) fn copy_file_to(
         .layers()
         .get(loc.layer)
         .ok_or_else(|| io::Error::other("no such layer"))?;
-    layer
-        .copy_file(loc.entry, out)
+    crate::device::in_background(|| layer.copy_file(loc.entry, out))
         .map(|_| ())
         .map_err(io::Error::other)
 }

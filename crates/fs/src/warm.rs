@@ -412,6 +412,9 @@ enum Step {
     /// Write the `size`-byte file at a location to the file cache (the fetch steps
     /// before it hold all its data).
     Materialize(Location, u64),
+    /// Add the small `size`-byte file at a location to the small-file pack (the fetch
+    /// steps before it hold all its data).
+    Pack(Location, u64),
 }
 
 fn run(
@@ -425,14 +428,15 @@ fn run(
     if config.prefetch {
         let jobs = prefetch_jobs(image, trace);
         let min_file = targets.files.map(|f| f.config().min_file_bytes.max(1));
-        let steps = prefetch_steps(image, trace, &jobs, min_file);
+        let pack = targets.files.is_some_and(|f| f.pack().is_some());
+        let steps = prefetch_steps(image, trace, &jobs, min_file, pack);
         if let Some(pins) = targets.pins {
             // Everything prefetch fetches, the pieces it adds for cached files too.
             let fetches: Vec<(usize, Range<u64>)> = steps
                 .iter()
                 .filter_map(|s| match s {
                     Step::Fetch(l, r) => Some((*l, r.clone())),
-                    Step::Materialize(..) => None,
+                    Step::Materialize(..) | Step::Pack(..) => None,
                 })
                 .collect();
             pin_hot_set(image, &fetches, pins);
@@ -456,6 +460,11 @@ fn run(
             Step::Materialize(loc, size) => {
                 if let Some(files) = targets.files {
                     materialize(image, files, *loc, *size);
+                }
+            }
+            Step::Pack(loc, size) => {
+                if let Some(files) = targets.files {
+                    pack_file(image, files, *loc, *size);
                 }
             }
         });
@@ -621,6 +630,7 @@ fn prefetch_steps(
     trace: Option<&Trace>,
     jobs: &[(usize, Range<u64>)],
     min_file: Option<u64>,
+    pack: bool,
 ) -> Vec<Step> {
     let fetches = jobs.iter().map(|(l, r)| Step::Fetch(*l, r.clone()));
     let (Some(min_file), Some(trace)) = (min_file, trace) else {
@@ -648,7 +658,8 @@ fn prefetch_steps(
         else {
             continue;
         };
-        if entry.size < min_file || !seen.insert((loc.layer, loc.entry)) {
+        let small = entry.size < min_file;
+        if entry.size == 0 || (small && !pack) || !seen.insert((loc.layer, loc.entry)) {
             continue;
         }
         if matches!(layers[loc.layer].format(), LayerFormat::Whole { .. }) {
@@ -661,7 +672,10 @@ fn prefetch_steps(
         let wanted: u64 = want.iter().map(|w| w.end - w.start).sum();
         let missing = subtract_ranges(&want, have);
         let missing_bytes: u64 = missing.iter().map(|m| m.end - m.start).sum();
-        if wanted == 0 || missing_bytes.saturating_mul(MISSING_DIVISOR) > wanted {
+        // A small file is packed only when the trace's ranges hold all of it (a few
+        // bytes; it was read whole), a large one cached when they hold most of it.
+        let allowed = if small { 0 } else { wanted };
+        if wanted == 0 || missing_bytes.saturating_mul(MISSING_DIVISOR) > allowed {
             continue;
         }
         let last = jobs.iter().rposition(|(l, r)| {
@@ -669,8 +683,12 @@ fn prefetch_steps(
         });
         if let Some(i) = last {
             let steps = after.entry(i).or_default();
-            steps.extend(missing.into_iter().map(|m| Step::Fetch(loc.layer, m)));
-            steps.push(Step::Materialize(loc, entry.size));
+            if small {
+                steps.push(Step::Pack(loc, entry.size));
+            } else {
+                steps.extend(missing.into_iter().map(|m| Step::Fetch(loc.layer, m)));
+                steps.push(Step::Materialize(loc, entry.size));
+            }
         }
     }
     let mut steps = Vec::with_capacity(jobs.len() + seen.len());
@@ -705,6 +723,32 @@ fn materialize(image: &MountedImage, files: &FileCache, loc: Location, size: u64
         }
         Err(e) => {
             tracing::warn!(key = %key.hex(), error = %e, "prefetch could not cache a file; it is served through the mount")
+        }
+    }
+}
+
+/// Adds the small file at `loc` to the file cache's small-file pack unless it is
+/// there: read through the layer (its spans were fetched by earlier steps or are in
+/// flight; neighbours share the inflated span), so the workload's read is a `pread`.
+fn pack_file(image: &MountedImage, files: &FileCache, loc: Location, size: u64) {
+    let Some(pack) = files.pack() else {
+        return;
+    };
+    let Some(key) = crate::localfiles::file_key(image, loc, size) else {
+        return;
+    };
+    if pack.contains(&key) {
+        return;
+    }
+    let Some(layer) = image.image.layers().get(loc.layer) else {
+        return;
+    };
+    let mut buf = vec![0u8; size as usize];
+    match crate::device::in_background(|| layer.read_at(loc.entry, 0, &mut buf)) {
+        Ok(n) if n as u64 == size => pack.put(&key, &buf),
+        Ok(n) => tracing::debug!(size, n, "prefetch read a small file short; not packed"),
+        Err(e) => {
+            tracing::debug!(error = %e, "prefetch could not read a small file; it is read on demand")
         }
     }
 }

@@ -887,7 +887,7 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
     let loc = |p: &str| data_of(&image, p);
     let (a, c) = (loc("/a"), loc("/dir/c"));
     let jobs = prefetch_jobs(&image, Some(&trace));
-    let steps = prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10));
+    let steps = prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10), false);
     let fetches: Vec<Step> = jobs
         .iter()
         .map(|(l, r)| Step::Fetch(*l, r.clone()))
@@ -902,7 +902,10 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
     want.insert(last + 1, Step::Materialize(a, 300 << 10));
     assert_eq!(steps, want);
     // Without a file cache: the fetch steps alone.
-    assert_eq!(prefetch_steps(&image, Some(&trace), &jobs, None), fetches);
+    assert_eq!(
+        prefetch_steps(&image, Some(&trace), &jobs, None, false),
+        fetches
+    );
 
     start_with_files(
         &image,
@@ -933,6 +936,73 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
     assert_eq!(fetched, traced);
 }
 
+/// Small files the trace reads whole go into the small-file pack right after the fetch
+/// that holds them, and nothing is fetched for them beyond the trace's ranges.
+#[test]
+fn prefetch_packs_small_files_the_trace_reads_whole() {
+    let (blob, index, files) = gzip_layer();
+    let backend = LogBackend::new(blob.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(&dir.path().join("store"));
+    let image = mount(
+        vec![spec(&blob, Some(index), backend.clone())],
+        Some(store.clone()),
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let config = crate::filecache::FileCacheConfig {
+        dir: Some(dir.path().join("files")),
+        min_file_bytes: 100 << 10,
+        eager_min_bytes: 0,
+        ..Default::default()
+    };
+    let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+    let trace = Trace {
+        reads: vec![tr("/b", 0, 5), tr("/dir/c", 0, 70_000)],
+    };
+    let b = data_of(&image, "/b");
+    let jobs = prefetch_jobs(&image, Some(&trace));
+    let steps = prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10), true);
+    let layer = &image.image.layers()[0];
+    let b_ranges = layer.ranges_for(b.entry, 0, 5);
+    let last = jobs
+        .iter()
+        .rposition(|(_, r)| b_ranges.iter().any(|w| w.start < r.end && r.start < w.end))
+        .unwrap();
+    let mut want: Vec<Step> = jobs
+        .iter()
+        .map(|(l, r)| Step::Fetch(*l, r.clone()))
+        .collect();
+    want.insert(last + 1, Step::Pack(b, 5));
+    assert_eq!(
+        steps, want,
+        "c is large and read in part: neither packed nor cached"
+    );
+    // Without the pack: no pack step.
+    assert!(
+        !prefetch_steps(&image, Some(&trace), &jobs, Some(100 << 10), false)
+            .iter()
+            .any(|s| matches!(s, Step::Pack(..)))
+    );
+
+    start_with_files(
+        &image,
+        &prefetch_only(2),
+        Some(trace),
+        None,
+        Some(cache.clone()),
+    )
+    .wait();
+    let pack = cache.pack().unwrap();
+    let key = crate::localfiles::file_key(&image, b, 5).unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(pack.read_at(&key, 0, &mut buf), Some(5));
+    assert_eq!(&buf[..5], &files[1].1[..]);
+    assert_eq!(pack.occupancy().0, 1);
+    let fetched: u64 = backend.log().iter().map(|r| r.end - r.start).sum();
+    assert_eq!(fetched, image.stats.snapshot().bytes_prefetched);
+}
+
 /// A file the trace reads most of is cached too, its missing pieces fetched just before.
 #[test]
 fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
@@ -944,7 +1014,7 @@ fn prefetch_fetches_the_small_rest_of_a_file_read_nearly_whole() {
     let rest = |trace: &Trace| {
         let jobs = prefetch_jobs(&image, Some(trace));
         let have = merge_ranges(jobs.iter().map(|(_, r)| r.clone()).collect());
-        let steps = prefetch_steps(&image, Some(trace), &jobs, Some(100 << 10));
+        let steps = prefetch_steps(&image, Some(trace), &jobs, Some(100 << 10), false);
         (jobs, subtract_ranges(&a_all, &have), steps)
     };
     // `a` (300 KiB over five 64 KiB spans) read but for its last span: cached, the

@@ -115,11 +115,14 @@ fn table(report: &StatusReport) -> String {
     }
     if let Some(c) = &report.file_cache {
         out.push_str(&format!(
-            "file cache: {} files, {} ({} materializing), {} passthrough opens\n",
+            "file cache: {} files, {} ({} materializing), {} passthrough opens; small-file pack: {} files, {}, {} reads served\n",
             c.files,
             human(c.bytes),
             c.pending,
-            c.passthrough_opens
+            c.passthrough_opens,
+            c.pack_files,
+            human(c.pack_bytes),
+            c.pack_hits
         ));
     }
     if report.mounts.is_empty() {

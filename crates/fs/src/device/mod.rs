@@ -63,6 +63,31 @@ use sha2::{Digest as _, Sha256};
 use crate::stats::{Guess, MountStats};
 use readahead::{Readahead, SpanMap};
 
+thread_local! {
+    /// Set while this thread does background work ([`in_background`]).
+    static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` as background work: reads inside it (prefetch writing a file to the file
+/// cache or the small-file pack, the cache's own materializations) are not a process's
+/// reads, so they neither count as reads that waited (the start's critical path, and
+/// what background fill waits to be quiet) nor start readahead or mark guesses used.
+pub(crate) fn in_background<T>(f: impl FnOnce() -> T) -> T {
+    /// Restores the flag however `f` ends.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            BACKGROUND.with(|b| b.set(self.0));
+        }
+    }
+    let _restore = Restore(BACKGROUND.with(|b| b.replace(true)));
+    f()
+}
+
+fn is_background() -> bool {
+    BACKGROUND.with(|b| b.get())
+}
+
 /// How long a failed span fetch is remembered: reads of it meanwhile fail at once. Short,
 /// so service resumes promptly when the registry is back. Each further failure of the
 /// same piece doubles it, up to [`MAX_FAILURE_MEMORY`]: a source that keeps answering
@@ -1389,8 +1414,12 @@ impl LayerSource {
                 "range outside the layer's spans",
             ));
         }
-        self.note_used(first..last);
-        let bytes = self.read_spans_ahead(spans, first..last)?;
+        let bytes = if is_background() {
+            self.spans_bytes(spans, first..last, &mut Fetched::default())?
+        } else {
+            self.note_used(first..last);
+            self.read_spans_ahead(spans, first..last)?
+        };
         let mut out = vec![0u8; len];
         let mut covered = range.start;
         for (k, b) in (first..last).zip(bytes) {
@@ -1757,7 +1786,7 @@ impl WindowSource for LayerSource {
         let mut fetched = Fetched::default();
         let bytes = self.spans_bytes(&windows.pieces, block.clone(), &mut fetched)?;
         // A read fetching its span too is counted there (it waits for both at once).
-        if fetched.waited && self.span_is_local(k) {
+        if fetched.waited && self.span_is_local(k) && !is_background() {
             self.stats.read_waited();
         }
         let window = bytes
