@@ -16,6 +16,36 @@ use crate::error::Error;
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ChunkKey([u8; 32]);
 
+/// Bytes together with the key hashed from them in this process; only [`Hashed::new`]
+/// makes one. A caller that hashes a piece anyway (to check it against an index) hands
+/// this to [`crate::Store::put_hashed`], which then need not hash it a second time: on a
+/// cold start that was every fetched byte hashed twice.
+#[derive(Debug, Clone, Copy)]
+pub struct Hashed<'a> {
+    key: ChunkKey,
+    bytes: &'a [u8],
+}
+
+impl<'a> Hashed<'a> {
+    /// Hashes `bytes`.
+    pub fn new(bytes: &'a [u8]) -> Hashed<'a> {
+        Hashed {
+            key: ChunkKey::of(bytes),
+            bytes,
+        }
+    }
+
+    /// Their key.
+    pub fn key(&self) -> &ChunkKey {
+        &self.key
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+}
+
 impl ChunkKey {
     /// The key of `bytes`.
     pub fn of(bytes: &[u8]) -> ChunkKey {

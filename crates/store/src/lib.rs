@@ -45,7 +45,7 @@ mod store;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::{DEFAULT_MAX_BYTES, STORE_ENV, SYSTEM_STORE_PATH, StoreConfig};
 pub use error::{Error, Result};
-pub use key::ChunkKey;
+pub use key::{ChunkKey, Hashed};
 pub use private::{PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, new_private_file, private_dir, tighten};
 pub use store::{
     ChunkFile, EntryInfo, GcReport, OpenReport, OwnerInfo, PutOutcome, Store, StoreOptions,

@@ -580,15 +580,21 @@ impl Store {
     /// returns. Concurrent puts of one key write it once. Errors: [`Error::DigestMismatch`],
     /// [`Error::TooLarge`], [`Error::Full`] (nothing stored in each case), I/O, metadata.
     pub fn put(&self, key: &ChunkKey, bytes: &[u8]) -> Result<PutOutcome> {
-        let inner = &*self.inner;
-        let actual = ChunkKey::of(bytes);
-        if actual != *key {
-            bump(&inner.counters.rejected_puts, 1);
+        let chunk = crate::key::Hashed::new(bytes);
+        if chunk.key() != key {
+            bump(&self.inner.counters.rejected_puts, 1);
             return Err(Error::DigestMismatch {
                 expected: *key,
-                actual,
+                actual: *chunk.key(),
             });
         }
+        self.put_hashed(&chunk)
+    }
+
+    /// [`Store::put`] of bytes hashed already (their key is theirs by construction).
+    pub fn put_hashed(&self, chunk: &crate::key::Hashed<'_>) -> Result<PutOutcome> {
+        let inner = &*self.inner;
+        let (key, bytes) = (chunk.key(), chunk.bytes());
         let size = bytes.len() as u64;
         if size > inner.max_bytes {
             return Err(Error::TooLarge {

@@ -58,7 +58,6 @@ use ferry_index::windows::WindowSource;
 use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
 use parking_lot::{Condvar, Mutex};
-use sha2::{Digest as _, Sha256};
 
 use crate::stats::{Guess, MountStats};
 use readahead::{Readahead, SpanMap};
@@ -1379,8 +1378,9 @@ impl LayerSource {
     }
 
     fn verify_and_store(&self, spans: &Spans, k: usize, piece: &[u8]) -> io::Result<Arc<Vec<u8>>> {
-        let actual: [u8; 32] = Sha256::digest(piece).into();
-        if actual != spans.digests[k] || piece.len() as u64 != span_len(&spans.ranges[k]) {
+        let chunk = ferry_store::Hashed::new(piece);
+        let actual = chunk.key().raw();
+        if *actual != spans.digests[k] || piece.len() as u64 != span_len(&spans.ranges[k]) {
             MountStats::add(&self.stats.verify_failures, 1);
             MountStats::add(&self.stats.fetch_errors, 1);
             return Err(io::Error::new(
@@ -1394,7 +1394,7 @@ impl LayerSource {
             ));
         }
         if let Some(store) = &self.store
-            && let Err(e) = store.put(&ChunkKey::from_raw(actual), piece)
+            && let Err(e) = store.put_hashed(&chunk)
         {
             tracing::warn!(error = %e, kind = spans.kind.name(), piece = k, "could not store a verified piece; serving it anyway");
         }
