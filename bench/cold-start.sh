@@ -292,6 +292,8 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     cp "$E2E_TMP/pull.log" "$OUT/logs/$1-$2ms-$3-$4.pull.log" 2>/dev/null || true
     status_json >"$end"
     first=$E2E_TMP/first-status.json
+    cp "$first" "$OUT/logs/$1-$2ms-$3-$4.status-first.json" 2>/dev/null || true
+    cp "$end" "$OUT/logs/$1-$2ms-$3-$4.status-end.json" 2>/dev/null || true
     local wire="" wire_first=""
     if [[ -n $PROXY_PID ]]; then
         wire=$(sub "$(proxy_down)" "$wire0" | cut -d. -f1)
