@@ -430,7 +430,7 @@ impl PeerRangeSource {
         }
     }
 
-    fn from_peers(&self, range: &Range<u64>) -> io::Result<Option<Vec<u8>>> {
+    fn ask_peers(&self, range: &Range<u64>) -> io::Result<Option<Vec<u8>>> {
         if tokio::runtime::Handle::try_current().is_ok() {
             // Blocking here would stall a runtime worker; the registry source refuses
             // this too, with its own error.
@@ -459,7 +459,7 @@ impl RangeSource for PeerRangeSource {
 
     fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
         if range.start < range.end
-            && let Some(bytes) = self.from_peers(&range)?
+            && let Some(bytes) = self.ask_peers(&range)?
         {
             return Ok(bytes);
         }
