@@ -173,7 +173,7 @@ fn a_range_comes_from_the_peer_not_the_registry() {
 
     // A reading node: its membership is A and itself; a piece per span, one root, so for
     // each span either A is its root (and this node's parent) or this node is.
-    let node = |user: &str, password: &str| {
+    let node = |user: &str, password: &str, self_name: &str| {
         let c = client(&registry, user, password);
         // The node has spoken to the registry (its index fetch would have), so it knows
         // how the registry authenticates.
@@ -182,7 +182,7 @@ fn a_range_comes_from_the_peer_not_the_registry() {
         let fetcher = Arc::new(
             PeerFetcher::new(
                 FetcherConfig {
-                    self_name: "127.0.0.2:1".into(),
+                    self_name: self_name.into(),
                     peers: vec![a_addr.clone()],
                     roots: 1,
                     fan_out: 1,
@@ -225,16 +225,25 @@ fn a_range_comes_from_the_peer_not_the_registry() {
         (source, origin, fetcher, runtime)
     };
 
-    let span_from_a = (0..4u64)
-        .find(|&k| {
-            let probe = node("bob", "builder").2;
-            !probe.candidates(&digest, k * SPAN as u64).is_empty()
+    // A's address (so the ranking) changes from run to run: pick this node's name so
+    // that A is the parent of span 0's piece.
+    let me = (1..)
+        .map(|port| format!("127.0.0.2:{port}"))
+        .find(|name| {
+            let members = ferry_p2p::Membership::new([
+                ferry_p2p::PeerId(a_addr.clone()),
+                ferry_p2p::PeerId(name.clone()),
+            ]);
+            let schedule = ferry_p2p::Schedule::new(ferry_p2p::Topology::PieceHrw, 1, 1).unwrap();
+            let tree = schedule.tree(&members, &ferry_p2p::PieceId::new(digest.clone(), 0));
+            let mine = members.index_of(&ferry_p2p::PeerId(name.clone())).unwrap();
+            tree.parent(mine) != ferry_p2p::Source::Origin
         })
-        .expect("A is the root of some span's piece");
-    let range = span_from_a * SPAN as u64..(span_from_a + 1) * SPAN as u64;
+        .unwrap();
+    let range = 0..SPAN as u64;
 
     // Bob may pull team/app: the span comes from A.
-    let (source, origin, fetcher, _rt_b) = node("bob", "builder");
+    let (source, origin, fetcher, _rt_b) = node("bob", "builder", &me);
     let got = source.read_range(range.clone()).unwrap();
     assert_eq!(got, bytes[range.start as usize..range.end as usize]);
     assert_eq!(
@@ -247,7 +256,7 @@ fn a_range_comes_from_the_peer_not_the_registry() {
 
     // Eve may not: A refuses her (403) and she goes to the registry herself, which
     // refuses her too.
-    let (source, origin, fetcher, _rt_e) = node("eve", "listening");
+    let (source, origin, fetcher, _rt_e) = node("eve", "listening", &me);
     assert!(source.read_range(range.clone()).is_err());
     assert_eq!(origin.reads.load(Ordering::SeqCst), 1);
     assert_eq!(fetcher.stats().snapshot().bytes_from_peers, 0);
