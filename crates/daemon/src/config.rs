@@ -47,6 +47,8 @@ pub struct DaemonConfig {
     pub registry: RegistrySection,
     /// `[trace]`: startup traces recorded automatically during an image's first start.
     pub trace: TraceSection,
+    /// `[p2p]`: serve verified pieces to peers and fetch from them before the registry.
+    pub p2p: P2pSection,
     /// A store directory given on the command line: wins over `FERRY_STORE` and
     /// `store.path` (not part of the file).
     #[serde(skip)]
@@ -207,6 +209,149 @@ impl Default for TraceSection {
     }
 }
 
+/// `[p2p]`: peers serve each other the verified spans of lazy layers (see
+/// `crate::p2p`). Off by default; when on, `token_file` is required.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct P2pSection {
+    /// Serve peers and fetch from them.
+    pub enabled: bool,
+    /// Address the peer server listens on.
+    pub listen: SocketAddr,
+    /// The other daemons, `host:port` as each listens (a static membership).
+    pub peers: Vec<String>,
+    /// This daemon's name in the membership, spelled as the other daemons list it;
+    /// `None`: `listen` as text (right when `listen` is a routable address).
+    pub self_name: Option<String>,
+    /// File holding the cluster's shared secret (at least 16 bytes; surrounding
+    /// whitespace ignored). Required when enabled.
+    pub token_file: Option<PathBuf>,
+    /// Longest a read waits on peers (all candidates together) before the registry.
+    #[serde(with = "duration_text")]
+    pub peer_timeout: Duration,
+    /// Members that fetch each piece from the registry (R).
+    pub roots: usize,
+    /// Children a member serves per piece at most (F).
+    pub fan_out: usize,
+    /// Other members asked after the parent, before the registry.
+    pub fallbacks: usize,
+    /// The unit peers are ranked by (`"1M"`): a range is asked of the parent of the
+    /// piece it starts in.
+    #[serde(with = "size_text")]
+    pub piece_size: u64,
+    /// Peer requests served at once; more are answered 503.
+    pub max_concurrent: usize,
+    /// Longest the server spends on one request.
+    #[serde(with = "duration_text")]
+    pub request_timeout: Duration,
+    /// Longest range served in one request (`"16M"`); longer ones are answered 416.
+    #[serde(with = "size_text")]
+    pub max_range: u64,
+    /// How long a peer that failed (timed out, served bytes that did not verify) is
+    /// skipped.
+    #[serde(with = "duration_text")]
+    pub penalty: Duration,
+    /// How long a registry's yes to a forwarded credential is cached (at most 5 min,
+    /// and never past the credential's own expiry when it says).
+    #[serde(with = "duration_text")]
+    pub pull_check_ttl: Duration,
+}
+
+impl Default for P2pSection {
+    fn default() -> Self {
+        P2pSection {
+            enabled: false,
+            listen: SocketAddr::from(([0, 0, 0, 0], 7050)),
+            peers: Vec::new(),
+            self_name: None,
+            token_file: None,
+            peer_timeout: Duration::from_millis(500),
+            roots: 2,
+            fan_out: 4,
+            fallbacks: 2,
+            piece_size: 1 << 20,
+            max_concurrent: 64,
+            request_timeout: Duration::from_secs(30),
+            max_range: 16 << 20,
+            penalty: Duration::from_secs(30),
+            pull_check_ttl: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Longest accepted `p2p.pull_check_ttl`.
+pub const MAX_PULL_CHECK_TTL: Duration = Duration::from_secs(300);
+
+impl P2pSection {
+    /// This daemon's name in the membership.
+    pub fn self_name(&self) -> String {
+        self.self_name
+            .clone()
+            .unwrap_or_else(|| self.listen.to_string())
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        let bad = |m: String| Err(Error::Config(format!("p2p.{m}")));
+        if self.token_file.is_none() {
+            return bad("token_file is required when p2p is enabled".into());
+        }
+        for peer in self.peers.iter().chain(self.self_name.iter()) {
+            if !is_host_port(peer) {
+                return bad(format!("peers: {peer:?} is not host:port"));
+            }
+        }
+        if self.peers.len() > 100_000 {
+            return bad("peers: more than 100000".into());
+        }
+        if let Err(e) =
+            ferry_p2p::Schedule::new(ferry_p2p::Topology::PieceHrw, self.roots, self.fan_out)
+        {
+            return bad(format!("roots/fan_out: {e}"));
+        }
+        if self.roots > 64 || self.fallbacks > 64 {
+            return bad("roots and fallbacks must be at most 64".into());
+        }
+        if self.peer_timeout < Duration::from_millis(10)
+            || self.peer_timeout > Duration::from_secs(60)
+        {
+            return bad("peer_timeout must be between 10ms and 60s".into());
+        }
+        if !(64 << 10..=1 << 30).contains(&self.piece_size) {
+            return bad("piece_size must be between 64K and 1G".into());
+        }
+        if self.max_concurrent == 0 || self.max_concurrent > MAX_PARALLELISM {
+            return bad(format!(
+                "max_concurrent must be between 1 and {MAX_PARALLELISM}"
+            ));
+        }
+        if self.request_timeout < Duration::from_millis(100) {
+            return bad("request_timeout must be at least 100ms".into());
+        }
+        if self.max_range == 0 || self.max_range > MAX_REQUEST_SIZE {
+            return bad("max_range must be between 1 byte and 1G".into());
+        }
+        if self.pull_check_ttl > MAX_PULL_CHECK_TTL {
+            return bad("pull_check_ttl must be at most 5m".into());
+        }
+        Ok(())
+    }
+}
+
+/// `host:port` with a non-empty host, a port number and no path or whitespace.
+fn is_host_port(s: &str) -> bool {
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty()
+        && port.parse::<u16>().is_ok()
+        && s.len() <= 255
+        && !s.contains(['/', '@', '?', '#'])
+        && !s.contains(char::is_whitespace)
+}
+
 /// Longest accepted `trace.max_duration`.
 const MAX_TRACE_DURATION: Duration = Duration::from_secs(3600);
 
@@ -298,6 +443,7 @@ impl DaemonConfig {
                 format_size(t.store_bytes)
             )));
         }
+        self.p2p.validate()?;
         for host in &self.registry.plain_http {
             if host.is_empty() || host.contains('/') || host.contains(char::is_whitespace) {
                 return Err(Error::Config(format!(
@@ -615,5 +761,37 @@ mod tests {
             control_socket_for(1000, Some("relative".into())),
             Path::new("/tmp/ferry-1000/daemon.sock")
         );
+    }
+
+    #[test]
+    fn the_p2p_section_is_off_by_default_and_checked_when_on() {
+        let c = DaemonConfig::from_toml("").unwrap();
+        assert!(!c.p2p.enabled);
+        assert_eq!((c.p2p.roots, c.p2p.fan_out), (2, 4));
+        let c = DaemonConfig::from_toml(
+            r#"
+            [p2p]
+            enabled = true
+            listen = "10.0.0.5:7050"
+            peers = ["10.0.0.6:7050", "node-7:7050"]
+            token_file = "/etc/ferry/p2p-token"
+            peer_timeout = "250ms"
+            max_range = "4M"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.p2p.self_name(), "10.0.0.5:7050");
+        assert_eq!(c.p2p.peer_timeout, Duration::from_millis(250));
+        assert_eq!(c.p2p.max_range, 4 << 20);
+        for bad in [
+            "[p2p]\nenabled = true",
+            "[p2p]\nenabled = true\ntoken_file = \"t\"\npeers = [\"no-port\"]",
+            "[p2p]\nenabled = true\ntoken_file = \"t\"\npeers = [\"http://a:1/x\"]",
+            "[p2p]\nenabled = true\ntoken_file = \"t\"\nfan_out = 0",
+            "[p2p]\nenabled = true\ntoken_file = \"t\"\npull_check_ttl = \"10m\"",
+            "[p2p]\nenabled = true\ntoken_file = \"t\"\nmax_concurrent = 0",
+        ] {
+            assert!(DaemonConfig::from_toml(bad).is_err(), "{bad}");
+        }
     }
 }

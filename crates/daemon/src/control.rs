@@ -58,6 +58,9 @@ pub struct DaemonInfo {
     /// Dead ferry mounts (connection ended) found and detached at start.
     #[serde(default)]
     pub dead_mounts: Vec<crate::mounts::DeadMount>,
+    /// The peer server's address, when `[p2p]` is on.
+    #[serde(default)]
+    pub p2p_addr: Option<SocketAddr>,
 }
 
 /// Body of `GET /v1/status`.
@@ -75,6 +78,9 @@ pub struct StatusReport {
     /// The process's inflated-span cache.
     #[serde(default)]
     pub inflated_cache: Option<ferry_index::inflated::InflatedStats>,
+    /// Peer counters, when `[p2p]` is on.
+    #[serde(default)]
+    pub p2p: Option<crate::p2p::P2pSnapshot>,
 }
 
 /// Body of `GET /v1/health`.
@@ -156,6 +162,7 @@ async fn status(State(state): State<ControlState>) -> Result<axum::Json<StatusRe
         mounts,
         file_cache,
         inflated_cache: Some(ferry_fs::inflated_spans().stats()),
+        p2p: state.backend.p2p_status(),
     }))
 }
 
@@ -428,6 +435,7 @@ mod tests {
             metrics_addr: None,
             snapshotter_socket: None,
             dead_mounts: Vec::new(),
+            p2p_addr: None,
         };
         let listener = bind(&socket).await.unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

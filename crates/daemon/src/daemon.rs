@@ -99,6 +99,82 @@ fn connect_fd_holder(config: &DaemonConfig) -> Option<FdHolderClient> {
     }
 }
 
+/// The peer server, its listener, and what lazy layers need to use peers.
+struct PeerParts {
+    listener: tokio::net::TcpListener,
+    server: Arc<crate::p2p::server::PeerServer>,
+    wiring: crate::mounts::PeerWiring,
+}
+
+/// Most layer blobs the peer server remembers (each a span table: ~48 bytes per 256 KiB
+/// span of the layer).
+const PEER_CATALOG_ENTRIES: usize = 4096;
+
+async fn p2p_parts(
+    config: &DaemonConfig,
+    store: &Arc<Store>,
+    client: &ferry_registry_client::Client,
+) -> Result<PeerParts> {
+    use crate::p2p::{auth, fetch, server};
+    let p = &config.p2p;
+    let token_file = p
+        .token_file
+        .as_ref()
+        .ok_or_else(|| Error::Config("p2p.token_file is required".into()))?;
+    let token =
+        auth::ClusterToken::load(token_file).map_err(|e| Error::Config(format!("p2p: {e}")))?;
+    let stats = Arc::new(crate::p2p::P2pStats::default());
+    let catalog = Arc::new(crate::p2p::BlobCatalog::new(PEER_CATALOG_ENTRIES));
+    let transport = fetch::HttpPeers::new(token.clone(), p.peer_timeout)
+        .map_err(|e| Error::Config(format!("p2p: HTTP client: {e}")))?;
+    let fetcher = fetch::PeerFetcher::new(
+        fetch::FetcherConfig {
+            self_name: p.self_name(),
+            peers: p.peers.clone(),
+            roots: p.roots,
+            fan_out: p.fan_out,
+            fallbacks: p.fallbacks,
+            piece_size: p.piece_size,
+            peer_timeout: p.peer_timeout,
+            penalty: p.penalty,
+        },
+        Arc::new(transport),
+        Arc::new(client.clone()),
+        stats.clone(),
+        tokio::runtime::Handle::current(),
+    )
+    .map_err(|e| Error::Config(format!("p2p: {e}")))?;
+    let gate = auth::PullGate::new(
+        Arc::new(auth::RegistryPullRights {
+            client: client.clone(),
+        }),
+        p.pull_check_ttl,
+    );
+    let server = server::PeerServer::new(
+        catalog.clone(),
+        store.clone(),
+        token,
+        gate,
+        server::ServerLimits {
+            max_concurrent: p.max_concurrent,
+            request_timeout: p.request_timeout,
+            max_range: p.max_range,
+        },
+        stats,
+    );
+    let listener = tokio::net::TcpListener::bind(p.listen)
+        .await
+        .map_err(|e| Error::io(format!("p2p: listening on {}", p.listen), e))?;
+    Ok(PeerParts {
+        listener,
+        server: Arc::new(server),
+        wiring: crate::mounts::PeerWiring {
+            catalog,
+            fetcher: Arc::new(fetcher),
+        },
+    })
+}
+
 impl Daemon {
     /// Runs the daemon until `shutdown` resolves (e.g. [`stop_signal`]), calling `ready`
     /// once every endpoint listens. Blocks; builds its own async runtime, so call it
@@ -144,6 +220,13 @@ impl Daemon {
         })?;
         let store = Arc::new(store);
         let mut manager = MountManager::new(store.clone(), config.clone())?;
+        let peers = if config.p2p.enabled {
+            let parts = runtime.block_on(p2p_parts(&config, &store, manager.client()))?;
+            manager = manager.with_p2p(parts.wiring.clone());
+            Some(parts)
+        } else {
+            None
+        };
         if config.fuse.keep_connections
             && let Some(holder) = connect_fd_holder(&config)
         {
@@ -207,12 +290,14 @@ impl Daemon {
                 .as_ref()
                 .map(|_| config.snapshotter.socket.clone()),
             dead_mounts,
+            p2p_addr: peers.as_ref().and_then(|p| p.listener.local_addr().ok()),
         };
         tracing::info!(
             control = %control_socket.display(),
             store = %store_path.display(),
             metrics = ?info.metrics_addr,
             snapshotter = ?info.snapshotter_socket,
+            peers = ?info.p2p_addr,
             "daemon serving"
         );
         ready(&info);
@@ -248,6 +333,16 @@ impl Daemon {
                     tokio::spawn(
                         async move { metrics::serve(listener, backend, stopped(rx)).await },
                     ),
+                ));
+            }
+            if let Some(parts) = peers {
+                let rx = stop_rx.clone();
+                let router = crate::p2p::server::router(parts.server);
+                tasks.push((
+                    "peers",
+                    tokio::spawn(async move {
+                        crate::p2p::server::serve(parts.listener, router, stopped(rx)).await
+                    }),
                 ));
             }
             if let Some((snap, listener)) = snapshotter {

@@ -36,6 +36,10 @@
 //! ones ([`settle`], bounded),
 //! so prefetch does not slow the pull the container waits for.
 //!
+//! Peers (`[p2p]`, off by default, [`p2p`]): the daemon serves the verified spans of its
+//! lazy registry layers to the other daemons of its cluster, to those that prove they
+//! may pull the repository, and reads those layers from peers before the registry.
+//!
 //! It must not parse layer formats, registry documents or tar itself: it wires ferry-fs,
 //! ferry-index, the registry client, the store and the snapshotter together.
 //!
@@ -53,6 +57,7 @@ pub mod indexes;
 pub mod memory;
 pub mod metrics;
 pub mod mounts;
+pub mod p2p;
 pub mod remote;
 pub mod settle;
 
@@ -63,6 +68,6 @@ pub use error::{Error, Result};
 pub use memory::MemoryBackend;
 pub use mounts::{
     DeadMount, KeptMount, LayerKind, MountBackend, MountInfo, MountManager, MountOrigin,
-    MountRequest, MountStatus, ResumeReport, StoreStatus,
+    MountRequest, MountStatus, PeerWiring, ResumeReport, StoreStatus,
 };
 pub use remote::LazyLayers;

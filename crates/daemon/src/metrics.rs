@@ -169,6 +169,56 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
     let mounts = Gauge::<i64>::default();
     mounts.set(gauge_value(backend.list().len() as u64));
     registry.register("mounts", "Live lazy mounts", mounts);
+    if let Some(p) = backend.p2p_status() {
+        let series: [(&str, &str, u64); 9] = [
+            ("p2p_served_bytes", "Bytes served to peers", p.bytes_served),
+            (
+                "p2p_from_peers_bytes",
+                "Verified bytes fetched from peers",
+                p.bytes_from_peers,
+            ),
+            (
+                "p2p_from_origin_bytes",
+                "Bytes peer-routed layers fetched from the registry (as roots or after falling back)",
+                p.bytes_from_origin,
+            ),
+            (
+                "p2p_refused_unauthenticated",
+                "Peer requests refused without a valid cluster token (401)",
+                p.refused_unauthenticated,
+            ),
+            (
+                "p2p_refused_forbidden",
+                "Peer requests refused for want of pull rights (403)",
+                p.refused_forbidden,
+            ),
+            (
+                "p2p_refused_busy",
+                "Peer requests refused at the concurrency bound (503)",
+                p.refused_busy,
+            ),
+            (
+                "p2p_peer_failures",
+                "Requests to peers that timed out, failed or served bytes that did not verify",
+                p.peer_failures,
+            ),
+            (
+                "p2p_peer_corrupt",
+                "Answers from peers whose bytes did not verify",
+                p.peer_corrupt,
+            ),
+            (
+                "p2p_fallbacks_to_origin",
+                "Reads that went to the registry after no peer served them",
+                p.fallbacks_to_origin,
+            ),
+        ];
+        for (name, help, value) in series {
+            let c = Counter::<u64>::default();
+            c.inc_by(value);
+            registry.register(name, help, c);
+        }
+    }
     if let Some(store) = backend.store_status() {
         let bytes = Gauge::<i64>::default();
         bytes.set(gauge_value(store.bytes));

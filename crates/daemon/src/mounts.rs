@@ -164,6 +164,10 @@ pub trait MountBackend: Send + Sync {
     fn file_cache_status(&self) -> Option<ferry_fs::FileCacheSnapshot> {
         None
     }
+    /// The peer counters, when `[p2p]` is on.
+    fn p2p_status(&self) -> Option<crate::p2p::P2pSnapshot> {
+        None
+    }
     /// How `layer` of `image` can be served, and the image's manifest digest. `ahead`
     /// names the layers to be prepared after this one (CRI's image-layers label): their
     /// lookups may start now, so their own calls find them done or in flight.
@@ -382,6 +386,17 @@ pub struct MountManager {
     file_cache: Option<Arc<FileCache>>,
     /// The process keeping every mount's `/dev/fuse` descriptor across restarts.
     holder: Option<FdHolderClient>,
+    /// Peers: the blobs served to them and the fetcher lazy layers ask first.
+    p2p: Option<PeerWiring>,
+}
+
+/// What a lazy layer needs to be served to peers and read from them.
+#[derive(Debug, Clone)]
+pub struct PeerWiring {
+    /// The blobs this node serves to peers.
+    pub catalog: Arc<crate::p2p::BlobCatalog>,
+    /// Where layers ask peers.
+    pub fetcher: Arc<crate::p2p::fetch::PeerFetcher>,
 }
 
 impl std::fmt::Debug for MountManager {
@@ -601,6 +616,41 @@ impl MountManager {
             traces: Mutex::new(HashMap::new()),
             file_cache,
             holder: None,
+            p2p: None,
+        })
+    }
+
+    /// Lazy registry layers mounted from now on are served to peers and read from them
+    /// first (`[p2p]`).
+    pub fn with_p2p(mut self, wiring: PeerWiring) -> MountManager {
+        self.p2p = Some(wiring);
+        self
+    }
+
+    /// The registry client (shared pool and tokens).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The layer of `repo` through peers: its spans registered for serving, its reads
+    /// asked of peers first. Layers without a ferry index (no span digests to verify a
+    /// peer's bytes against) are left alone.
+    fn through_peers(&self, repo: &Repo, spec: LayerSpec) -> LayerSpec {
+        let (Some(p2p), Some(index)) = (&self.p2p, &spec.index) else {
+            return spec;
+        };
+        let blob = spec.descriptor.digest().clone();
+        let Some(table) = crate::p2p::SpanTable::of_index(index, spec.descriptor.size()) else {
+            return spec;
+        };
+        let table = Arc::new(table);
+        p2p.catalog
+            .register(blob.clone(), &repo.registry, table.clone());
+        let (fetcher, repo) = (p2p.fetcher.clone(), repo.clone());
+        spec.route_through(move |origin| {
+            Arc::new(crate::p2p::fetch::PeerRangeSource::new(
+                origin, fetcher, repo, blob, table,
+            ))
         })
     }
 
@@ -1003,6 +1053,7 @@ impl MountManager {
                 resolved.index,
                 &self.runtime,
             )?;
+            let spec = self.through_peers(&repo, spec);
             return Ok(ImageSource {
                 manifest_digest: resolved.manifest_digest,
                 layers: vec![spec],
@@ -1294,6 +1345,10 @@ impl MountBackend for MountManager {
 
     fn file_cache_status(&self) -> Option<ferry_fs::FileCacheSnapshot> {
         self.file_cache.as_ref().map(|c| c.snapshot())
+    }
+
+    fn p2p_status(&self) -> Option<crate::p2p::P2pSnapshot> {
+        self.p2p.as_ref().map(|p| p.fetcher.stats().snapshot())
     }
 
     fn store_status(&self) -> Option<StoreStatus> {

@@ -1093,6 +1093,84 @@ impl Client {
         }
     }
 
+    /// The `Authorization` value this client sends the registry itself (never a mirror)
+    /// for pull access to `r`, fetching a token if the cached one is stale; `None` when
+    /// the registry has not asked for credentials yet (anonymous so far). For a daemon
+    /// that forwards it to a peer, which proves the pull right by asking the registry
+    /// ([`Client::may_pull_with`]); the value is a secret and must not be logged.
+    pub async fn pull_authorization(&self, r: &Repo) -> Result<Option<String>, ClientError> {
+        check_repo(r)?;
+        let Some(ep) = self.endpoints(&r.registry, false).pop() else {
+            return Ok(None);
+        };
+        let secret = self.secret_for(&ep, r).await;
+        let scope = format!("repository:{}:pull", r.repository);
+        self.inner
+            .auth
+            .authorize(self.http_for(&ep), &ep.host, &scope, &secret, false)
+            .await
+    }
+
+    /// Asks the registry itself (no mirror, none of this client's own credentials)
+    /// whether `authorization` — an `Authorization` value a peer forwarded, or `None` for
+    /// anonymous — may read blob `digest` of `r`: a `HEAD` of the blob with exactly that
+    /// header. `Ok(false)` when the registry refuses (401, 403) or the repository does not
+    /// have the blob (404); an error when it cannot say (transport, 5xx). Redirects are
+    /// not followed: a registry that redirects an authorized blob read to its storage has
+    /// said yes.
+    pub async fn may_pull_with(
+        &self,
+        r: &Repo,
+        digest: &str,
+        authorization: Option<&str>,
+    ) -> Result<bool, ClientError> {
+        check_repo(r)?;
+        check_digest(digest)?;
+        let ep = self
+            .endpoints(&r.registry, false)
+            .pop()
+            .ok_or_else(|| ClientError::Config(format!("no endpoint for {}", r.registry)))?;
+        let target = Target::Path(format!("/v2/{}/blobs/{digest}", r.repository));
+        let mut switched = false;
+        loop {
+            let url = self.url_for(&ep, &target)?;
+            let https = url.scheme() == "https";
+            let mut req = self.http_for(&ep).head(url);
+            if let Some(a) = authorization {
+                let v = HeaderValue::from_str(a).map_err(|e| ClientError::Invalid {
+                    what: "forwarded authorization".into(),
+                    reason: e.to_string(),
+                })?;
+                req = req.header(header::AUTHORIZATION, v);
+            }
+            match req.send().await {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    return match status {
+                        200..=299 | 301 | 302 | 303 | 307 | 308 => Ok(true),
+                        401 | 403 | 404 => Ok(false),
+                        _ => Err(ClientError::Status {
+                            registry: ep.host.clone(),
+                            method: "HEAD".into(),
+                            path: format!("/v2/{}/blobs/{digest}", r.repository),
+                            status,
+                            message: String::new(),
+                        }),
+                    };
+                }
+                // The loopback registry that does not speak TLS, as for every other call.
+                Err(_) if https && !switched && self.fall_back_to_http(&ep) => switched = true,
+                Err(_) if https && !switched && self.scheme_of(&ep) == "http" => switched = true,
+                Err(e) => {
+                    return Err(ClientError::Transport {
+                        registry: ep.host.clone(),
+                        message: error_chain(&e),
+                    });
+                }
+            }
+        }
+    }
+
     /// Streams a blob, or the byte `range` of it. When a server ignores the Range header
     /// (200 instead of 206) the stream skips to the start itself, so the caller still gets
     /// exactly the range.
@@ -1620,6 +1698,64 @@ pub(crate) fn document_media_type(bytes: &[u8]) -> Option<String> {
         .ok()?
         .media_type
         .filter(|m| !m.is_empty())
+}
+
+/// The outcome of matching a `Range` header against a blob of known size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RangeRequest {
+    /// No usable range: send the whole blob with 200.
+    Full,
+    /// Send these bytes with 206.
+    Partial(Range<u64>),
+    /// Answer 416 with `Content-Range: bytes */size`.
+    Unsatisfiable,
+}
+
+/// Interprets a `Range` header value for a blob of `size` bytes: the one parser ferry's
+/// registry and the daemon's peer server answer reads with.
+///
+/// Syntactically invalid headers and units other than `bytes` are ignored (full 200), as
+/// RFC 9110 requires; a valid range that starts past the end is unsatisfiable.
+pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
+    let Some(value) = header else {
+        return RangeRequest::Full;
+    };
+    let Some(spec) = value.trim().strip_prefix("bytes=") else {
+        return RangeRequest::Full;
+    };
+    if spec.contains(',') {
+        return RangeRequest::Full;
+    }
+    let Some((first, last)) = spec.trim().split_once('-') else {
+        return RangeRequest::Full;
+    };
+    let (first, last) = (first.trim(), last.trim());
+    if first.is_empty() {
+        // Suffix range: the last N bytes.
+        let Ok(n) = last.parse::<u64>() else {
+            return RangeRequest::Full;
+        };
+        if n == 0 || size == 0 {
+            return RangeRequest::Unsatisfiable;
+        }
+        return RangeRequest::Partial(size.saturating_sub(n)..size);
+    }
+    let Ok(start) = first.parse::<u64>() else {
+        return RangeRequest::Full;
+    };
+    let end_inclusive = if last.is_empty() {
+        None
+    } else {
+        match last.parse::<u64>() {
+            Ok(e) if e >= start => Some(e),
+            _ => return RangeRequest::Full,
+        }
+    };
+    if start >= size {
+        return RangeRequest::Unsatisfiable;
+    }
+    let end = end_inclusive.map_or(size, |e| e.saturating_add(1).min(size));
+    RangeRequest::Partial(start..end)
 }
 
 /// Parses a `Content-Range` into `(first, last, total)`: the RFC form

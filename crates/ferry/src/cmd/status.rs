@@ -91,6 +91,9 @@ fn table(report: &StatusReport) -> String {
     if let Some(a) = &d.metrics_addr {
         out.push_str(&format!(", metrics http://{a}/metrics"));
     }
+    if let Some(a) = &d.p2p_addr {
+        out.push_str(&format!(", peers {a}"));
+    }
     out.push('\n');
     for dead in &d.dead_mounts {
         match &dead.error {
@@ -123,6 +126,20 @@ fn table(report: &StatusReport) -> String {
             c.pack_files,
             human(c.pack_bytes),
             c.pack_hits
+        ));
+    }
+    if let Some(p) = &report.p2p {
+        out.push_str(&format!(
+            "peers: {} from peers, {} from the registry, {} served; refused {} (401) {} (403) {} (503); {} peer failures ({} corrupt), {} fallbacks to the registry\n",
+            human(p.bytes_from_peers),
+            human(p.bytes_from_origin),
+            human(p.bytes_served),
+            p.refused_unauthenticated,
+            p.refused_forbidden,
+            p.refused_busy,
+            p.peer_failures,
+            p.peer_corrupt,
+            p.fallbacks_to_origin
         ));
     }
     if report.mounts.is_empty() {

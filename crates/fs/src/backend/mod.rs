@@ -100,6 +100,22 @@ impl LayerSpec {
         })
     }
 
+    /// Range reads of the layer go through `route(source)` instead (the daemon's peers
+    /// before the registry); spans that do not verify are fetched again from the
+    /// fallback the layer had, else from the source it had before, so bytes from the
+    /// routed source get the same verification and the same second chance as any.
+    pub fn route_through(
+        mut self,
+        route: impl FnOnce(Arc<dyn RangeSource>) -> Arc<dyn RangeSource>,
+    ) -> LayerSpec {
+        let before = self.source.clone();
+        self.source = route(before.clone());
+        if self.fallback.is_none() {
+            self.fallback = Some(before);
+        }
+        self
+    }
+
     /// True for a registry layer, whose whole blob [`Self::download_whole`] fetches; a
     /// layout blob is already on this machine and read in place.
     pub(crate) fn is_remote(&self) -> bool {

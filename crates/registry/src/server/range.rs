@@ -3,64 +3,7 @@
 //! Only what registries need: one byte range per request. Multi-range requests are
 //! answered with the whole blob (allowed by RFC 9110), which every client handles.
 
-use std::ops::Range;
-
-/// The outcome of matching a `Range` header against a blob of known size.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RangeRequest {
-    /// No usable range: send the whole blob with 200.
-    Full,
-    /// Send these bytes with 206.
-    Partial(Range<u64>),
-    /// Answer 416 with `Content-Range: bytes */size`.
-    Unsatisfiable,
-}
-
-/// Interprets a `Range` header value for a blob of `size` bytes.
-///
-/// Syntactically invalid headers and units other than `bytes` are ignored (full 200), as
-/// RFC 9110 requires; a valid range that starts past the end is unsatisfiable.
-pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
-    let Some(value) = header else {
-        return RangeRequest::Full;
-    };
-    let Some(spec) = value.trim().strip_prefix("bytes=") else {
-        return RangeRequest::Full;
-    };
-    if spec.contains(',') {
-        return RangeRequest::Full;
-    }
-    let Some((first, last)) = spec.trim().split_once('-') else {
-        return RangeRequest::Full;
-    };
-    let (first, last) = (first.trim(), last.trim());
-    if first.is_empty() {
-        // Suffix range: the last N bytes.
-        let Ok(n) = last.parse::<u64>() else {
-            return RangeRequest::Full;
-        };
-        if n == 0 || size == 0 {
-            return RangeRequest::Unsatisfiable;
-        }
-        return RangeRequest::Partial(size.saturating_sub(n)..size);
-    }
-    let Ok(start) = first.parse::<u64>() else {
-        return RangeRequest::Full;
-    };
-    let end_inclusive = if last.is_empty() {
-        None
-    } else {
-        match last.parse::<u64>() {
-            Ok(e) if e >= start => Some(e),
-            _ => return RangeRequest::Full,
-        }
-    };
-    if start >= size {
-        return RangeRequest::Unsatisfiable;
-    }
-    let end = end_inclusive.map_or(size, |e| e.saturating_add(1).min(size));
-    RangeRequest::Partial(start..end)
-}
+pub use ferry_registry_client::{RangeRequest, parse_range};
 
 /// A chunk's `Content-Range` on `PATCH` as `(first, last)` inclusive: the client crate's
 /// one parser (spec form `first-last` or RFC form `bytes first-last/total`). `last` is

@@ -1,0 +1,182 @@
+//! Which layer blobs this node can serve pieces of, and how a blob's byte ranges map to
+//! the chunk store's span entries.
+//!
+//! The store knows spans by their SHA-256 only; a peer asks for bytes of a blob. The
+//! catalog keeps, per layer blob the node has mounted lazily, the span table of its
+//! index and the registries it was resolved from (a peer's pull right is checked
+//! against one of those, never against a registry the peer names freely).
+
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+
+use ferry_index::ferryidx::LayerIndex;
+use ferry_oci::Digest;
+use ferry_store::ChunkKey;
+use parking_lot::Mutex;
+
+/// Most registries remembered per blob.
+const MAX_REGISTRIES_PER_BLOB: usize = 8;
+
+/// A blob's spans: sorted, back-to-back compressed ranges and the SHA-256 of each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpanTable {
+    size: u64,
+    ranges: Vec<Range<u64>>,
+    keys: Vec<ChunkKey>,
+}
+
+impl SpanTable {
+    /// A table of `spans` in a blob of `size` bytes; `None` unless the spans are
+    /// non-empty, sorted, non-overlapping and inside the blob.
+    pub fn new(size: u64, spans: Vec<(Range<u64>, ChunkKey)>) -> Option<SpanTable> {
+        let mut end = 0;
+        for (r, _) in &spans {
+            if r.start < end || r.end <= r.start || r.end > size {
+                return None;
+            }
+            end = r.end;
+        }
+        let (ranges, keys) = spans.into_iter().unzip();
+        Some(SpanTable { size, ranges, keys })
+    }
+
+    /// The table of a ferry index's spans over a blob of `size` bytes.
+    pub fn of_index(index: &LayerIndex, size: u64) -> Option<SpanTable> {
+        let spans = (0..index.span_digests.len())
+            .map(|i| {
+                let r = index.span_range(i)?;
+                Some((r, ChunkKey::from_raw(index.span_digests[i])))
+            })
+            .collect::<Option<Vec<_>>>()?;
+        SpanTable::new(size, spans)
+    }
+
+    /// The blob's size.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The spans overlapping `range` (empty when none do).
+    pub fn covering(&self, range: &Range<u64>) -> Range<usize> {
+        let first = self.ranges.partition_point(|r| r.end <= range.start);
+        let last = self.ranges.partition_point(|r| r.start < range.end);
+        first..last.max(first)
+    }
+
+    /// The spans that make up exactly `range` (its ends on span boundaries, no gap
+    /// between them); `None` otherwise. Only such a range can be verified span by span.
+    pub fn exactly(&self, range: &Range<u64>) -> Option<Range<usize>> {
+        let ks = self.covering(range);
+        if ks.is_empty()
+            || self.ranges[ks.start].start != range.start
+            || self.ranges[ks.end - 1].end != range.end
+        {
+            return None;
+        }
+        let contiguous = self.ranges[ks.clone()]
+            .windows(2)
+            .all(|w| w[0].end == w[1].start);
+        contiguous.then_some(ks)
+    }
+
+    /// Span `k`'s range and key.
+    pub fn span(&self, k: usize) -> (&Range<u64>, &ChunkKey) {
+        (&self.ranges[k], &self.keys[k])
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    table: Arc<SpanTable>,
+    registries: BTreeSet<String>,
+    touched: u64,
+}
+
+/// Layer blobs this node serves pieces of, bounded in entries (the least recently
+/// registered or served go first).
+#[derive(Debug)]
+pub struct BlobCatalog {
+    max_entries: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    entries: HashMap<Digest, Entry>,
+    clock: u64,
+}
+
+impl BlobCatalog {
+    /// A catalog of at most `max_entries` blobs (at least 1).
+    pub fn new(max_entries: usize) -> BlobCatalog {
+        BlobCatalog {
+            max_entries: max_entries.max(1),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// Records that `blob`, laid out as `table`, was resolved from `registry`.
+    pub fn register(&self, blob: Digest, registry: &str, table: Arc<SpanTable>) {
+        let mut inner = self.inner.lock();
+        inner.clock += 1;
+        let now = inner.clock;
+        if !inner.entries.contains_key(&blob) && inner.entries.len() >= self.max_entries {
+            // O(entries), only when a new blob arrives at a full catalog.
+            if let Some(oldest) = inner
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.touched)
+                .map(|(d, _)| d.clone())
+            {
+                inner.entries.remove(&oldest);
+            }
+        }
+        let entry = inner.entries.entry(blob).or_insert_with(|| Entry {
+            table: table.clone(),
+            registries: BTreeSet::new(),
+            touched: now,
+        });
+        entry.table = table;
+        entry.touched = now;
+        if entry.registries.len() < MAX_REGISTRIES_PER_BLOB {
+            entry.registries.insert(registry.to_owned());
+        }
+    }
+
+    /// The span table of `blob`, when `registry` is one it was resolved from.
+    pub fn lookup(&self, blob: &Digest, registry: &str) -> Lookup {
+        let mut inner = self.inner.lock();
+        inner.clock += 1;
+        let now = inner.clock;
+        match inner.entries.get_mut(blob) {
+            None => Lookup::Unknown,
+            Some(e) if !e.registries.contains(registry) => Lookup::OtherRegistry,
+            Some(e) => {
+                e.touched = now;
+                Lookup::Found(e.table.clone())
+            }
+        }
+    }
+
+    /// How many blobs are known.
+    pub fn len(&self) -> usize {
+        self.inner.lock().entries.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// What [`BlobCatalog::lookup`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The blob is not one this node serves.
+    Unknown,
+    /// It is, but not as a blob of that registry.
+    OtherRegistry,
+    /// Its spans.
+    Found(Arc<SpanTable>),
+}

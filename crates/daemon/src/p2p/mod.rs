@@ -1,0 +1,97 @@
+//! Peer-to-peer: the daemon serves the verified spans of its lazy layers to the other
+//! daemons of its cluster, and fetches from them before the registry.
+//!
+//! * [`server`]: `HEAD`/`GET /v2/<name>/blobs/<digest>?ns=<registry>` with `Range`, a
+//!   registry's own semantics, answered only from spans present and verified in the
+//!   node's chunk store ([`BlobCatalog`] maps a layer blob's ranges to its spans); a
+//!   range not wholly held is a 404, so the caller goes elsewhere.
+//! * [`auth`]: two layers. The cluster token (`Authorization: Bearer`, compared in
+//!   constant time) says the caller is a daemon of this cluster; the registry credential
+//!   it forwards (`X-Ferry-Registry-Authorization`) says it may pull the repository it
+//!   names, proven by asking the registry ([`auth::PullRights`]) and cached briefly.
+//! * [`fetch`]: a [`fetch::PeerRangeSource`] under a lazy layer's device asks the
+//!   piece's parent in its [`ferry_p2p::PieceTree`], then its fallbacks, then the
+//!   registry, within one peer deadline; it checks every span against the layer index
+//!   before handing bytes up (the device checks them again), and skips a peer that timed
+//!   out or served bad bytes for a while.
+//!
+//! `docs/p2p.md` has the design, the threat model and the configuration.
+
+pub mod auth;
+pub mod catalog;
+pub mod fetch;
+pub mod server;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+pub use catalog::{BlobCatalog, SpanTable};
+
+/// The header a peer forwards its registry `Authorization` value in.
+pub const REGISTRY_AUTHORIZATION: &str = "x-ferry-registry-authorization";
+/// Longest forwarded credential accepted (a registry token is a few KiB at most).
+pub const MAX_CREDENTIAL_LEN: usize = 16 << 10;
+
+/// The node's peer counters, shared by the server and every peer-routed layer.
+#[derive(Debug, Default)]
+pub struct P2pStats {
+    /// Bytes served to peers.
+    pub bytes_served: AtomicU64,
+    /// Bytes fetched from peers (verified).
+    pub bytes_from_peers: AtomicU64,
+    /// Bytes fetched from the registry by peer-routed layers (as roots or after
+    /// falling back).
+    pub bytes_from_origin: AtomicU64,
+    /// Requests refused for want of a valid cluster token (401).
+    pub refused_unauthenticated: AtomicU64,
+    /// Requests refused for want of pull rights (403).
+    pub refused_forbidden: AtomicU64,
+    /// Requests refused because the server was at its bound (503).
+    pub refused_busy: AtomicU64,
+    /// Peer requests that failed: timeout, transport, bad status, bytes that did not
+    /// verify (a peer that merely did not hold the range is not counted).
+    pub peer_failures: AtomicU64,
+    /// Of those, answers whose bytes did not verify.
+    pub peer_corrupt: AtomicU64,
+    /// Reads of non-roots that went to the registry after no peer could serve them.
+    pub fallbacks_to_origin: AtomicU64,
+}
+
+impl P2pStats {
+    pub(crate) fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A copy of the counters.
+    pub fn snapshot(&self) -> P2pSnapshot {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        P2pSnapshot {
+            bytes_served: get(&self.bytes_served),
+            bytes_from_peers: get(&self.bytes_from_peers),
+            bytes_from_origin: get(&self.bytes_from_origin),
+            refused_unauthenticated: get(&self.refused_unauthenticated),
+            refused_forbidden: get(&self.refused_forbidden),
+            refused_busy: get(&self.refused_busy),
+            peer_failures: get(&self.peer_failures),
+            peer_corrupt: get(&self.peer_corrupt),
+            fallbacks_to_origin: get(&self.fallbacks_to_origin),
+        }
+    }
+}
+
+/// [`P2pStats`] at one moment (`ferry status`, metrics).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct P2pSnapshot {
+    pub bytes_served: u64,
+    pub bytes_from_peers: u64,
+    pub bytes_from_origin: u64,
+    pub refused_unauthenticated: u64,
+    pub refused_forbidden: u64,
+    pub refused_busy: u64,
+    pub peer_failures: u64,
+    pub peer_corrupt: u64,
+    pub fallbacks_to_origin: u64,
+}

@@ -1,0 +1,869 @@
+//! The peer server and the fetch side against in-memory peers, rights and origins.
+//! Refusals are tested from the attacker's side: what a caller without the token,
+//! with the wrong one, or without pull rights gets.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_index::source::{MemSource, RangeSource};
+use ferry_oci::Digest;
+use ferry_p2p::PeerId;
+use ferry_registry_client::Repo;
+use ferry_store::{ChunkKey, Store, StoreOptions};
+use parking_lot::Mutex;
+
+use super::auth::{ClusterToken, PullCheckError, PullGate, PullRights};
+use super::catalog::{BlobCatalog, SpanTable};
+use super::fetch::{
+    FetcherConfig, OriginCredentials, PeerError, PeerFetcher, PeerRangeSource, PeerRequest,
+    PeerTransport,
+};
+use super::server::{PeerServer, ServerLimits, read_verified};
+use super::{P2pStats, REGISTRY_AUTHORIZATION};
+
+const REGISTRY: &str = "reg.example";
+const TOKEN: &str = "cluster-secret-0123456789";
+const SPAN: usize = 1000;
+
+/// A blob of three spans of `SPAN` bytes and its table.
+fn blob() -> (Vec<u8>, Digest, SpanTable) {
+    seeded_blob(0)
+}
+
+/// [`blob`]'s shape with other bytes (so another digest, another ranking).
+fn seeded_blob(seed: usize) -> (Vec<u8>, Digest, SpanTable) {
+    let bytes: Vec<u8> = (0..3 * SPAN)
+        .map(|i| ((i * 7 + seed) % 251) as u8)
+        .collect();
+    let digest = ferry_oci::sha256_digest(&bytes);
+    let spans = (0..3)
+        .map(|k| {
+            let r = (k * SPAN) as u64..((k + 1) * SPAN) as u64;
+            let key = ChunkKey::of(&bytes[k * SPAN..(k + 1) * SPAN]);
+            (r, key)
+        })
+        .collect();
+    let table = SpanTable::new(bytes.len() as u64, spans).unwrap();
+    (bytes, digest, table)
+}
+
+fn repo(name: &str) -> Repo {
+    Repo::parse(REGISTRY, name).unwrap()
+}
+
+/// The registry's answers: which credential may read which blob in which repository.
+#[derive(Debug, Default)]
+struct Rights {
+    allowed: HashSet<(Option<String>, String, Digest)>,
+    calls: AtomicUsize,
+    /// When set, every check waits for it (to hold a server slot in a test).
+    hold: Option<Arc<tokio::sync::Notify>>,
+    entered: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl PullRights for Rights {
+    async fn may_pull(
+        &self,
+        repo: &Repo,
+        blob: &Digest,
+        authorization: Option<&str>,
+    ) -> Result<bool, PullCheckError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.entered.notify_one();
+        if let Some(h) = &self.hold {
+            h.notified().await;
+        }
+        Ok(self.allowed.contains(&(
+            authorization.map(str::to_owned),
+            repo.repository.as_str().to_owned(),
+            blob.clone(),
+        )))
+    }
+}
+
+struct Served {
+    base: String,
+    digest: Digest,
+    bytes: Vec<u8>,
+    rights: Arc<Rights>,
+    stats: Arc<P2pStats>,
+    _dir: tempfile::TempDir,
+}
+
+/// A peer server holding spans 0 and 1 of [`blob`] (span 2 has not arrived), which the
+/// registry lets `Bearer alice` read in `team/app` and `Bearer eve` read nothing of
+/// (eve may pull `eve/own`, which does not have this blob).
+async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(Store::open_with(dir.path(), StoreOptions::default()).unwrap());
+    let (bytes, digest, table) = blob();
+    for k in 0..2 {
+        let (r, key) = table.span(k);
+        store
+            .put(key, &bytes[r.start as usize..r.end as usize])
+            .unwrap();
+    }
+    let catalog = Arc::new(BlobCatalog::new(16));
+    catalog.register(digest.clone(), REGISTRY, Arc::new(table));
+    let mut rights = Rights {
+        hold,
+        ..Rights::default()
+    };
+    rights.allowed.insert((
+        Some("Bearer alice".into()),
+        "team/app".into(),
+        digest.clone(),
+    ));
+    let rights = Arc::new(rights);
+    let stats = Arc::new(P2pStats::default());
+    let server = PeerServer::new(
+        catalog,
+        store,
+        ClusterToken::new(TOKEN).unwrap(),
+        PullGate::new(rights.clone(), Duration::from_secs(300)),
+        limits,
+        stats.clone(),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let router = super::server::router(Arc::new(server));
+    tokio::spawn(super::server::serve(
+        listener,
+        router,
+        std::future::pending(),
+    ));
+    Served {
+        base: format!("http://{addr}"),
+        digest,
+        bytes,
+        rights,
+        stats,
+        _dir: dir,
+    }
+}
+
+fn limits() -> ServerLimits {
+    ServerLimits {
+        max_concurrent: 8,
+        request_timeout: Duration::from_secs(30),
+        max_range: 1 << 20,
+    }
+}
+
+struct Ask<'a> {
+    token: Option<&'a str>,
+    credential: Option<&'a str>,
+    name: &'a str,
+    ns: &'a str,
+    range: Option<&'a str>,
+}
+
+impl Default for Ask<'_> {
+    fn default() -> Self {
+        Ask {
+            token: Some(TOKEN),
+            credential: Some("Bearer alice"),
+            name: "team/app",
+            ns: REGISTRY,
+            range: Some("bytes=0-1999"),
+        }
+    }
+}
+
+async fn get(s: &Served, ask: Ask<'_>) -> (u16, Vec<u8>, Option<String>) {
+    let url = format!(
+        "{}/v2/{}/blobs/{}?ns={}",
+        s.base, ask.name, s.digest, ask.ns
+    );
+    let mut r = reqwest::Client::new().get(url);
+    if let Some(t) = ask.token {
+        r = r.header("authorization", format!("Bearer {t}"));
+    }
+    if let Some(c) = ask.credential {
+        r = r.header(REGISTRY_AUTHORIZATION, c);
+    }
+    if let Some(range) = ask.range {
+        r = r.header("range", range);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let content_range = resp
+        .headers()
+        .get("content-range")
+        .map(|v| v.to_str().unwrap().to_owned());
+    (status, resp.bytes().await.unwrap().to_vec(), content_range)
+}
+
+#[tokio::test]
+async fn a_caller_without_the_cluster_token_gets_401() {
+    let s = serve(limits(), None).await;
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            token: None,
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 401);
+    assert!(body.is_empty());
+    let wrong = "cluster-secret-0123456788";
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            token: Some(wrong),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 401);
+    // The token alone, as the registry credential, is not the cluster token either.
+    let url = format!("{}/v2/team/app/blobs/{}?ns={REGISTRY}", s.base, s.digest);
+    let resp = reqwest::Client::new()
+        .get(url)
+        .header(REGISTRY_AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 401);
+    assert_eq!(s.stats.snapshot().refused_unauthenticated, 3);
+    assert_eq!(s.stats.snapshot().bytes_served, 0);
+    // Refused before the registry is asked anything.
+    assert_eq!(s.rights.calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_cluster_member_without_pull_rights_gets_403() {
+    let s = serve(limits(), None).await;
+    // Anonymous: the registry does not let anonymous callers read team/app.
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            credential: None,
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!((status, body.is_empty()), (403, true));
+    // Eve's own credential, naming the repository she cannot pull.
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            credential: Some("Bearer eve"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 403);
+    // Eve names a repository she may pull, to read another repository's blob by digest:
+    // the registry is asked about this blob in that repository, and says no.
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            credential: Some("Bearer eve"),
+            name: "eve/own",
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 403);
+    // Alice's credential for a repository the blob is not in: no.
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            name: "team/other",
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 403);
+    // A registry the blob was not resolved from here cannot vouch for anyone.
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            ns: "evil.example",
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert_eq!(s.stats.snapshot().refused_forbidden, 5);
+    assert_eq!(s.stats.snapshot().bytes_served, 0);
+}
+
+#[tokio::test]
+async fn a_caller_with_pull_rights_gets_verified_bytes_and_the_yes_is_cached() {
+    let s = serve(limits(), None).await;
+    let (status, body, content_range) = get(&s, Ask::default()).await;
+    assert_eq!(status, 206);
+    assert_eq!(body, s.bytes[..2000]);
+    assert_eq!(content_range.as_deref(), Some("bytes 0-1999/3000"));
+    // A range inside spans, across their boundary.
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            range: Some("bytes=500-1499"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 206);
+    assert_eq!(body, s.bytes[500..1500]);
+    assert_eq!(
+        s.rights.calls.load(Ordering::SeqCst),
+        1,
+        "the second read used the cached yes"
+    );
+    assert_eq!(s.stats.snapshot().bytes_served, 3000);
+    // HEAD says what a registry says.
+    let url = format!("{}/v2/team/app/blobs/{}?ns={REGISTRY}", s.base, s.digest);
+    let resp = reqwest::Client::new()
+        .head(url)
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header(REGISTRY_AUTHORIZATION, "Bearer alice")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(resp.headers()["content-length"], "3000");
+    assert_eq!(
+        resp.headers()["docker-content-digest"],
+        s.digest.to_string().as_str()
+    );
+}
+
+#[tokio::test]
+async fn bytes_not_in_the_store_are_never_served() {
+    let s = serve(limits(), None).await;
+    // Span 2 has not arrived (or not verified): 404, so the caller goes elsewhere.
+    for range in [
+        "bytes=2000-2999",
+        "bytes=1500-2499",
+        "bytes=0-2999",
+        "bytes=2999-",
+    ] {
+        let (status, body, _) = get(
+            &s,
+            Ask {
+                range: Some(range),
+                ..Ask::default()
+            },
+        )
+        .await;
+        assert_eq!((status, body.is_empty()), (404, true), "{range}");
+    }
+    // Past the end: 416 with the size, as a registry answers.
+    let (status, _, content_range) = get(
+        &s,
+        Ask {
+            range: Some("bytes=3000-3001"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 416);
+    assert_eq!(content_range.as_deref(), Some("bytes */3000"));
+    // A blob this node does not serve.
+    let other = ferry_oci::sha256_digest(b"other");
+    let url = format!("{}/v2/team/app/blobs/{other}?ns={REGISTRY}", s.base);
+    let resp = reqwest::Client::new()
+        .get(url)
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 404);
+    // Names that do not parse.
+    let url = format!("{}/v2/Team/../blobs/sha256:zz?ns={REGISTRY}", s.base);
+    let resp = reqwest::Client::new()
+        .get(url)
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 400);
+    assert_eq!(s.stats.snapshot().bytes_served, 0);
+}
+
+#[tokio::test]
+async fn a_longer_range_than_the_bound_is_refused() {
+    let s = serve(
+        ServerLimits {
+            max_range: 1000,
+            ..limits()
+        },
+        None,
+    )
+    .await;
+    let (status, _, _) = get(&s, Ask::default()).await;
+    assert_eq!(status, 416);
+    let (status, _, _) = get(
+        &s,
+        Ask {
+            range: Some("bytes=0-999"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 206);
+}
+
+#[tokio::test]
+async fn requests_beyond_the_bound_get_503() {
+    let hold = Arc::new(tokio::sync::Notify::new());
+    let s = serve(
+        ServerLimits {
+            max_concurrent: 1,
+            ..limits()
+        },
+        Some(hold.clone()),
+    )
+    .await;
+    let entered = s.rights.entered.clone();
+    let base = s.base.clone();
+    let digest = s.digest.clone();
+    let first = tokio::spawn(async move {
+        let url = format!("{base}/v2/team/app/blobs/{digest}?ns={REGISTRY}");
+        reqwest::Client::new()
+            .get(url)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header(REGISTRY_AUTHORIZATION, "Bearer alice")
+            .header("range", "bytes=0-999")
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    // The first request holds the only slot, waiting on the registry.
+    entered.notified().await;
+    let (status, _, _) = get(&s, Ask::default()).await;
+    assert_eq!(status, 503);
+    assert_eq!(s.stats.snapshot().refused_busy, 1);
+    hold.notify_one();
+    assert_eq!(first.await.unwrap(), 206);
+}
+
+#[test]
+fn a_damaged_store_entry_is_not_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let (bytes, _, table) = blob();
+    {
+        let store = Store::open_with(dir.path(), StoreOptions::default()).unwrap();
+        for k in 0..3 {
+            let (r, key) = table.span(k);
+            store
+                .put(key, &bytes[r.start as usize..r.end as usize])
+                .unwrap();
+        }
+        store.close().unwrap();
+    }
+    // Flip a byte of span 1 on disk; the next process must not trust the file.
+    let hex = table.span(1).1.hex();
+    let path = dir.path().join("chunks").join(&hex[..2]).join(&hex);
+    let mut raw = std::fs::read(&path).unwrap();
+    raw[10] ^= 0xff;
+    std::fs::write(&path, raw).unwrap();
+    let store = Store::open_with(dir.path(), StoreOptions::default()).unwrap();
+    assert_eq!(
+        read_verified(&store, &table, 0..1000).unwrap(),
+        bytes[..1000]
+    );
+    assert!(read_verified(&store, &table, 500..1500).is_none());
+    assert!(read_verified(&store, &table, 1000..2000).is_none());
+    assert_eq!(
+        read_verified(&store, &table, 2000..3000).unwrap(),
+        bytes[2000..]
+    );
+}
+
+#[test]
+fn cluster_tokens_are_checked_whole_and_kept_out_of_debug() {
+    assert!(ClusterToken::new("short").is_err());
+    assert!(ClusterToken::new("has a space in it, long enough").is_err());
+    let t = ClusterToken::new(&format!("  {TOKEN}\n")).unwrap();
+    assert!(t.admits(Some(&format!("Bearer {TOKEN}"))));
+    assert!(!t.admits(Some(TOKEN)));
+    assert!(!t.admits(Some(&format!("Bearer {TOKEN}x"))));
+    assert!(!t.admits(Some("Bearer cluster-secret-01234567")));
+    assert!(!t.admits(None));
+    assert!(!format!("{t:?}").contains("secret"));
+}
+
+#[test]
+fn a_cached_yes_ends_with_the_credential() {
+    use base64::Engine as _;
+    let claims = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(br#"{"exp":1700000000}"#);
+    let expiry = super::auth::credential_expiry(&format!("Bearer e30.{claims}.sig")).unwrap();
+    assert_eq!(
+        expiry,
+        std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000)
+    );
+    assert_eq!(super::auth::credential_expiry("Basic YTpi"), None);
+    assert_eq!(super::auth::credential_expiry("Bearer opaque"), None);
+    // An expired credential's yes is not cached at all.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (_, digest, _) = blob();
+    let mut rights = Rights::default();
+    let cred = format!("Bearer e30.{claims}.sig");
+    rights
+        .allowed
+        .insert((Some(cred.clone()), "team/app".into(), digest.clone()));
+    let gate = PullGate::new(Arc::new(rights), Duration::from_secs(300));
+    assert!(
+        rt.block_on(gate.check(&repo("team/app"), &digest, Some(&cred)))
+            .unwrap()
+    );
+    let key = super::auth::PullKey::new(&repo("team/app"), &digest, Some(&cred));
+    assert!(!gate.cache().allowed(&key, std::time::Instant::now()));
+}
+
+// ---------------------------------------------------------------- fetch side
+
+#[derive(Debug, Clone)]
+enum Peer {
+    Serves(Vec<u8>),
+    Corrupt(Vec<u8>),
+    Dead,
+    Lacks,
+}
+
+fn dead(_: Vec<u8>) -> Peer {
+    Peer::Dead
+}
+
+fn lacks(_: Vec<u8>) -> Peer {
+    Peer::Lacks
+}
+
+#[derive(Debug, Default)]
+struct MemPeers {
+    peers: HashMap<PeerId, Peer>,
+    asked: Mutex<Vec<(PeerId, Option<String>)>>,
+}
+
+#[async_trait]
+impl PeerTransport for MemPeers {
+    async fn fetch(&self, peer: &PeerId, req: &PeerRequest<'_>) -> Result<Vec<u8>, PeerError> {
+        self.asked
+            .lock()
+            .push((peer.clone(), req.registry_authorization.map(str::to_owned)));
+        let r = req.range.start as usize..req.range.end as usize;
+        match self.peers.get(peer) {
+            Some(Peer::Serves(b)) => Ok(b[r].to_vec()),
+            Some(Peer::Corrupt(b)) => {
+                let mut v = b[r].to_vec();
+                v[0] ^= 1;
+                Ok(v)
+            }
+            Some(Peer::Dead) => std::future::pending().await,
+            Some(Peer::Lacks) | None => Err(PeerError::NotHeld),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Creds;
+
+#[async_trait]
+impl OriginCredentials for Creds {
+    async fn pull_authorization(&self, _repo: &Repo) -> Result<Option<String>, String> {
+        Ok(Some("Bearer mine".into()))
+    }
+}
+
+/// The origin: the blob, counting reads.
+struct Origin {
+    bytes: MemSource,
+    reads: AtomicUsize,
+}
+
+impl RangeSource for Origin {
+    fn len(&self) -> u64 {
+        self.bytes.len()
+    }
+    fn read_range(&self, range: Range<u64>) -> std::io::Result<Vec<u8>> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.bytes.read_range(range)
+    }
+}
+
+struct Fleet {
+    source: PeerRangeSource,
+    origin: Arc<Origin>,
+    fetcher: Arc<PeerFetcher>,
+    peers: Arc<MemPeers>,
+    bytes: Vec<u8>,
+    digest: Digest,
+    table: SpanTable,
+    /// The candidates of the piece at 0, in order.
+    candidates: Vec<PeerId>,
+    _rt: tokio::runtime::Runtime,
+}
+
+/// This node ("me:1") with two peers, R = 1, F = 1, a piece per span, and a blob for
+/// which this node is the last rank of span 0's piece (its parent and one fallback are
+/// asked, in that order); `behave` says how each of them behaves.
+fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let config = FetcherConfig {
+        self_name: "me:1".into(),
+        peers: vec!["a:1".into(), "b:1".into()],
+        roots: 1,
+        fan_out: 1,
+        fallbacks: 2,
+        piece_size: SPAN as u64,
+        peer_timeout,
+        penalty: Duration::from_secs(3600),
+    };
+    // Which peers are asked depends on the digest's ranking; compute them first.
+    let probe = PeerFetcher::new(
+        config.clone(),
+        Arc::new(MemPeers::default()),
+        Arc::new(Creds),
+        Arc::new(P2pStats::default()),
+        rt.handle().clone(),
+    )
+    .unwrap();
+    // The ranking depends on the digest: take the first blob that gives two candidates.
+    let (bytes, digest, table, candidates) = (0..)
+        .map(seeded_blob)
+        .map(|(b, d, t)| {
+            let c = probe.candidates(&d, 0);
+            (b, d, t, c)
+        })
+        .find(|(_, _, _, c)| c.len() == 2)
+        .unwrap();
+    let mut peers = MemPeers::default();
+    for (peer, b) in candidates.iter().zip(behave) {
+        peers.peers.insert(peer.clone(), b(bytes.clone()));
+    }
+    let peers = Arc::new(peers);
+    let fetcher = Arc::new(
+        PeerFetcher::new(
+            config,
+            peers.clone(),
+            Arc::new(Creds),
+            Arc::new(P2pStats::default()),
+            rt.handle().clone(),
+        )
+        .unwrap(),
+    );
+    let origin = Arc::new(Origin {
+        bytes: MemSource(bytes.clone()),
+        reads: AtomicUsize::new(0),
+    });
+    let source = PeerRangeSource::new(
+        origin.clone(),
+        fetcher.clone(),
+        repo("team/app"),
+        digest.clone(),
+        Arc::new(table.clone()),
+    );
+    Fleet {
+        source,
+        origin,
+        fetcher,
+        peers,
+        bytes,
+        digest,
+        table,
+        candidates,
+        _rt: rt,
+    }
+}
+
+fn non_root(behave: &[fn(Vec<u8>) -> Peer], timeout: Duration) -> Fleet {
+    fleet(behave, timeout)
+}
+
+#[test]
+fn a_range_comes_from_the_parent_with_our_credential() {
+    let f = non_root(&[Peer::Serves], Duration::from_secs(30));
+    assert_eq!(f.source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 0);
+    let asked = f.peers.asked.lock().clone();
+    assert_eq!(
+        asked,
+        vec![(f.candidates[0].clone(), Some("Bearer mine".into()))]
+    );
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!((s.bytes_from_peers, s.fallbacks_to_origin), (1000, 0));
+}
+
+#[test]
+fn a_corrupt_peer_is_caught_penalised_and_the_origin_used() {
+    // Every candidate corrupts: the origin's bytes are what the read gets.
+    let f = non_root(&[Peer::Corrupt, Peer::Corrupt], Duration::from_secs(30));
+    assert_eq!(f.source.read_range(0..2000).unwrap(), f.bytes[..2000]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!(s.peer_corrupt as usize, f.candidates.len());
+    assert_eq!(s.fallbacks_to_origin, 1);
+    assert_eq!(s.bytes_from_peers, 0);
+    for c in &f.candidates {
+        assert!(f.fetcher.is_penalised(c));
+    }
+    // Penalised peers are not asked again.
+    let before = f.peers.asked.lock().len();
+    f.source.read_range(0..1000).unwrap();
+    assert_eq!(f.peers.asked.lock().len(), before);
+}
+
+#[test]
+fn after_a_corrupt_parent_the_next_candidate_serves() {
+    let f = non_root(&[Peer::Corrupt, Peer::Serves], Duration::from_secs(30));
+    assert_eq!(f.source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 0);
+    assert!(f.fetcher.is_penalised(&f.candidates[0]));
+    assert!(!f.fetcher.is_penalised(&f.candidates[1]));
+}
+
+#[test]
+fn a_dead_peer_falls_back_to_the_origin_within_the_peer_timeout() {
+    let f = non_root(&[dead, dead], Duration::from_millis(50));
+    // The read completes (the dead peer never answers) with the origin's bytes.
+    assert_eq!(f.source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+    assert!(f.fetcher.is_penalised(&f.candidates[0]));
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!((s.peer_failures, s.fallbacks_to_origin), (1, 1));
+}
+
+#[test]
+fn peers_without_the_range_send_the_read_to_the_origin_unpenalised() {
+    let f = non_root(&[lacks, lacks], Duration::from_secs(30));
+    assert_eq!(f.source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+    for c in &f.candidates {
+        assert!(!f.fetcher.is_penalised(c));
+    }
+    assert_eq!(f.fetcher.stats().snapshot().peer_failures, 0);
+}
+
+#[test]
+fn ranges_that_are_not_whole_spans_and_pieces_we_root_go_to_the_origin() {
+    let f = non_root(&[Peer::Serves, Peer::Serves], Duration::from_secs(30));
+    // Not whole spans: nothing to verify a peer's bytes against.
+    assert_eq!(f.source.read_range(10..990).unwrap(), f.bytes[10..990]);
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+    assert!(f.peers.asked.lock().is_empty());
+    // A piece this node is a root of (here every member is a root) is read from the
+    // registry, and is not a fallback.
+    let roots = Arc::new(
+        PeerFetcher::new(
+            FetcherConfig {
+                self_name: "me:1".into(),
+                peers: vec!["a:1".into(), "b:1".into()],
+                roots: 3,
+                fan_out: 1,
+                fallbacks: 2,
+                piece_size: SPAN as u64,
+                peer_timeout: Duration::from_secs(30),
+                penalty: Duration::from_secs(3600),
+            },
+            f.peers.clone(),
+            Arc::new(Creds),
+            Arc::new(P2pStats::default()),
+            f._rt.handle().clone(),
+        )
+        .unwrap(),
+    );
+    assert!(roots.candidates(&f.digest, 0).is_empty());
+    let source = PeerRangeSource::new(
+        f.origin.clone(),
+        roots.clone(),
+        repo("team/app"),
+        f.digest.clone(),
+        Arc::new(f.table.clone()),
+    );
+    assert_eq!(source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert!(f.peers.asked.lock().is_empty());
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 2);
+    let s = roots.stats().snapshot();
+    assert_eq!((s.fallbacks_to_origin, s.bytes_from_origin), (0, 1000));
+}
+
+#[test]
+fn span_tables_and_the_catalog_are_bounded_and_exact() {
+    let (_, digest, table) = blob();
+    assert_eq!(table.exactly(&(0..2000)), Some(0..2));
+    assert_eq!(table.exactly(&(0..1999)), None);
+    assert_eq!(table.exactly(&(1..1000)), None);
+    assert!(
+        SpanTable::new(
+            10,
+            vec![(0..5, ChunkKey::of(b"")), (4..10, ChunkKey::of(b""))]
+        )
+        .is_none()
+    );
+    assert!(SpanTable::new(10, vec![(0..11, ChunkKey::of(b""))]).is_none());
+    let catalog = BlobCatalog::new(2);
+    let t = Arc::new(table);
+    catalog.register(digest.clone(), REGISTRY, t.clone());
+    assert_eq!(
+        catalog.lookup(&digest, "other"),
+        super::catalog::Lookup::OtherRegistry
+    );
+    for i in 0..5u8 {
+        catalog.register(ferry_oci::sha256_digest(&[i]), REGISTRY, t.clone());
+    }
+    assert_eq!(catalog.len(), 2);
+}
+
+#[test]
+fn a_password_is_never_forwarded_to_peers() {
+    #[derive(Debug)]
+    struct Basic;
+    #[async_trait]
+    impl OriginCredentials for Basic {
+        async fn pull_authorization(&self, _repo: &Repo) -> Result<Option<String>, String> {
+            Ok(Some("Basic YWxpY2U6d29uZGVybGFuZA==".into()))
+        }
+    }
+    let f = non_root(&[Peer::Serves, Peer::Serves], Duration::from_secs(30));
+    let (digest, table) = (f.digest.clone(), f.table.clone());
+    let fetcher = Arc::new(
+        PeerFetcher::new(
+            FetcherConfig {
+                self_name: "me:1".into(),
+                peers: vec!["a:1".into(), "b:1".into()],
+                roots: 1,
+                fan_out: 1,
+                fallbacks: 2,
+                piece_size: SPAN as u64,
+                peer_timeout: Duration::from_secs(30),
+                penalty: Duration::from_secs(3600),
+            },
+            f.peers.clone(),
+            Arc::new(Basic),
+            Arc::new(P2pStats::default()),
+            f._rt.handle().clone(),
+        )
+        .unwrap(),
+    );
+    let source = PeerRangeSource::new(
+        f.origin.clone(),
+        fetcher,
+        repo("team/app"),
+        digest,
+        Arc::new(table),
+    );
+    assert_eq!(source.read_range(0..1000).unwrap(), f.bytes[..1000]);
+    assert!(f.peers.asked.lock().is_empty());
+    assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+}
