@@ -77,6 +77,7 @@ fuzz_target!(|data: &[u8]| {
         version: "fuzz".into(),
         control_socket: "/run/ferry/daemon.sock".into(),
         metrics_addr: None,
+        p2p_addr: None,
         snapshotter_socket: None,
         dead_mounts: Vec::new(),
     };
