@@ -232,7 +232,8 @@ pub fn credential_expiry(authorization: &str) -> Option<SystemTime> {
         exp: Option<u64>,
     }
     let claims: Claims = serde_json::from_slice(&raw).ok()?;
-    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(claims.exp?))
+    // A stranger's number: `UNIX_EPOCH + secs` panics past the clock's range.
+    SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(claims.exp?))
 }
 
 /// The registry's answers about pull rights, cached; concurrent identical checks share

@@ -508,6 +508,13 @@ fn a_cached_yes_ends_with_the_credential() {
     );
     assert_eq!(super::auth::credential_expiry("Basic YTpi"), None);
     assert_eq!(super::auth::credential_expiry("Bearer opaque"), None);
+    // A number past the clock's range (a stranger's token): no expiry, and no panic.
+    let far =
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(br#"{"exp":18446744073709551615}"#);
+    assert_eq!(
+        super::auth::credential_expiry(&format!("Bearer e30.{far}.sig")),
+        None
+    );
     // An expired credential's yes is not cached at all.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
