@@ -169,22 +169,28 @@ impl CachedFile {
 
     /// Reads up to `buf.len()` bytes at `offset`, fewer only at the end of the file.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let mut done = 0;
-        while done < buf.len() {
-            match self.file.read_at(&mut buf[done..], offset + done as u64) {
-                Ok(0) => break,
-                Ok(n) => done += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(done)
+        read_full_at(&self.file, buf, offset)
     }
 
     /// Takes the file.
     pub fn into_file(self) -> File {
         self.file
     }
+}
+
+/// Reads up to `buf.len()` bytes of `file` at `offset`, fewer only at its end (a short
+/// `pread` is retried, as is an interrupted one).
+pub(crate) fn read_full_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
 }
 
 /// What [`FileCache::put`] did.

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::Mutex;
 use sha2::{Digest as _, Sha256};
 
-use crate::filecache::FileKey;
+use crate::filecache::{FileKey, read_full_at};
 
 /// One record's size in an index file.
 const RECORD: usize = 64;
@@ -269,7 +269,7 @@ impl FilePack {
         if !slot.checked {
             // The whole file once per process: it is small.
             let mut all = vec![0u8; slot.len as usize];
-            let ok = read_full(&data, &mut all, slot.offset).ok() == Some(all.len())
+            let ok = read_full_at(&data, &mut all, slot.offset).ok() == Some(all.len())
                 && content_hash(&all) == slot.hash;
             let mut inner = self.inner.lock();
             if !ok {
@@ -298,7 +298,7 @@ impl FilePack {
             return Some(0);
         }
         let n = (len - offset).min(buf.len() as u64) as usize;
-        let got = read_full(&data, &mut buf[..n], slot.offset + offset).ok()?;
+        let got = read_full_at(&data, &mut buf[..n], slot.offset + offset).ok()?;
         self.stats.hits.fetch_add(1, Ordering::Relaxed);
         Some(got)
     }
@@ -399,19 +399,6 @@ fn remove_generation(dir: &Path, id: u64) {
             tracing::warn!(path = %path.display(), error = %e, "could not remove an old small-file pack");
         }
     }
-}
-
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        match file.read_at(&mut buf[done..], offset + done as u64) {
-            Ok(0) => break,
-            Ok(n) => done += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(done)
 }
 
 /// Takes `file`'s exclusive `flock` without waiting; false when another open file

@@ -852,12 +852,18 @@ fn hot_keys_are_what_warm_range_makes_local() {
     assert!(bare.layer_source(0).unwrap().hot_keys(span(0)).is_empty());
 }
 
-/// Prefetch writes a file to the file cache only when the trace's ranges hold all of
-/// its data (here `a`, read in two halves), right after the last of them, and fetches
-/// nothing more than without a file cache; a file read in part (`dir/c`) or too small
-/// for the cache (`b`) stays out.
-#[test]
-fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
+/// The test gzip layer mounted over a store, with a file cache of files of 100 KiB and
+/// more (and the small-file pack) beside it.
+struct WithFileCache {
+    image: Arc<MountedImage>,
+    backend: Arc<LogBackend>,
+    cache: Arc<FileCache>,
+    files: Vec<(String, Vec<u8>)>,
+    /// Owns every path.
+    dir: tempfile::TempDir,
+}
+
+fn gzip_image_with_file_cache() -> WithFileCache {
     let (blob, index, files) = gzip_layer();
     let backend = LogBackend::new(blob.clone());
     let dir = tempfile::tempdir().unwrap();
@@ -875,6 +881,28 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
         ..Default::default()
     };
     let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+    WithFileCache {
+        image,
+        backend,
+        cache,
+        files,
+        dir,
+    }
+}
+
+/// Prefetch writes a file to the file cache only when the trace's ranges hold all of
+/// its data (here `a`, read in two halves), right after the last of them, and fetches
+/// nothing more than without a file cache; a file read in part (`dir/c`) or too small
+/// for the cache (`b`) stays out.
+#[test]
+fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
+    let WithFileCache {
+        image,
+        backend,
+        cache,
+        files,
+        dir: _dir,
+    } = gzip_image_with_file_cache();
     let trace = Trace {
         reads: vec![
             tr("/dir/c", 0, 70_000),
@@ -940,23 +968,13 @@ fn prefetch_caches_files_whose_data_the_trace_fetches_entirely() {
 /// that holds them, and nothing is fetched for them beyond the trace's ranges.
 #[test]
 fn prefetch_packs_small_files_the_trace_reads_whole() {
-    let (blob, index, files) = gzip_layer();
-    let backend = LogBackend::new(blob.clone());
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(&dir.path().join("store"));
-    let image = mount(
-        vec![spec(&blob, Some(index), backend.clone())],
-        Some(store.clone()),
-        &View::Merged,
-        FetchConfig::default(),
-    );
-    let config = crate::filecache::FileCacheConfig {
-        dir: Some(dir.path().join("files")),
-        min_file_bytes: 100 << 10,
-        eager_min_bytes: 0,
-        ..Default::default()
-    };
-    let cache = Arc::new(FileCache::open(&config, Some(store)).unwrap());
+    let WithFileCache {
+        image,
+        backend,
+        cache,
+        files,
+        dir: _dir,
+    } = gzip_image_with_file_cache();
     let trace = Trace {
         reads: vec![tr("/b", 0, 5), tr("/dir/c", 0, 70_000)],
     };
