@@ -163,6 +163,18 @@ if [[ $RC != 0 ]]; then
 else
     fail "the attacker lists the store: $(wc -l <<<"$OUT") entries"
 fi
+# The small-file pack keeps the small files read whole, the 0600 one among them.
+pack=$(grep -rl --include='*.data' "image-secret-0600-$$" "$STORE" | head -1 || true)
+if [[ $pack == */pack/*.data ]]; then
+    as_attacker cat "$pack"
+    if [[ $RC != 0 && $OUT != *"image-secret-0600-$$"* ]]; then
+        pass "the small-file pack holds the 0600 file and the attacker cannot read it"
+    else
+        fail "the attacker reads the small-file pack $pack"
+    fi
+else
+    fail "the 0600 file read whole through the mount is not in the small-file pack (found: ${pack:-nothing})"
+fi
 as_attacker grep -rl "image-secret-0600-$$" "$STORE"
 if [[ $OUT != *"$STORE/"* ]]; then
     pass "no copy of the image's 0600 file is readable in the store or file cache"
