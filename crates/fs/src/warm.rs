@@ -415,6 +415,8 @@ enum Step {
     /// Add the small `size`-byte file at a location to the small-file pack (the fetch
     /// steps before it hold all its data).
     Pack(Location, u64),
+    /// Make local the windows of the checkpoints of a compressed range of a layer.
+    Windows(usize, Range<u64>),
 }
 
 fn run(
@@ -430,13 +432,16 @@ fn run(
         let min_file = targets.files.map(|f| f.config().min_file_bytes.max(1));
         let pack = targets.files.is_some_and(|f| f.pack().is_some());
         let steps = prefetch_steps(image, trace, &jobs, min_file, pack);
+        let steps = with_windows(steps, |l| {
+            image.layer_source(l).is_some_and(|s| s.stores_windows())
+        });
         if let Some(pins) = targets.pins {
             // Everything prefetch fetches, the pieces it adds for cached files too.
             let fetches: Vec<(usize, Range<u64>)> = steps
                 .iter()
                 .filter_map(|s| match s {
                     Step::Fetch(l, r) => Some((*l, r.clone())),
-                    Step::Materialize(..) | Step::Pack(..) => None,
+                    Step::Materialize(..) | Step::Pack(..) | Step::Windows(..) => None,
                 })
                 .collect();
             pin_hot_set(image, &fetches, pins);
@@ -446,7 +451,13 @@ fn run(
                 let Some(source) = image.layer_source(*layer) else {
                     return;
                 };
-                match source.warm_range(range.clone()) {
+                // Windows steps bring this layer's windows (see with_windows).
+                let fetched = if source.stores_windows() {
+                    source.warm_spans(range.clone())
+                } else {
+                    source.warm_range(range.clone())
+                };
+                match fetched {
                     Ok(n) => MountStats::add(&stats.bytes_prefetched, n),
                     Err(e) => tracing::warn!(
                         layer,
@@ -454,6 +465,19 @@ fn run(
                         end = range.end,
                         error = %e,
                         "prefetch of a range failed; it will be read on demand"
+                    ),
+                }
+            }
+            Step::Windows(layer, range) => {
+                let Some(source) = image.layer_source(*layer) else {
+                    return;
+                };
+                match source.warm_windows(range.clone()) {
+                    Ok(n) => MountStats::add(&stats.bytes_prefetched, n),
+                    Err(e) => tracing::debug!(
+                        layer,
+                        error = %e,
+                        "prefetch of windows failed; each span fetch brings its own"
                     ),
                 }
             }
@@ -619,6 +643,59 @@ fn coalesce(jobs: Vec<(usize, Range<u64>)>) -> Vec<(usize, Range<u64>)> {
     out
 }
 
+/// Fetch steps of one layer this close (compressed bytes) or closer share one windows
+/// step. The windows blob holds about a tenth of the bytes of the spans it serves, so
+/// a gap costs at most ~400 KB of windows no read asks for, against one request (and a
+/// round trip on the prefetch's path) per stretch.
+const WINDOWS_GAP: u64 = 4 << 20;
+
+/// `steps` with, before the first fetch step of each stretch of a layer (its fetch
+/// steps merged where at most [`WINDOWS_GAP`] apart), a step that makes the stretch's
+/// windows local in as few requests as they allow. Otherwise each span fetch brings
+/// its own windows in a request of its own. Only for layers `has_windows` says have a
+/// windows blob.
+fn with_windows(steps: Vec<Step>, has_windows: impl Fn(usize) -> bool) -> Vec<Step> {
+    let mut per_layer: HashMap<usize, Vec<Range<u64>>> = HashMap::new();
+    for step in &steps {
+        if let Step::Fetch(l, r) = step
+            && r.start < r.end
+            && has_windows(*l)
+        {
+            per_layer.entry(*l).or_default().push(r.clone());
+        }
+    }
+    // (layer, stretch), to go before the first fetch step overlapping it.
+    let mut stretches: Vec<(usize, Range<u64>)> = Vec::new();
+    for (l, mut ranges) in per_layer {
+        ranges.sort_by_key(|r| r.start);
+        let mut cur: Option<Range<u64>> = None;
+        for r in ranges {
+            match &mut cur {
+                Some(c) if r.start <= c.end.saturating_add(WINDOWS_GAP) => c.end = c.end.max(r.end),
+                _ => stretches.extend(cur.replace(r).map(|c| (l, c))),
+            }
+        }
+        stretches.extend(cur.map(|c| (l, c)));
+    }
+    let mut out = Vec::with_capacity(steps.len() + stretches.len());
+    for step in steps {
+        if let Step::Fetch(l, r) = &step {
+            let mut i = 0;
+            while i < stretches.len() {
+                let (sl, s) = &stretches[i];
+                if sl == l && s.start < r.end && r.start < s.end {
+                    let (sl, s) = stretches.swap_remove(i);
+                    out.push(Step::Windows(sl, s));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        out.push(step);
+    }
+    out
+}
+
 /// The prefetch jobs as steps. With `min_file` (a file cache's smallest file), each
 /// file of at least that size the trace reads, whose data lies inside the jobs' ranges
 /// of its layer (all of it, or all but [`MISSING_DIVISOR`]'s share, fetched first), gets
@@ -694,7 +771,15 @@ fn prefetch_steps(
     let mut steps = Vec::with_capacity(jobs.len() + seen.len());
     for (i, step) in fetches.enumerate() {
         steps.push(step);
-        steps.extend(after.remove(&i).unwrap_or_default());
+        let mut then = after.remove(&i).unwrap_or_default();
+        // Small files in stream order: neighbours share their inflated span, which a
+        // trace's order (jumping between directories and layers) would let the bounded
+        // inflated cache evict and inflate again.
+        then.sort_by_key(|s| match s {
+            Step::Pack(loc, _) => (1, loc.layer, loc.entry),
+            _ => (0, 0, 0),
+        });
+        steps.extend(then);
     }
     steps
 }

@@ -1231,3 +1231,37 @@ fn a_read_that_waits_on_one_mount_counts_for_every_mounts_fill() {
         "the other mount's wait was not counted node-wide"
     );
 }
+
+#[test]
+fn each_stretch_of_a_layer_gets_its_windows_in_one_step_before_its_first_fetch() {
+    let far = 5 << 20; // more than WINDOWS_GAP past the first stretch
+    let a = data_of_location(0, 1);
+    let steps = vec![
+        Step::Fetch(0, 0..10),
+        Step::Fetch(1, 100..200),
+        Step::Pack(a, 5),
+        Step::Fetch(0, far..far + 100),
+        Step::Fetch(0, 20..30),
+        Step::Fetch(0, 40..40),
+    ];
+    let got = with_windows(steps, |l| l == 0);
+    assert_eq!(
+        got,
+        vec![
+            Step::Windows(0, 0..30),
+            Step::Fetch(0, 0..10),
+            Step::Fetch(1, 100..200),
+            Step::Pack(a, 5),
+            Step::Windows(0, far..far + 100),
+            Step::Fetch(0, far..far + 100),
+            Step::Fetch(0, 20..30),
+            Step::Fetch(0, 40..40),
+        ],
+        "layer 1 has no windows blob; layer 0's two stretches each come before their first fetch"
+    );
+    assert!(with_windows(Vec::new(), |_| true).is_empty());
+}
+
+fn data_of_location(layer: usize, entry: usize) -> ferry_index::merged::Location {
+    ferry_index::merged::Location { layer, entry }
+}

@@ -641,6 +641,25 @@ impl WindowRig {
         Self::of_layer(windowed_layer(), store, fallback, config, inflated)
     }
 
+    /// A rig over a 6 MiB layer with many blocks of windows, a chunk store (in the
+    /// returned directory) and no readahead, so window requests can be counted.
+    fn stored_many_blocks() -> (tempfile::TempDir, WindowRig) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open_store(dir.path());
+        let config = FetchConfig {
+            readahead_bytes: 0,
+            ..FetchConfig::default()
+        };
+        let rig = Self::of_layer(
+            windowed_layer_of(6 << 20, 200 << 10),
+            Some(store),
+            None,
+            config,
+            None,
+        );
+        (dir, rig)
+    }
+
     /// A rig over `layer` (as [`windowed_layer_of`] makes them).
     fn of_layer(
         layer: (Vec<u8>, LayerIndex, Vec<u8>, Files),
@@ -751,19 +770,7 @@ fn windows_are_fetched_verified_stored_and_counted() {
 
 #[test]
 fn a_window_fetch_brings_its_blocks_missing_windows_in_the_same_request() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open_store(dir.path());
-    let config = FetchConfig {
-        readahead_bytes: 0,
-        ..FetchConfig::default()
-    };
-    let rig = WindowRig::of_layer(
-        windowed_layer_of(6 << 20, 200 << 10),
-        Some(store.clone()),
-        None,
-        config,
-        None,
-    );
+    let (_dir, rig) = WindowRig::stored_many_blocks();
     let windows = rig
         .index
         .checkpoints
@@ -809,6 +816,41 @@ fn a_window_fetch_brings_its_blocks_missing_windows_in_the_same_request() {
     );
     assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
     assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn warm_windows_brings_a_stretchs_missing_windows_in_one_request_and_span_fetches_none() {
+    let (_dir, rig) = WindowRig::stored_many_blocks();
+    let len = rig.source.backend.len();
+    let stretch = len / 8..len / 2;
+    let fetched = rig.source.warm_windows(stretch.clone()).unwrap();
+    assert_eq!(
+        rig.windows.calls.load(Ordering::SeqCst),
+        1,
+        "one request for the stretch's windows"
+    );
+    assert_eq!(fetched, rig.windows.bytes.load(Ordering::SeqCst));
+    assert!(
+        fetched > u64::from(WINDOW_BLOCK as u32) * 1024,
+        "more than a block of windows: {fetched}"
+    );
+    assert_eq!(rig.spans.calls.load(Ordering::SeqCst), 0, "no span fetched");
+    // Again: nothing missing, nothing asked.
+    assert_eq!(rig.source.warm_windows(stretch.clone()).unwrap(), 0);
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    // Warming the stretch's spans then asks for no window, and reads inflate.
+    rig.source.warm_range(stretch.clone()).unwrap();
+    assert_eq!(rig.windows.calls.load(Ordering::SeqCst), 1);
+    assert!(rig.spans.calls.load(Ordering::SeqCst) >= 1);
+    let off = 2_000_000u64;
+    assert_eq!(
+        rig.read("a", off, 4096).unwrap(),
+        &rig.content("a")[off as usize..off as usize + 4096]
+    );
+    // A layer without a store keeps nothing: warm_windows does nothing.
+    let storeless = WindowRig::new(None, None);
+    assert_eq!(storeless.source.warm_windows(0..1 << 20).unwrap(), 0);
+    assert_eq!(storeless.windows.calls.load(Ordering::SeqCst), 0);
 }
 
 #[test]
