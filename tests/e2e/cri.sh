@@ -3,12 +3,15 @@
 # API the way the kubelet drives it (tests/cri/cri_client.py), first with containerd's
 # own overlayfs snapshotter, then with ferry as the CRI snapshotter.
 #
-#   bash tests/e2e/cri.sh
+#   bash tests/e2e/cri.sh     (E2E_CONTAINERD=system or =2: one containerd version only)
+#
+# Runs once with the system's containerd (Debian 12: 1.6, config version 2) and once with
+# containerd 2.x (config version 3; lib.sh per_containerd).
 #
 # Setup: a ferry registry on loopback holding the small image (bench/make-image.sh
 # --small) indexed by `ferry index` and pushed with its index by `ferry copy`, and a
 # pause image (the small image's busybox running `sleep`) for the pod sandbox — no
-# image comes from the internet. For each variant a private containerd (Debian 1.6)
+# image comes from the internet. For each variant a private containerd (that version)
 # is started with the CRI plugin enabled, plain HTTP to the local registry through a
 # `config_path` hosts.toml, CNI pointed at empty dirs (host-network pods need none).
 #
@@ -22,8 +25,10 @@
 #   RemoveContainer, StopPodSandbox, RemovePodSandbox succeed and nothing is left.
 # The ferry variant registers ferry's snapshotter as [proxy_plugins.ferry] with
 # `snapshotter = "ferry"` and `disable_snapshot_annotations = false` (so CRI passes the
-# image ref and layer digests). It runs `ferry daemon --config` when the binary has it
-# (then the indexed image's layers must be FUSE-mounted lazily: a checked PASS/FAIL),
+# image ref and layer digests; on containerd 2.x also `use_local_image_pull = true`, see
+# cri_config_v3). It runs `ferry daemon --config` when the binary has it (then every
+# layer of the indexed image must be a FUSE mount, no layer blob may reach containerd's
+# content store, and removing the images must release the mounts: checked PASS/FAILs),
 # else the standalone `ferry snapshotter` (ordinary unpack; the FUSE count is only
 # logged).
 #
@@ -33,6 +38,8 @@
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# once with the system containerd (1.6), once with containerd 2.x (lib.sh, containerd_flavours)
+per_containerd "$0" "$@"
 
 need_root "containerd with CRI, runc"
 need_cmd containerd ctr runc containerd-shim-runc-v2 protoc jq curl sha256sum timeout
@@ -85,6 +92,8 @@ fi
 echo "# setup: registry with the indexed small image and a pause image"
 IMG=$E2E_TMP/img
 indexed_small "$IMG"
+APP_LAYER_DIGESTS=$(oci_manifest "$IMG" small | jq -r '.layers[].digest')
+APP_LAYERS=$(wc -w <<<"$APP_LAYER_DIGESTS")
 REF_TREE=$E2E_TMP/small-tree
 oci_extract "$SMALL" small "$REF_TREE"
 PAUSE_ROOT=$E2E_TMP/pause-root
@@ -134,6 +143,61 @@ server = "http://$REGISTRY"
 EOF
     # lib.sh's base config (state under DIR) with the CRI plugin left on, plus its section
     containerd_config "$d" true
+    if ((CONTAINERD_MAJOR >= 2)); then
+        cri_config_v3 "$d" "$snap" "$annotations"
+    else
+        cri_config_v2 "$d" "$snap" "$annotations"
+    fi
+    [[ -z $proxy ]] || containerd_add_proxy_snapshotter "$snap" "$proxy"
+    CONTAINERD_LOG=$d/containerd.log
+    launch_containerd "CRI, snapshotter $snap"
+    if ! wait_for 30 "containerd CRI" "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" --timeout 2 version; then
+        tail -30 "$CONTAINERD_LOG" >&2
+        e2e_die "containerd with CRI did not come up (log: $CONTAINERD_LOG)"
+    fi
+    e2e_log "containerd pid $CONTAINERD_PID with CRI, snapshotter $snap"
+}
+
+# cri_config_v3 DIR SNAPSHOTTER ANNOTATIONS: the CRI sections of a version 3 config
+# (containerd 2.x): images (snapshotter, annotations, pause image, registry) and runtime
+# are plugins of their own. 2.1+ pulls through the transfer service unless
+# use_local_image_pull is set; that path passes CRI's snapshot labels only with the
+# snapshotter's `enable_remote_snapshot_annotations` export and unpacks only for
+# snapshotters in the transfer plugin's unpack_config, so a proxy snapshotter uses the
+# local pull, as containerd 1.x did (containerd would fall back to it by itself on
+# disable_snapshot_annotations = false, with a warning).
+cri_config_v3() {
+    local d=$1 snap=$2 annotations=$3 local_pull=false
+    [[ $annotations == false ]] && local_pull=true
+    cat >>"$CONTAINERD_CONFIG" <<EOF
+  [plugins.'io.containerd.cri.v1.images']
+    snapshotter = '$snap'
+    disable_snapshot_annotations = $annotations
+    use_local_image_pull = $local_pull
+    [plugins.'io.containerd.cri.v1.images'.pinned_images]
+      sandbox = '$PAUSE_IMAGE'
+    [plugins.'io.containerd.cri.v1.images'.registry]
+      config_path = '$d/certs.d'
+  [plugins.'io.containerd.cri.v1.runtime']
+    enable_selinux = false
+    disable_apparmor = true
+    restrict_oom_score_adj = true
+    [plugins.'io.containerd.cri.v1.runtime'.containerd]
+      default_runtime_name = 'runc'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+        runtime_type = 'io.containerd.runc.v2'
+    [plugins.'io.containerd.cri.v1.runtime'.cni]
+      bin_dirs = ['$d/cni/bin']
+      conf_dir = '$d/cni/conf'
+  [plugins.'io.containerd.grpc.v1.cri']
+    stream_server_address = '127.0.0.1'
+    stream_server_port = '0'
+EOF
+}
+
+# cri_config_v2 DIR SNAPSHOTTER ANNOTATIONS: the same for a version 2 config (1.x)
+cri_config_v2() {
+    local d=$1 snap=$2 annotations=$3
     cat >>"$CONTAINERD_CONFIG" <<EOF
   [plugins."io.containerd.grpc.v1.cri"]
     sandbox_image = "$PAUSE_IMAGE"
@@ -156,14 +220,6 @@ EOF
     [plugins."io.containerd.grpc.v1.cri".registry]
       config_path = "$d/certs.d"
 EOF
-    [[ -z $proxy ]] || containerd_add_proxy_snapshotter "$snap" "$proxy"
-    CONTAINERD_LOG=$d/containerd.log
-    launch_containerd "CRI, snapshotter $snap"
-    if ! wait_for 30 "containerd CRI" "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" --timeout 2 version; then
-        tail -30 "$CONTAINERD_LOG" >&2
-        e2e_die "containerd with CRI did not come up (log: $CONTAINERD_LOG)"
-    fi
-    e2e_log "containerd pid $CONTAINERD_PID with CRI, snapshotter $snap"
 }
 
 # ---------------------------------------------------------------- one variant
@@ -240,17 +296,27 @@ cri_variant() {
             fi
         fi
         if [[ -n $proxy ]]; then
-            # informational: did the snapshotter mount layers lazily or unpack them?
-            local fuse
-            fuse=$(awk -v r="$E2E_TMP/" 'index($5, r) == 1 {
-                for (i = 7; i <= NF; i++) if ($i == "-") { if ($(i + 1) ~ /^fuse/) n++; break }
-            } END { print n + 0 }' /proc/self/mountinfo)
+            # did the snapshotter mount layers lazily or unpack them?
+            local fuse blobs=0 l
+            fuse=$(fuse_mounts)
             if [[ ${FERRY_BACKEND:-} == daemon ]]; then
-                # the daemon mounts indexed layers lazily: the small image is indexed
-                if ((fuse > 0)); then
-                    pass "$v: layers mounted lazily ($fuse FUSE mounts under the daemon's root)"
+                # the daemon mounts indexed layers lazily: the small image is indexed (the
+                # pause image is not: unpacked)
+                if ((fuse == APP_LAYERS)); then
+                    pass "$v: layers mounted lazily ($fuse FUSE mounts under the daemon's root, one per layer)"
                 else
-                    fail "$v: no FUSE mount: the indexed image's layers were unpacked, not mounted lazily"
+                    fail "$v: $fuse FUSE mounts for the indexed image's $APP_LAYERS layers: not mounted lazily"
+                fi
+                local content
+                content=$(ctr -a "$CONTAINERD_SOCK" -n k8s.io content ls -q || true)
+                for l in $APP_LAYER_DIGESTS; do
+                    grep -xF "$l" <<<"$content" >/dev/null && blobs=$((blobs + 1))
+                done
+                # (the manifest and config are there: the listing itself worked)
+                if ((blobs == 0)) && [[ $content == *sha256:* ]]; then
+                    pass "$v: no layer blob of the image in containerd's content store (nothing downloaded or unpacked)"
+                else
+                    fail "$v: $blobs of $APP_LAYERS layer blobs in containerd's content store: downloaded, not lazy"
                 fi
             else
                 e2e_log "$v: FUSE mounts while the container existed: $fuse (standalone snapshotter: layers are unpacked)"
@@ -270,8 +336,28 @@ cri_variant() {
     else
         fail "$v: $left containers left in namespace k8s.io"
     fi
+    if [[ -n $proxy && ${FERRY_BACKEND:-} == daemon ]]; then
+        # removing the images lets containerd's collector remove the snapshots (containerd
+        # 2.x sends its List and Remove without a namespace), which releases the mounts
+        # shellcheck disable=SC2046 # image names have no spaces
+        timeout 60 ctr -a "$CONTAINERD_SOCK" -n k8s.io image rm --sync \
+            $(ctr -a "$CONTAINERD_SOCK" -n k8s.io image ls -q) >/dev/null 2>&1 || true
+        if wait_for 20 "lazy layers released" fuse_mounts_are 0; then
+            pass "$v: images removed: containerd's collector removed the snapshots, no FUSE mount left"
+        else
+            fail "$v: $(fuse_mounts) FUSE mounts left after the images were removed"
+        fi
+    fi
     stop_cri_containerd "$d"
 }
+
+# fuse_mounts: FUSE mounts under the temp dir (the daemon's lazy layers)
+fuse_mounts() {
+    awk -v r="$E2E_TMP/" 'index($5, r) == 1 {
+        for (i = 7; i <= NF; i++) if ($i == "-") { if ($(i + 1) ~ /^fuse/) n++; break }
+    } END { print n + 0 }' /proc/self/mountinfo
+}
+fuse_mounts_are() { [[ $(fuse_mounts) == "$1" ]]; }
 
 stop_cri_containerd() {
     stop_containerd || true

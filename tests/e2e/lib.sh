@@ -6,6 +6,9 @@
 #   e2e_init                 create $E2E_TMP, install the EXIT/INT/TERM trap
 #   start_containerd         private containerd: $CONTAINERD_SOCK, overlayfs
 #                            snapshotter, no CRI; logs in $E2E_TMP/containerd.log
+#                            (config version 2 for containerd 1.x, 3 for 2.x)
+#   per_containerd "$0" "$@" run the calling script once per containerd version
+#                            (containerd_flavours: the system's 1.6 and CI's 2.x)
 #   start_registry           Debian docker-registry (distribution 2.8) on
 #                            127.0.0.1:<free port>; sets $REGISTRY (host:port)
 #   push_oci DIR TAG REPO:REF     skopeo copy oci:DIR:TAG -> docker://$REGISTRY/REPO:REF
@@ -59,8 +62,9 @@ need_cmd() {
     done
 }
 
-pass() { E2E_PASSED=$((E2E_PASSED + 1)); echo "PASS: $*"; }
-fail() { E2E_FAILED=$((E2E_FAILED + 1)); echo "FAIL: $*"; }
+# E2E_LABEL (set by use_containerd) prefixes every PASS/FAIL line, e.g. "[containerd 2.1.9]"
+pass() { E2E_PASSED=$((E2E_PASSED + 1)); echo "PASS: ${E2E_LABEL:+[$E2E_LABEL] }$*"; }
+fail() { E2E_FAILED=$((E2E_FAILED + 1)); echo "FAIL: ${E2E_LABEL:+[$E2E_LABEL] }$*"; }
 e2e_summary() {
     echo "$E2E_PASSED passed, $E2E_FAILED failed"
     [[ $E2E_FAILED == 0 ]]
@@ -143,17 +147,130 @@ free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
+# ------------------------------------------------------------------ containerd versions
+# The scripts that drive containerd with ferry run on every containerd version CI has
+# (per_containerd), each run in a fresh process with its own temp dir and services:
+#
+#   system   containerd, ctr and containerd-shim-runc-v2 from PATH (Debian 12: 1.6)
+#   2        the same from CONTAINERD2_BIN_DIR (default /opt/ferry-ci/containerd2/bin,
+#            put there by scripts/containerd2.sh from Debian unstable: 2.x)
+#
+# E2E_CONTAINERD="system 2" (the default) lists the flavours to run; a flavour whose
+# binaries are missing is a FAIL, not a skip (CI installs both).
+#
+#   containerd_flavours      print the flavours of E2E_CONTAINERD
+#   use_containerd FLAVOUR   put FLAVOUR's binaries first in PATH; sets CONTAINERD_VERSION
+#                            (e.g. 2.1.9), CONTAINERD_MAJOR (1 or 2), E2E_LABEL
+#   containerd_detect        set CONTAINERD_VERSION/CONTAINERD_MAJOR from the containerd
+#                            in PATH (containerd_config calls it)
+#   per_containerd SCRIPT ARGS...  (right after sourcing lib.sh) unless this process is
+#                            already one flavour's run: run SCRIPT once per flavour with
+#                            E2E_CONTAINERD_FLAVOUR set, print its output, add up the
+#                            PASS/FAIL counts and exit (77 only if every flavour skipped).
+#                            In a flavour's run it calls use_containerd and returns.
+CONTAINERD2_BIN_DIR=${CONTAINERD2_BIN_DIR:-/opt/ferry-ci/containerd2/bin}
+E2E_SYSTEM_PATH=${E2E_SYSTEM_PATH:-$PATH}
+
+containerd_flavours() { echo "${E2E_CONTAINERD:-system 2}"; }
+
+containerd_detect() {
+    local v
+    v=$(containerd --version 2>/dev/null | awk '{ print $3 }')
+    v=${v#v}
+    CONTAINERD_VERSION=${v%%[~+-]*}
+    CONTAINERD_MAJOR=${CONTAINERD_VERSION%%.*}
+    [[ $CONTAINERD_MAJOR =~ ^[0-9]+$ ]] || CONTAINERD_MAJOR=1
+}
+
+use_containerd() {
+    local f=$1 dir="" b
+    case $f in
+        system) ;;
+        2) dir=$CONTAINERD2_BIN_DIR ;;
+        *) e2e_die "unknown containerd flavour '$f' (E2E_CONTAINERD: system, 2)" ;;
+    esac
+    PATH=$E2E_SYSTEM_PATH
+    if [[ -n $dir ]]; then
+        for b in containerd ctr containerd-shim-runc-v2; do
+            if [[ ! -x $dir/$b ]]; then
+                fail "[containerd $f] $dir/$b missing (install it: bash scripts/containerd2.sh, as root)"
+                e2e_summary || true
+                exit 1
+            fi
+        done
+        PATH=$dir:$PATH
+    fi
+    export PATH
+    containerd_detect
+    if [[ $f == 2 && $CONTAINERD_MAJOR != 2 ]]; then
+        fail "[containerd $f] $dir/containerd is version '$CONTAINERD_VERSION', not 2.x"
+        e2e_summary || true
+        exit 1
+    fi
+    E2E_LABEL="containerd $CONTAINERD_VERSION"
+}
+
+per_containerd() {
+    if [[ -n ${E2E_CONTAINERD_FLAVOUR:-} ]]; then
+        use_containerd "$E2E_CONTAINERD_FLAVOUR"
+        return 0
+    fi
+    local script=$1 f out rc p m passed=0 failed=0 runs=0 skips=0 reason=""
+    shift
+    out=$(mktemp "${E2E_TMPDIR:-/tmp}/ferry-e2e-flavour.XXXXXX")
+    for f in $(containerd_flavours); do
+        runs=$((runs + 1))
+        echo "## $(basename "$script") with containerd flavour '$f'"
+        set +e
+        E2E_CONTAINERD_FLAVOUR=$f bash "$script" "$@" | tee "$out"
+        rc=${PIPESTATUS[0]}
+        set -e
+        if [[ $rc == "${E2E_SKIP_RC:-77}" ]]; then
+            skips=$((skips + 1))
+            reason=$(grep '^SKIP: ' "$out" | tail -n1 | sed 's/^SKIP: //')
+            continue
+        fi
+        read -r p m < <(sed -n 's/^\([0-9][0-9]*\) passed, \([0-9][0-9]*\) failed$/\1 \2/p' "$out" | tail -n1) || true
+        p=${p:-0} m=${m:-0}
+        passed=$((passed + p))
+        failed=$((failed + m))
+        if [[ $rc != 0 && $m == 0 ]]; then
+            # ended before its summary (e2e_die): one failure for the run
+            failed=$((failed + 1))
+            echo "FAIL: [containerd $f] $(basename "$script") exited $rc before its summary"
+        fi
+    done
+    rm -f "$out"
+    if ((skips == runs)); then
+        skip "${reason:-every containerd flavour skipped}"
+    elif ((skips > 0)); then
+        failed=$((failed + skips))
+        echo "FAIL: $skips of $runs containerd flavours skipped ($reason) while the others ran"
+    fi
+    echo "$(basename "$script"), containerd flavours $(containerd_flavours | tr ' ' ','): $passed passed, $failed failed"
+    echo "$passed passed, $failed failed"
+    [[ $failed == 0 ]]
+    exit
+}
+
 # ------------------------------------------------------------------ containerd
 # containerd_config DIR [CRI]: write DIR/config.toml for a private containerd whose state
 # lives under DIR (sets CONTAINERD_SOCK, CONTAINERD_CONFIG). CRI=false (the default)
-# disables the CRI plugin; CRI=true keeps it, for the caller to append its
-# [plugins."io.containerd.grpc.v1.cri"] section.
+# disables the CRI plugin; CRI=true keeps it, for the caller to append its CRI sections
+# (config version 2: [plugins."io.containerd.grpc.v1.cri"]; 3: see containerd_config_v3).
+# The containerd in PATH decides the version: 2 for containerd 1.x, 3 for 2.x
+# (CONTAINERD_MAJOR, set here).
 containerd_config() {
     local d=$1 cri=${2:-false} no_cri=
     mkdir -p "$d/root" "$d/state" "$d/opt"
-    [[ $cri == true ]] || no_cri='"io.containerd.grpc.v1.cri",'
+    containerd_detect
     CONTAINERD_SOCK=$d/containerd.sock
     CONTAINERD_CONFIG=$d/config.toml
+    if ((CONTAINERD_MAJOR >= 2)); then
+        containerd_config_v3 "$d" "$cri"
+        return
+    fi
+    [[ $cri == true ]] || no_cri='"io.containerd.grpc.v1.cri",'
     cat >"$CONTAINERD_CONFIG" <<EOF
 version = 2
 root = "$d/root"
@@ -192,11 +309,78 @@ disabled_plugins = [
 EOF
 }
 
+# containerd_config_v3 DIR CRI: containerd_config's version 3 file (containerd 2.x). Plugin
+# IDs changed: CRI is io.containerd.cri.v1.images and io.containerd.cri.v1.runtime plus
+# the io.containerd.grpc.v1.cri server; runtime v1 is gone. NRI would listen on the host's
+# /var/run/nri, so it is off, as are the snapshotters and differs that only add noise.
+containerd_config_v3() {
+    local d=$1 cri=$2 no_cri=
+    [[ $cri == true ]] ||
+        no_cri="'io.containerd.grpc.v1.cri', 'io.containerd.cri.v1.images', 'io.containerd.cri.v1.runtime', 'io.containerd.podsandbox.controller.v1.podsandbox',"
+    cat >"$CONTAINERD_CONFIG" <<EOF
+version = 3
+root = '$d/root'
+state = '$d/state'
+disabled_plugins = [
+  $no_cri
+  'io.containerd.nri.v1.nri',
+  'io.containerd.snapshotter.v1.btrfs',
+  'io.containerd.snapshotter.v1.zfs',
+  'io.containerd.snapshotter.v1.devmapper',
+  'io.containerd.snapshotter.v1.blockfile',
+  'io.containerd.snapshotter.v1.erofs',
+  'io.containerd.differ.v1.erofs',
+  'io.containerd.tracing.processor.v1.otlp',
+  'io.containerd.internal.v1.tracing',
+]
+
+[grpc]
+  address = '$CONTAINERD_SOCK'
+
+[ttrpc]
+  address = '$d/containerd.sock.ttrpc'
+
+[debug]
+  address = ''
+  level = 'info'
+
+[metrics]
+  address = ''
+
+[plugins]
+  [plugins.'io.containerd.internal.v1.opt']
+    path = '$d/opt'
+  [plugins.'io.containerd.snapshotter.v1.overlayfs']
+    root_path = '$d/root/io.containerd.snapshotter.v1.overlayfs'
+  [plugins.'io.containerd.image-verifier.v1.bindir']
+    bin_dir = '$d/image-verifier'
+EOF
+}
+
 # containerd_add_proxy_snapshotter NAME SOCKET: register the proxy snapshotter NAME
-# (`[proxy_plugins.NAME] type = "snapshot"`) in $CONTAINERD_CONFIG
+# (`[proxy_plugins.NAME] type = "snapshot"`) in $CONTAINERD_CONFIG. For containerd 2.x
+# (config version 3) also what its transfer service (`ctr image pull`, and CRI's pull
+# unless use_local_image_pull) needs to unpack into NAME lazily: NAME among the transfer
+# plugin's unpack_config (which then must name overlayfs again, the default it replaces)
+# and the export enable_remote_snapshot_annotations, without which that path passes
+# no image ref and layer digest labels.
 containerd_add_proxy_snapshotter() {
     printf '\n[proxy_plugins]\n  [proxy_plugins.%s]\n    type = "snapshot"\n    address = "%s"\n' \
         "$1" "$2" >>"$CONTAINERD_CONFIG"
+    ((${CONTAINERD_MAJOR:-1} >= 2)) || return 0
+    local platform=linux/amd64
+    [[ $(uname -m) == aarch64 ]] && platform=linux/arm64
+    cat >>"$CONTAINERD_CONFIG" <<EOF
+    [proxy_plugins.$1.exports]
+      enable_remote_snapshot_annotations = 'true'
+
+[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+  platform = '$platform'
+  snapshotter = 'overlayfs'
+[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+  platform = '$platform'
+  snapshotter = '$1'
+EOF
 }
 
 # launch_containerd [WHAT]: run containerd on $CONTAINERD_CONFIG (log $CONTAINERD_LOG,

@@ -1,6 +1,7 @@
 //! The gRPC face: containerd's `containerd.services.snapshots.v1.Snapshots` service over
-//! [`Snapshotter`]. Translates messages, takes the namespace from the request metadata,
-//! and runs each call on a blocking thread (every call touches the disk).
+//! [`Snapshotter`]. Translates messages, answers every request in one key space
+//! ([`KEY_SPACE`]; the request's namespace is only logged), and runs each call on a
+//! blocking thread (every call touches the disk).
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -23,8 +24,20 @@ use crate::snapshotter::{Info, Mount, Snapshotter};
 
 /// gRPC metadata key carrying containerd's namespace.
 pub const NAMESPACE_HEADER: &str = "containerd-namespace";
-/// Namespace used when a request carries none (containerd's own default).
+/// Namespace logged for a request that carries none (containerd's own default).
 pub const DEFAULT_NAMESPACE: &str = "default";
+/// The one key space every request is answered in, whatever namespace it carries.
+///
+/// containerd's metadata store is what keeps namespaces apart: the keys it sends a
+/// snapshotter are already unique (`<namespace>/<id>/<name>`), and its own snapshotters
+/// ignore namespaces. The header cannot scope anything either, because containerd does
+/// not send it consistently: 2.x sends the caller's namespace with the calls made for a
+/// client request (Prepare, Commit, Stat…), 1.6 only with its CRI plugin's, and neither
+/// sends one with its garbage collector's List and Remove. Scoped by the header, that
+/// collector would see none of those snapshots and remove nothing. Records from a ferry
+/// that did scope them are merged into this space when the service starts
+/// ([`Snapshotter::merge_namespaces`]).
+pub const KEY_SPACE: &str = DEFAULT_NAMESPACE;
 /// Longest namespace name containerd allows.
 const MAX_NAMESPACE_LEN: usize = 76;
 /// Snapshots per List response message.
@@ -37,8 +50,18 @@ pub struct SnapshotService {
 }
 
 impl SnapshotService {
-    /// A service answering from `snapshotter`.
+    /// A service answering from `snapshotter`, after merging records kept under other
+    /// namespaces into [`KEY_SPACE`] (a failure there is logged: those records stay out of
+    /// reach, the rest is served).
     pub fn new(snapshotter: Arc<Snapshotter>) -> Self {
+        match snapshotter.merge_namespaces(KEY_SPACE) {
+            Ok(0) => {}
+            Ok(moved) => tracing::info!(
+                moved,
+                "merged snapshots recorded per namespace into the one key space"
+            ),
+            Err(e) => tracing::error!(error = %e, "cannot merge snapshots recorded per namespace"),
+        }
         Self { snapshotter }
     }
 
@@ -66,7 +89,8 @@ impl SnapshotService {
     }
 }
 
-/// The namespace of a request: containerd's header, else `default`.
+/// The namespace a request carries: containerd's header, else `default`. For logs only:
+/// the request is answered in [`KEY_SPACE`].
 pub fn namespace<T>(request: &Request<T>) -> Result<String, Status> {
     let Some(value) = request.metadata().get(NAMESPACE_HEADER) else {
         return Ok(DEFAULT_NAMESPACE.to_owned());
@@ -139,7 +163,7 @@ impl Snapshots for SnapshotService {
         let r = request.into_inner();
         tracing::debug!(ns, key = r.key, parent = r.parent, labels = ?r.labels, "prepare");
         let mounts = self
-            .blocking(move |s| s.prepare(&ns, &r.key, &r.parent, r.labels))
+            .blocking(move |s| s.prepare(KEY_SPACE, &r.key, &r.parent, r.labels))
             .await?;
         Ok(Response::new(PrepareSnapshotResponse {
             mounts: to_pb_mounts(mounts),
@@ -154,7 +178,7 @@ impl Snapshots for SnapshotService {
         let r = request.into_inner();
         tracing::debug!(ns, key = r.key, parent = r.parent, "view");
         let mounts = self
-            .blocking(move |s| s.view(&ns, &r.key, &r.parent, r.labels))
+            .blocking(move |s| s.view(KEY_SPACE, &r.key, &r.parent, r.labels))
             .await?;
         Ok(Response::new(ViewSnapshotResponse {
             mounts: to_pb_mounts(mounts),
@@ -165,9 +189,9 @@ impl Snapshots for SnapshotService {
         &self,
         request: Request<MountsRequest>,
     ) -> Result<Response<MountsResponse>, Status> {
-        let ns = namespace(&request)?;
+        namespace(&request)?;
         let r = request.into_inner();
-        let mounts = self.blocking(move |s| s.mounts(&ns, &r.key)).await?;
+        let mounts = self.blocking(move |s| s.mounts(KEY_SPACE, &r.key)).await?;
         Ok(Response::new(MountsResponse {
             mounts: to_pb_mounts(mounts),
         }))
@@ -180,7 +204,7 @@ impl Snapshots for SnapshotService {
         let ns = namespace(&request)?;
         let r = request.into_inner();
         tracing::debug!(ns, key = r.key, name = r.name, "commit");
-        self.blocking(move |s| s.commit(&ns, &r.name, &r.key, r.labels))
+        self.blocking(move |s| s.commit(KEY_SPACE, &r.name, &r.key, r.labels))
             .await?;
         Ok(Response::new(()))
     }
@@ -192,7 +216,7 @@ impl Snapshots for SnapshotService {
         let ns = namespace(&request)?;
         let r = request.into_inner();
         tracing::debug!(ns, key = r.key, "remove");
-        self.blocking(move |s| s.remove(&ns, &r.key)).await?;
+        self.blocking(move |s| s.remove(KEY_SPACE, &r.key)).await?;
         Ok(Response::new(()))
     }
 
@@ -200,9 +224,9 @@ impl Snapshots for SnapshotService {
         &self,
         request: Request<StatSnapshotRequest>,
     ) -> Result<Response<StatSnapshotResponse>, Status> {
-        let ns = namespace(&request)?;
+        namespace(&request)?;
         let r = request.into_inner();
-        let info = self.blocking(move |s| s.stat(&ns, &r.key)).await?;
+        let info = self.blocking(move |s| s.stat(KEY_SPACE, &r.key)).await?;
         Ok(Response::new(StatSnapshotResponse {
             info: Some(to_pb_info(info)),
         }))
@@ -212,7 +236,7 @@ impl Snapshots for SnapshotService {
         &self,
         request: Request<UpdateSnapshotRequest>,
     ) -> Result<Response<UpdateSnapshotResponse>, Status> {
-        let ns = namespace(&request)?;
+        namespace(&request)?;
         let r = request.into_inner();
         let info = r
             .info
@@ -221,7 +245,7 @@ impl Snapshots for SnapshotService {
         let labels: HashMap<String, String> = info.labels;
         let name = info.name;
         let updated = self
-            .blocking(move |s| s.update(&ns, &name, labels, &paths))
+            .blocking(move |s| s.update(KEY_SPACE, &name, labels, &paths))
             .await?;
         Ok(Response::new(UpdateSnapshotResponse {
             info: Some(to_pb_info(updated)),
@@ -238,7 +262,7 @@ impl Snapshots for SnapshotService {
         let r = request.into_inner();
         tracing::debug!(ns, filters = ?r.filters, "list");
         let filters = FilterSet::parse(&r.filters).map_err(Status::from)?;
-        let infos = self.blocking(move |s| s.walk(&ns, &filters)).await?;
+        let infos = self.blocking(move |s| s.walk(KEY_SPACE, &filters)).await?;
         tracing::debug!(found = infos.len(), "list answered");
         let mut batches = Vec::new();
         let mut infos = infos.into_iter().map(to_pb_info).peekable();
@@ -253,9 +277,9 @@ impl Snapshots for SnapshotService {
         &self,
         request: Request<UsageRequest>,
     ) -> Result<Response<UsageResponse>, Status> {
-        let ns = namespace(&request)?;
+        namespace(&request)?;
         let r = request.into_inner();
-        let usage = self.blocking(move |s| s.usage(&ns, &r.key)).await?;
+        let usage = self.blocking(move |s| s.usage(KEY_SPACE, &r.key)).await?;
         Ok(Response::new(UsageResponse {
             size: i64::try_from(usage.size).unwrap_or(i64::MAX),
             inodes: i64::try_from(usage.inodes).unwrap_or(i64::MAX),

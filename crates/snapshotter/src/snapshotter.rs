@@ -719,6 +719,41 @@ impl Snapshotter {
         }
     }
 
+    /// Moves every record kept under another namespace into `into`, in one transaction,
+    /// and returns how many moved. A key that `into` already holds stays where it was
+    /// (logged): the two records are different snapshots and neither may be lost. Records
+    /// keep their directory id, so nothing on disk moves.
+    ///
+    /// The gRPC service answers every request in one key space (see
+    /// [`crate::service::KEY_SPACE`]); this brings records an older ferry filed under the
+    /// namespace a request carried into that space.
+    pub fn merge_namespaces(&self, into: &str) -> Result<usize> {
+        let _guard = self.lock();
+        let records = self.meta.list(None)?;
+        if records.iter().all(|(ns, _, _)| ns == into) {
+            return Ok(0);
+        }
+        let txn = self.meta.write()?;
+        let mut moved = 0;
+        for (ns, key, record) in records.into_iter().filter(|(ns, _, _)| ns != into) {
+            if txn.get(into, &key)?.is_some() {
+                tracing::warn!(
+                    ns,
+                    key,
+                    into,
+                    id = record.id,
+                    "a snapshot of this key already exists in the merged key space; this one stays unreachable until removed by hand"
+                );
+                continue;
+            }
+            txn.delete(&ns, &key)?;
+            txn.put(into, &key, &record)?;
+            moved += 1;
+        }
+        txn.commit()?;
+        Ok(moved)
+    }
+
     /// Every snapshot of `ns` that `filters` selects, ordered by name.
     pub fn walk(&self, ns: &str, filters: &FilterSet) -> Result<Vec<Info>> {
         let mut out = Vec::new();

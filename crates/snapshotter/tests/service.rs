@@ -482,44 +482,101 @@ async fn update_field_paths() {
     );
 }
 
+/// A request without containerd's namespace header, as containerd's garbage collector
+/// sends its List and Remove.
+fn no_ns<T>(msg: T) -> Request<T> {
+    Request::new(msg)
+}
+
+/// containerd 2.x sends the caller's namespace with a client's Prepare and Commit (1.6
+/// with its CRI plugin's) but none with its garbage collector's List and Remove, and the
+/// keys it sends are unique across namespaces already. So the header scopes nothing:
+/// what a request with one namespace made, a request with another or none sees and
+/// removes.
 #[tokio::test]
-async fn namespaces_are_isolated() {
+async fn the_namespace_header_does_not_scope_keys() {
     let dir = tempfile::tempdir().unwrap();
     let svc = open(dir.path(), Arc::new(NoRemoteLayers));
-    prepare(&svc, "ns-a", "same", "", HashMap::new())
+    let (layer, ctr) = ("k8s.io/2/sha256:aa", "k8s.io/3/ctr");
+    prepare(&svc, "k8s.io", "k8s.io/1/extract", "", HashMap::new())
         .await
         .unwrap();
-    commit(&svc, "ns-a", "layer", "same").await.unwrap();
-    // The same names are free in another namespace, and parents do not cross over.
-    prepare(&svc, "ns-b", "same", "", HashMap::new())
+    commit(&svc, "k8s.io", layer, "k8s.io/1/extract")
         .await
         .unwrap();
-    assert_eq!(
-        code(prepare(&svc, "ns-b", "child", "layer", HashMap::new()).await),
-        Code::NotFound
-    );
-    assert_eq!(code(stat(&svc, "ns-b", "layer").await), Code::NotFound);
-    assert_eq!(list(&svc, "ns-a", &[]).await.unwrap(), strings(&["layer"]));
-    assert_eq!(list(&svc, "ns-b", &[]).await.unwrap(), strings(&["same"]));
-    // No header: containerd's default namespace.
-    let r = Request::new(StatSnapshotRequest {
+    prepare(&svc, "k8s.io", ctr, layer, HashMap::new())
+        .await
+        .unwrap();
+    // The collector's walk: no header, every snapshot.
+    let r = ListSnapshotsRequest {
         snapshotter: "ferry".into(),
-        key: "same".into(),
-    });
-    assert_eq!(svc.stat(r).await.unwrap_err().code(), Code::NotFound);
-    prepare(&svc, "default", "d", "", HashMap::new())
-        .await
-        .unwrap();
-    let r = Request::new(StatSnapshotRequest {
+        filters: Vec::new(),
+    };
+    let mut stream = svc.list(no_ns(r)).await.unwrap().into_inner();
+    let mut names = Vec::new();
+    while let Some(batch) = stream.next().await {
+        names.extend(batch.unwrap().info.into_iter().map(|i| i.name));
+    }
+    names.sort();
+    assert_eq!(names, strings(&[layer, ctr]));
+    // Its removal: no header.
+    let r = RemoveSnapshotRequest {
         snapshotter: "ferry".into(),
-        key: "d".into(),
-    });
+        key: ctr.into(),
+    };
+    svc.remove(no_ns(r)).await.unwrap();
+    assert_eq!(list(&svc, "k8s.io", &[]).await.unwrap(), strings(&[layer]));
+    // Another namespace's request reaches the same snapshot, and cannot make a second
+    // one of the same key.
+    assert_eq!(stat(&svc, "other", layer).await.unwrap().name, layer);
     assert_eq!(
-        svc.stat(r).await.unwrap().into_inner().info.unwrap().name,
-        "d"
+        code(prepare(&svc, "other", layer, "", HashMap::new()).await),
+        Code::AlreadyExists
     );
-    remove(&svc, "ns-b", "same").await.unwrap();
-    assert!(stat(&svc, "ns-a", "layer").await.is_ok());
+    remove(&svc, "other", layer).await.unwrap();
+    assert!(list(&svc, "k8s.io", &[]).await.unwrap().is_empty());
+}
+
+/// Records an older ferry filed under each request's namespace are merged into the one
+/// key space when the service starts; a key the space already holds is left alone.
+#[tokio::test]
+async fn records_kept_per_namespace_are_merged_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    {
+        let snap = Snapshotter::open(root, Arc::new(NoRemoteLayers)).unwrap();
+        snap.prepare("k8s.io", "k8s.io/1/extract", "", HashMap::new())
+            .unwrap();
+        snap.commit(
+            "k8s.io",
+            "k8s.io/2/layer",
+            "k8s.io/1/extract",
+            HashMap::new(),
+        )
+        .unwrap();
+        snap.prepare("k8s.io", "k8s.io/3/ctr", "k8s.io/2/layer", HashMap::new())
+            .unwrap();
+        snap.prepare("default", "clash", "", HashMap::new())
+            .unwrap();
+        snap.prepare("other", "clash", "", HashMap::new()).unwrap();
+    }
+    let svc = open(root, Arc::new(NoRemoteLayers));
+    assert_eq!(
+        list(&svc, NS, &[]).await.unwrap(),
+        strings(&["clash", "k8s.io/2/layer", "k8s.io/3/ctr"])
+    );
+    // The merged container snapshot still stacks on its merged parent's directory.
+    let m = mounts(&svc, NS, "k8s.io/3/ctr").await.unwrap();
+    assert_eq!(m[0].options[2], format!("lowerdir={}", fs(root, 1)));
+    // The clashing record kept its place (the one in the key space is id 3).
+    assert_eq!(
+        mounts(&svc, NS, "clash").await.unwrap()[0].source,
+        fs(root, 3)
+    );
+    drop(svc);
+    let snap = Snapshotter::open(root, Arc::new(NoRemoteLayers)).unwrap();
+    assert!(snap.stat("other", "clash").is_ok());
+    assert_eq!(snap.merge_namespaces("default").unwrap(), 0);
 }
 
 #[tokio::test]
