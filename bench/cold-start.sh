@@ -270,8 +270,10 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     if [[ -n ${PERF:-} ]]; then # whole-machine profile and FUSE requests of the phase
         mkdir -p "$OUT/perf"
         local base=$OUT/perf/$1-$2ms-$3-$4
-        perf record -q -e cpu-clock -F 997 -g -a -o "$base.data" >/dev/null 2>&1 &
-        perf_pids+=($!)
+        if [[ $PERF != fuse ]]; then
+            perf record -q -e cpu-clock -F 997 -g -a -o "$base.data" >/dev/null 2>&1 &
+            perf_pids+=($!)
+        fi
         perf record -q -e fuse:fuse_request_send -e fuse:fuse_request_end -c 1 -a -o "$base.fuse.data" >/dev/null 2>&1 &
         perf_pids+=($!)
         sleep 0.5
