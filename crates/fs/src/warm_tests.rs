@@ -1262,6 +1262,63 @@ fn each_stretch_of_a_layer_gets_its_windows_in_one_step_before_its_first_fetch()
     assert!(with_windows(Vec::new(), |_| true).is_empty());
 }
 
+#[test]
+fn fetch_steps_of_a_layer_close_in_the_plan_become_one_batched_step() {
+    let far = 5 << 20;
+    let a = data_of_location(0, 1);
+    let steps = vec![
+        Step::Fetch(0, 0..10),
+        Step::Fetch(1, 100..200),
+        Step::Pack(a, 5),
+        Step::Fetch(0, far..far + 100),
+        Step::Fetch(1, 300..400),
+        Step::Fetch(0, 20..30),
+    ];
+    let got = batch_fetches(steps.clone(), |l| l == 0);
+    assert_eq!(
+        got,
+        vec![
+            Step::FetchMany(0, vec![0..10, far..far + 100, 20..30]),
+            Step::Fetch(1, 100..200),
+            Step::Pack(a, 5),
+            Step::Fetch(1, 300..400),
+        ],
+        "layer 0's fetches at its first one's place; layer 1 does not batch; the pack step stays after the fetches holding its file"
+    );
+    // With windows: the stretches' windows steps come before the batch holding them.
+    let got = with_windows(got, |l| l == 0);
+    assert_eq!(
+        &got[..3],
+        &[
+            Step::Windows(0, 0..30),
+            Step::Windows(0, far..far + 100),
+            Step::FetchMany(0, vec![0..10, far..far + 100, 20..30]),
+        ]
+    );
+    // A batch stops at its byte budget and its range count.
+    let big = BATCH_BYTES / 2 + 1;
+    let steps: Vec<Step> = (0..3u64)
+        .map(|i| Step::Fetch(0, i * 2 * big..i * 2 * big + big))
+        .collect();
+    let got = batch_fetches(steps, |_| true);
+    assert_eq!(got.len(), 3, "no two of them fit one budget: {got:?}");
+    let steps: Vec<Step> = (0..100u64)
+        .map(|i| Step::Fetch(0, i * 100..i * 100 + 10))
+        .collect();
+    let got = batch_fetches(steps, |_| true);
+    assert!(got.iter().all(|s| match s {
+        Step::FetchMany(_, rs) => rs.len() <= crate::device::MAX_RANGES_PER_REQUEST,
+        _ => true,
+    }));
+    assert_eq!(
+        got.iter()
+            .map(|s| s.fetched().map_or(0, |(_, rs)| rs.len()))
+            .sum::<usize>(),
+        100,
+        "every range kept once"
+    );
+}
+
 fn data_of_location(layer: usize, entry: usize) -> ferry_index::merged::Location {
     ferry_index::merged::Location { layer, entry }
 }

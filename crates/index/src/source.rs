@@ -35,6 +35,12 @@ pub trait RangeSource: Send + Sync {
         ranges.iter().map(|r| self.read_range(r.clone())).collect()
     }
 
+    /// Whether [`RangeSource::read_ranges`] asks for several ranges in one request (so a
+    /// caller counting requests counts one).
+    fn batches_ranges(&self) -> bool {
+        false
+    }
+
     /// Whether every range this source returns of an indexed layer is made of spans it
     /// has already checked against the same index's span digests (a device-level source
     /// that verifies what it fetches and keeps), so a reader need not hash them again.
@@ -180,9 +186,18 @@ impl<S: RangeSource> RangeSource for CountingSource<S> {
         let out = self.inner.read_ranges(ranges)?;
         let total: u64 = out.iter().map(|b| b.len() as u64).sum();
         self.bytes.fetch_add(total, Ordering::Relaxed);
-        self.requests
-            .fetch_add(ranges.len() as u64, Ordering::Relaxed);
+        // A batching source asks for a call's ranges in one request.
+        let requests = if self.inner.batches_ranges() {
+            1
+        } else {
+            ranges.len() as u64
+        };
+        self.requests.fetch_add(requests, Ordering::Relaxed);
         Ok(out)
+    }
+
+    fn batches_ranges(&self) -> bool {
+        self.inner.batches_ranges()
     }
 
     /// The sibling, counted into the same counters.
@@ -205,6 +220,9 @@ impl<T: RangeSource + ?Sized> RangeSource for Arc<T> {
     }
     fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
         (**self).read_ranges(ranges)
+    }
+    fn batches_ranges(&self) -> bool {
+        (**self).batches_ranges()
     }
     fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
         (**self).sibling(digest, size)

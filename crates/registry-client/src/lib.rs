@@ -44,6 +44,7 @@
 //!   registry's config uses HTTP directly anywhere.
 
 pub mod auth;
+pub mod byteranges;
 pub mod cache;
 pub mod config;
 pub mod copy;
@@ -56,7 +57,7 @@ mod runtime;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -489,6 +490,9 @@ struct Inner {
     schemes: Mutex<HashMap<String, &'static str>>,
     /// Credentials resolved per (host, repository).
     secrets: tokio::sync::Mutex<HashMap<(String, RepositoryName), HostSecret>>,
+    /// Registries that answered a request for several ranges with the whole blob: asked
+    /// one range per request from then on (see [`Client::blob_ranges`]).
+    single_range: Mutex<HashSet<String>>,
 }
 
 /// A registry client: cheap to clone; clones share the connection pool and token cache.
@@ -536,6 +540,7 @@ impl Client {
                 auth: AuthState::default(),
                 schemes: Mutex::new(HashMap::new()),
                 secrets: tokio::sync::Mutex::new(HashMap::new()),
+                single_range: Mutex::new(HashSet::new()),
             }),
             origin_only: false,
         })
@@ -1308,6 +1313,158 @@ impl Client {
                 ))
             }
         }
+    }
+
+    /// Bytes `range` of blob `digest`, collected (at most the range's length).
+    pub async fn blob_range(
+        &self,
+        r: &Repo,
+        digest: &str,
+        range: Range<u64>,
+    ) -> Result<Vec<u8>, ClientError> {
+        let len = usize::try_from(range.end.saturating_sub(range.start)).map_err(|_| {
+            ClientError::TooLarge {
+                what: format!("range of blob {digest}"),
+                limit: usize::MAX as u64,
+            }
+        })?;
+        let mut body = self.blob_stream(r, digest, Some(range)).await?.body;
+        let mut buf = Vec::with_capacity(len);
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| ClientError::Transport {
+                registry: r.registry.clone(),
+                message: e.to_string(),
+            })?;
+            buf.extend_from_slice(&piece);
+        }
+        Ok(buf)
+    }
+
+    /// Whether [`Client::blob_ranges`] asks `registry` for several ranges in one request
+    /// (until it answers one such request with the whole blob).
+    pub fn batches_ranges(&self, registry: &str) -> bool {
+        !self.inner.single_range.lock().contains(registry)
+    }
+
+    /// Bytes of each of `ranges` of blob `digest` (sorted, not touching, at most
+    /// [`byteranges::MAX_RANGES`]; see [`byteranges::check`]), in one request where the
+    /// registry answers several ranges at once (`multipart/byteranges`, as Go's
+    /// `http.ServeContent` behind Debian's registry and ferry's own do). A registry that
+    /// answers with the whole blob instead is asked one range per request, concurrently,
+    /// from then on; its answer is dropped unread.
+    pub async fn blob_ranges(
+        &self,
+        r: &Repo,
+        digest: &str,
+        ranges: &[Range<u64>],
+    ) -> Result<Vec<Vec<u8>>, ClientError> {
+        check_digest(digest)?;
+        byteranges::check(ranges).map_err(|reason| ClientError::Invalid {
+            what: "ranges".into(),
+            reason,
+        })?;
+        if ranges.len() == 1 || !self.batches_ranges(&r.registry) {
+            return self.blob_ranges_one_by_one(r, digest, ranges).await;
+        }
+        let call = Call::new(
+            Method::GET,
+            format!("/v2/{}/blobs/{digest}", r.repository),
+            format!("blob {digest} in {r}"),
+        )
+        .header(header::RANGE, &byteranges::range_header(ranges))?;
+        let resp = match self.execute(r, &call).await {
+            Err(ClientError::Status {
+                status: 416,
+                registry,
+                ..
+            }) => {
+                return Err(ClientError::Invalid {
+                    what: format!("ranges of blob {digest} at {registry}"),
+                    reason: "past the end of the blob (416)".into(),
+                });
+            }
+            other => other?,
+        };
+        if resp.status().as_u16() != 206 {
+            tracing::info!(
+                registry = %r.registry,
+                status = resp.status().as_u16(),
+                "the registry does not answer several ranges at once; one range per request from now on"
+            );
+            drop(resp);
+            self.inner.single_range.lock().insert(r.registry.clone());
+            return self.blob_ranges_one_by_one(r, digest, ranges).await;
+        }
+        let invalid = |reason: String| ClientError::Invalid {
+            what: format!("answer for ranges of blob {digest}"),
+            reason,
+        };
+        let content_type = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        let single = resp
+            .headers()
+            .get(header::CONTENT_RANGE)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| {
+                parse_content_range(v)
+                    .ok_or_else(|| invalid(format!("unusable Content-Range {v:?}")))
+            })
+            .transpose()?;
+        // The ranges' hull and ~150 bytes of headers per part: what a server merging
+        // ranges or framing them may send, and no more is read.
+        let hull = ranges[ranges.len() - 1].end - ranges[0].start;
+        let limit = hull + 1024 * (ranges.len() as u64 + 1);
+        let mut body = byte_stream(resp, r.registry.clone());
+        let mut data = Vec::new();
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| ClientError::Transport {
+                registry: r.registry.clone(),
+                message: e.to_string(),
+            })?;
+            if (data.len() + piece.len()) as u64 > limit {
+                return Err(ClientError::TooLarge {
+                    what: format!("answer for ranges of blob {digest}"),
+                    limit,
+                });
+            }
+            data.extend_from_slice(&piece);
+        }
+        let parts = match (byteranges::boundary(&content_type), single) {
+            (Some(b), _) => byteranges::parse(&data, b).map_err(invalid)?,
+            // A server may answer one range covering all those asked.
+            (None, Some((first, last, _))) if last - first + 1 == data.len() as u64 => {
+                vec![byteranges::Part {
+                    start: first,
+                    body: 0..data.len(),
+                }]
+            }
+            _ => {
+                return Err(invalid(
+                    "206 without multipart/byteranges or a matching Content-Range".into(),
+                ));
+            }
+        };
+        byteranges::slices(ranges, &parts, &data).map_err(invalid)
+    }
+
+    async fn blob_ranges_one_by_one(
+        &self,
+        r: &Repo,
+        digest: &str,
+        ranges: &[Range<u64>],
+    ) -> Result<Vec<Vec<u8>>, ClientError> {
+        let concurrency = self.inner.cfg.max_concurrent_downloads.max(1);
+        futures_util::stream::iter(ranges.iter().cloned())
+            .map(|rg| self.blob_range(r, digest, rg))
+            .buffered(concurrency)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// Starts an upload session; returns its absolute Location.

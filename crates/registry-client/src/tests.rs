@@ -273,10 +273,33 @@ async fn handle(State(fake): State<Arc<Fake>>, req: Request) -> Response {
                 .body(Body::empty())
                 .unwrap();
         }
-        let range = req
+        let range_header = req
             .headers()
             .get("range")
             .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        if method != "HEAD"
+            && !fake.ignore_range.load(Ordering::SeqCst)
+            && let Some(ranges) =
+                crate::byteranges::parse_ranges(range_header.as_deref(), blob.len() as u64)
+        {
+            let b = "fakeboundary";
+            let mut body = Vec::new();
+            for r in &ranges {
+                body.extend_from_slice(
+                    crate::byteranges::part_head(b, r, blob.len() as u64).as_bytes(),
+                );
+                body.extend_from_slice(&blob[r.start as usize..r.end as usize]);
+            }
+            body.extend_from_slice(crate::byteranges::tail(b).as_bytes());
+            return resp(206)
+                .header("content-type", crate::byteranges::content_type(b))
+                .body(Body::from(body))
+                .unwrap();
+        }
+        let range = range_header
+            .as_deref()
+            .filter(|r| !r.contains(','))
             .and_then(|r| r.strip_prefix("bytes="))
             .and_then(|r| r.split_once('-'))
             .map(|(a, b)| (a.parse::<usize>().unwrap(), b.parse::<usize>().unwrap()));
@@ -749,6 +772,46 @@ async fn server_ignoring_range_still_gives_the_range() {
         fake.requests("GET", "/blobs/"),
         before + 2,
         "probe + one stream"
+    );
+}
+
+#[tokio::test]
+async fn several_ranges_in_one_request_and_one_by_one_where_refused() {
+    let fake = start_fake().await;
+    let data = pattern(100_000);
+    let d = fake.add_blob(&data);
+    let (c, r) = client_for(&fake, |_| {});
+    let ranges = vec![10..20, 5_000..9_000, 99_000..100_000];
+    let want: Vec<Vec<u8>> = ranges
+        .iter()
+        .map(|g| data[g.start as usize..g.end as usize].to_vec())
+        .collect();
+    let before = fake.requests("GET", "/blobs/");
+    assert_eq!(c.blob_ranges(&r, &d, &ranges).await.unwrap(), want);
+    assert_eq!(fake.requests("GET", "/blobs/"), before + 1, "one request");
+    assert!(c.batches_ranges(&r.registry));
+    // Ranges that overlap, touch or are out of order are refused before any request.
+    for bad in [
+        vec![10..20, 15..30],
+        vec![10..20, 20..30],
+        vec![50..60, 10..20],
+    ] {
+        assert!(matches!(
+            c.blob_ranges(&r, &d, &bad).await,
+            Err(ClientError::Invalid { .. })
+        ));
+    }
+    // A server answering with the whole blob: the bytes are still right, the answer
+    // is not read, and the registry is asked one range per request from then on.
+    fake.ignore_range.store(true, Ordering::SeqCst);
+    assert_eq!(c.blob_ranges(&r, &d, &ranges).await.unwrap(), want);
+    assert!(!c.batches_ranges(&r.registry));
+    let before = fake.requests("GET", "/blobs/");
+    assert_eq!(c.blob_ranges(&r, &d, &ranges).await.unwrap(), want);
+    assert_eq!(
+        fake.requests("GET", "/blobs/"),
+        before + 3,
+        "one request per range"
     );
 }
 

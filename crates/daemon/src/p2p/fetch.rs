@@ -468,6 +468,41 @@ impl RangeSource for PeerRangeSource {
         Ok(bytes)
     }
 
+    /// Each range from a peer where one has it; the rest from the origin, in one
+    /// request where it batches ranges.
+    fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
+        let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(ranges.len());
+        let mut missing = Vec::new();
+        for range in ranges {
+            let from_peer = if range.start < range.end {
+                self.ask_peers(range)?
+            } else {
+                Some(Vec::new())
+            };
+            if from_peer.is_none() {
+                missing.push(range.clone());
+            }
+            out.push(from_peer);
+        }
+        let mut fetched = self.origin.read_ranges(&missing)?.into_iter();
+        out.into_iter()
+            .map(|b| match b {
+                Some(b) => Ok(b),
+                None => {
+                    let bytes = fetched
+                        .next()
+                        .ok_or_else(|| io::Error::other("a range went unanswered"))?;
+                    P2pStats::add(&self.fetcher.stats.bytes_from_origin, bytes.len() as u64);
+                    Ok(bytes)
+                }
+            })
+            .collect()
+    }
+
+    fn batches_ranges(&self) -> bool {
+        self.origin.batches_ranges()
+    }
+
     fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
         // Windows blobs are read from the registry in this slice.
         self.origin.sibling(digest, size)

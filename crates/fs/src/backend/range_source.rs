@@ -16,7 +16,9 @@ use std::sync::Arc;
 use ferry_index::source::RangeSource;
 use futures_util::StreamExt;
 
-use ferry_registry_client::{Client, ClientError, RangeRuntime, Repo, check_digest, retry};
+use ferry_registry_client::{
+    Client, ClientError, RangeRuntime, Repo, byteranges, check_digest, retry,
+};
 
 /// One remote blob as a synchronous [`RangeSource`].
 #[derive(Debug, Clone)]
@@ -112,31 +114,25 @@ impl HttpRangeSource {
             })
     }
 
+    /// Ranges of the blob (one, or several in one request: see
+    /// [`Client::blob_ranges`]), retried as the client's config says.
     async fn fetch(
         client: Client,
         repo: Repo,
         digest: String,
-        rg: Range<u64>,
-    ) -> io::Result<Vec<u8>> {
-        let len = usize::try_from(rg.end - rg.start)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "range too large"))?;
+        ranges: Vec<Range<u64>>,
+    ) -> io::Result<Vec<Vec<u8>>> {
         let max = client.config().max_attempts.max(1);
         let mut attempt = 1;
         loop {
-            let result: Result<Vec<u8>, ClientError> = async {
-                let stream = client.blob_stream(&repo, &digest, Some(rg.clone())).await?;
-                let mut buf = Vec::with_capacity(len);
-                let mut body = stream.body;
-                while let Some(piece) = body.next().await {
-                    let piece = piece.map_err(|e| ClientError::Transport {
-                        registry: repo.registry.clone(),
-                        message: e.to_string(),
-                    })?;
-                    buf.extend_from_slice(&piece);
-                }
-                Ok(buf)
-            }
-            .await;
+            let result = if let [rg] = ranges.as_slice() {
+                client
+                    .blob_range(&repo, &digest, rg.clone())
+                    .await
+                    .map(|b| vec![b])
+            } else {
+                client.blob_ranges(&repo, &digest, &ranges).await
+            };
             match result {
                 Err(e) if e.is_retryable() && attempt < max => {
                     retry::sleep(client.config(), attempt, None).await;
@@ -193,9 +189,11 @@ impl RangeSource for HttpRangeSource {
             self.client.clone(),
             self.repo.clone(),
             self.digest.clone(),
-            range,
+            vec![range],
         );
-        run_on(&self.handle, fut)?
+        run_on(&self.handle, fut)??
+            .pop()
+            .ok_or_else(|| io::Error::other("no bytes for the range"))
     }
 
     /// Blob `digest` of the same repository, through the same client and runtime (so a
@@ -209,37 +207,60 @@ impl RangeSource for HttpRangeSource {
         }))
     }
 
-    /// Issues the ranges concurrently (up to the client's download concurrency); results
-    /// come back in the order asked.
+    /// Several ranges in one request each [`byteranges::MAX_RANGES`] (see
+    /// [`Client::blob_ranges`]; ranges that touch or are out of order, one request
+    /// each, concurrently); results come back in the order asked.
     fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
         for r in ranges {
             self.check(r)?;
         }
+        let asked: Vec<Range<u64>> = ranges.iter().filter(|r| r.start < r.end).cloned().collect();
+        let batches: Vec<Vec<Range<u64>>> = if asked.windows(2).all(|w| w[0].end < w[1].start) {
+            asked
+                .chunks(byteranges::MAX_RANGES)
+                .map(<[_]>::to_vec)
+                .collect()
+        } else {
+            asked.iter().map(|r| vec![r.clone()]).collect()
+        };
         let concurrency = self.client.config().max_concurrent_downloads.max(1);
-        let jobs: Vec<_> = ranges
-            .iter()
-            .map(|rg| {
-                let (c, r, d, rg) = (
+        let jobs: Vec<_> = batches
+            .into_iter()
+            .map(|batch| {
+                Self::fetch(
                     self.client.clone(),
                     self.repo.clone(),
                     self.digest.clone(),
-                    rg.clone(),
-                );
-                async move {
-                    if rg.start == rg.end {
-                        Ok(Vec::new())
-                    } else {
-                        Self::fetch(c, r, d, rg).await
-                    }
-                }
+                    batch,
+                )
             })
             .collect();
         let fut = async move {
             futures_util::stream::iter(jobs)
                 .buffered(concurrency)
-                .collect::<Vec<io::Result<Vec<u8>>>>()
+                .collect::<Vec<io::Result<Vec<Vec<u8>>>>>()
                 .await
         };
-        run_on(&self.handle, fut)?.into_iter().collect()
+        let mut fetched = Vec::with_capacity(asked.len());
+        for batch in run_on(&self.handle, fut)? {
+            fetched.extend(batch?);
+        }
+        let mut fetched = fetched.into_iter();
+        ranges
+            .iter()
+            .map(|r| {
+                if r.start == r.end {
+                    Ok(Vec::new())
+                } else {
+                    fetched
+                        .next()
+                        .ok_or_else(|| io::Error::other("a range went unanswered"))
+                }
+            })
+            .collect()
+    }
+
+    fn batches_ranges(&self) -> bool {
+        self.client.batches_ranges(&self.repo.registry)
     }
 }

@@ -160,6 +160,10 @@ pub const DEFAULT_NEARBY_BYTES: u64 = 4 << 20;
 /// A first readahead window (after a miss far from the last one) is this share (1/N) of
 /// [`FetchConfig::readahead_bytes`].
 pub const READAHEAD_START_DIVISOR: u64 = 8;
+/// Most runs of spans one backend request asks for (see
+/// [`ferry_index::source::RangeSource::batches_ranges`]): a read's spans and readahead
+/// with local spans between them, a stretch's missing windows.
+pub const MAX_RANGES_PER_REQUEST: usize = 32;
 /// Windows are fetched in aligned blocks of this many (about 180 KB compressed, for
 /// checkpoints covering about 1.7 MB of a layer's stream), as far as the block's windows
 /// around the wanted ones are missing: a start's fetches cluster in the same stretches
@@ -741,6 +745,47 @@ impl LayerSource {
         self.warm(range, None, false)
     }
 
+    /// [`Self::warm_spans`] of several ranges of the layer (sorted or not) at once: their
+    /// missing spans in pieces of at most `max_request_bytes`, each piece one request
+    /// where the backend batches ranges, however far apart the ranges lie. Prefetch's
+    /// ranges of a layer lie in a few stretches with gaps between them that merging
+    /// would fetch for nothing. Returns the compressed bytes fetched.
+    pub fn warm_spans_many(&self, ranges: &[Range<u64>]) -> io::Result<u64> {
+        let (Some(spans), Some(store)) = (&self.spans, self.store.as_deref()) else {
+            let mut n = 0;
+            for r in ranges {
+                n += self.warm_spans(r.clone())?;
+            }
+            return Ok(n);
+        };
+        let len = self.backend.len();
+        let mut ks: Vec<usize> = ranges
+            .iter()
+            .filter(|r| r.start < r.end && r.end <= len)
+            .flat_map(|r| spans.covering(r))
+            .filter(|&k| self.piece_missing(spans, store, k))
+            .collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let mut fetched = Fetched::default();
+        let mut piece: Vec<usize> = Vec::new();
+        let mut bytes = 0;
+        for k in ks {
+            let n = span_len(&spans.ranges[k]);
+            if !piece.is_empty() && bytes + n > self.config.max_request_bytes {
+                self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+                piece.clear();
+                bytes = 0;
+            }
+            piece.push(k);
+            bytes += n;
+        }
+        if !piece.is_empty() {
+            self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+        }
+        Ok(fetched.bytes)
+    }
+
     /// Makes local the windows of the checkpoints of the spans covering `range` (the
     /// layer's compressed bytes) that are missing, each run of them in one request (of at
     /// most `max_request_bytes`). Prefetch asks for the windows of a whole stretch of
@@ -1043,6 +1088,19 @@ impl LayerSource {
         range: Range<u64>,
         deadline: Instant,
     ) -> io::Result<Vec<u8>> {
+        self.fetch_many_from(backend, std::slice::from_ref(&range), deadline)?
+            .pop()
+            .ok_or_else(|| io::Error::other("backend returned no range"))
+    }
+
+    /// `ranges` (sorted, not touching) from `backend`, in one request where it batches
+    /// ranges ([`RangeSource::batches_ranges`]): one limiter slot, one deadline.
+    fn fetch_many_from(
+        &self,
+        backend: &Arc<dyn RangeSource>,
+        ranges: &[Range<u64>],
+        deadline: Instant,
+    ) -> io::Result<Vec<Vec<u8>>> {
         let slot = self.limiter.acquire(deadline).inspect_err(|_| {
             MountStats::add(&self.stats.fetch_errors, 1);
         })?;
@@ -1050,34 +1108,48 @@ impl LayerSource {
         let windows = !Arc::ptr_eq(backend, &self.backend);
         let background = is_background();
         let started = Instant::now();
-        let backend = backend.clone();
-        let want = range.clone();
+        let asked = backend.clone();
+        let want = ranges.to_vec();
         std::thread::Builder::new()
             .name("ferry-fetch".into())
             .spawn(move || {
                 let _slot = slot;
                 link().begin(Instant::now());
-                let outcome = backend.read_range(want);
-                let n = outcome.as_ref().map_or(0, |b| b.len() as u64);
+                let outcome = match want.as_slice() {
+                    [one] => asked.read_range(one.clone()).map(|b| vec![b]),
+                    many => asked.read_ranges(many),
+                };
+                let n = outcome
+                    .as_ref()
+                    .map_or(0, |bs| bs.iter().map(|b| b.len() as u64).sum());
                 link().end(Instant::now(), n);
                 let _ = tx.send(outcome);
             })?;
+        let (first, last) = match (ranges.first(), ranges.last()) {
+            (Some(f), Some(l)) => (f.start, l.end),
+            _ => (0, 0),
+        };
         let wait = deadline.saturating_duration_since(Instant::now());
         let result = match rx.recv_timeout(wait) {
             Ok(r) => r,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(timed_out(&format!(
-                "fetching bytes {}..{} of the layer",
-                range.start, range.end
+                "fetching bytes {first}..{last} of the layer"
             ))),
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 Err(io::Error::other("fetch thread ended without an answer"))
             }
         };
-        MountStats::add(&self.stats.requests, 1);
+        let requests = if ranges.len() > 1 && !backend.batches_ranges() {
+            ranges.len() as u64
+        } else {
+            1
+        };
+        MountStats::add(&self.stats.requests, requests);
         // One line per request, for where a start's round trips went (FERRY_LOG debug).
         tracing::debug!(
-            start = range.start,
-            len = range.end - range.start,
+            start = first,
+            len = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
+            ranges = ranges.len(),
             windows,
             background,
             thread = std::thread::current().name().unwrap_or("-"),
@@ -1085,9 +1157,17 @@ impl LayerSource {
             "backend request"
         );
         match &result {
-            Ok(bytes) => {
-                MountStats::add(&self.stats.bytes_fetched, bytes.len() as u64);
-                if bytes.len() as u64 != range.end - range.start {
+            Ok(pieces) => {
+                MountStats::add(
+                    &self.stats.bytes_fetched,
+                    pieces.iter().map(|b| b.len() as u64).sum(),
+                );
+                let short = pieces.len() != ranges.len()
+                    || pieces
+                        .iter()
+                        .zip(ranges)
+                        .any(|(b, r)| b.len() as u64 != r.end - r.start);
+                if short {
                     MountStats::add(&self.stats.fetch_errors, 1);
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
@@ -1097,7 +1177,7 @@ impl LayerSource {
             }
             Err(e) => {
                 MountStats::add(&self.stats.fetch_errors, 1);
-                tracing::warn!(start = range.start, end = range.end, error = %e, "fetch failed");
+                tracing::warn!(start = first, end = last, error = %e, "fetch failed");
             }
         }
         result
@@ -1137,11 +1217,24 @@ impl LayerSource {
         ks: Range<usize>,
         fetched: &mut Fetched,
     ) -> io::Result<Vec<Arc<Vec<u8>>>> {
+        self.listed_spans_bytes(spans, &ks.collect::<Vec<_>>(), fetched)
+    }
+
+    /// [`Self::spans_bytes`] of spans `ks` (sorted, distinct, not necessarily
+    /// neighbours): runs of neighbours are batched into as few requests as the backend
+    /// allows, whatever lies between them.
+    fn listed_spans_bytes(
+        &self,
+        spans: &Spans,
+        ks: &[usize],
+        fetched: &mut Fetched,
+    ) -> io::Result<Vec<Arc<Vec<u8>>>> {
         let deadline = Instant::now() + self.config.timeout;
         let mut out: Vec<Option<Arc<Vec<u8>>>> = vec![None; ks.len()];
+        let slot_of = |k: usize| ks.binary_search(&k).ok();
         let mut led: Vec<(usize, Lead)> = Vec::new();
         let mut followed: Vec<(usize, Arc<Flight>)> = Vec::new();
-        for (slot, k) in ks.clone().enumerate() {
+        for (slot, k) in ks.iter().copied().enumerate() {
             if let Some(b) = self.cached(spans, k) {
                 MountStats::add(&self.stats.cache_hits, 1);
                 out[slot] = Some(b);
@@ -1165,8 +1258,10 @@ impl LayerSource {
         if !led.is_empty() || !followed.is_empty() {
             fetched.waited = true;
         }
-        // Lead: fetch runs of neighbouring spans, each run one request.
-        let mut first_err: Option<io::Error> = None;
+        // Lead: runs of neighbouring spans (each at most the request size), and the
+        // runs in batches of at most the request size and MAX_RANGES_PER_REQUEST runs,
+        // one request each where the backend batches ranges.
+        let mut runs: Vec<Range<usize>> = Vec::new();
         let mut i = 0;
         while i < led.len() {
             let mut j = i + 1;
@@ -1177,83 +1272,150 @@ impl LayerSource {
             {
                 j += 1;
             }
-            let run = &mut led[i..j];
-            let start = spans.ranges[run[0].0].start;
-            let end = spans.ranges[run[run.len() - 1].0].end;
-            let landed = if first_err.is_some() {
-                Err(io::Error::other("an earlier fetch of this read failed"))
-            } else if let Some(e) = self.failed_recently(spans.kind, run.iter().map(|(k, _)| *k)) {
-                Err(e)
-            } else {
+            runs.push(i..j);
+            i = j;
+        }
+        let bounds: Vec<Range<u64>> = runs
+            .iter()
+            .map(|run| spans.ranges[led[run.start].0].start..spans.ranges[led[run.end - 1].0].end)
+            .collect();
+        let mut first_err: Option<io::Error> = None;
+        let mut r = 0;
+        while r < runs.len() {
+            let mut q = r + 1;
+            let mut bytes = span_len(&bounds[r]);
+            while q < runs.len() && q - r < MAX_RANGES_PER_REQUEST {
+                let next = &bounds[q];
+                // A run cut at the request size touches the next: a request of its own.
+                if bytes + span_len(next) > self.config.max_request_bytes
+                    || bounds[q - 1].end >= next.start
+                {
+                    break;
+                }
+                bytes += span_len(next);
+                q += 1;
+            }
+            let batch: Vec<(Range<usize>, Range<u64>)> = runs[r..q]
+                .iter()
+                .cloned()
+                .zip(bounds[r..q].iter().cloned())
+                .collect();
+            r = q;
+            // Per run of the batch: its bytes, or why there are none.
+            let mut landed: Vec<Option<io::Result<Vec<u8>>>> = batch
+                .iter()
+                .map(|(run, _)| {
+                    if first_err.is_some() {
+                        Some(Err(io::Error::other(
+                            "an earlier fetch of this read failed",
+                        )))
+                    } else {
+                        self.failed_recently(spans.kind, led[run.clone()].iter().map(|(k, _)| *k))
+                            .map(Err)
+                    }
+                })
+                .collect();
+            let asked: Vec<Range<u64>> = batch
+                .iter()
+                .zip(&landed)
+                .filter(|(_, l)| l.is_none())
+                .map(|((_, bound), _)| bound.clone())
+                .collect();
+            if !asked.is_empty() {
                 let began = Instant::now();
-                let landed = self
+                let outcome = self
                     .origin(spans.kind)
-                    .and_then(|(backend, _)| self.fetch_from(backend, start..end, deadline))
-                    .inspect_err(|_| {
-                        self.remember_failure(spans.kind, run.iter().map(|(k, _)| *k))
-                    });
+                    .and_then(|(backend, _)| self.fetch_many_from(backend, &asked, deadline));
                 // Which thread asked (a FUSE read, readahead, nearby, prefetch, fill) and
                 // how long it took: what a start's critical path is made of.
                 tracing::debug!(
                     kind = spans.kind.name(),
-                    first = run[0].0,
-                    pieces = run.len(),
-                    bytes = end - start,
+                    first = led[batch[0].0.start].0,
+                    runs = asked.len(),
+                    bytes = asked.iter().map(span_len).sum::<u64>(),
                     ms = began.elapsed().as_secs_f64() * 1e3,
                     by = std::thread::current().name().unwrap_or("?"),
                     "fetched"
                 );
-                landed
-            };
-            match landed {
-                Ok(data) => {
-                    fetched.bytes += data.len() as u64;
-                    for (k, f) in run.iter_mut() {
-                        let r = &spans.ranges[*k];
-                        let piece = data
-                            .get((r.start - start) as usize..(r.end - start) as usize)
-                            .unwrap_or_default();
-                        let outcome = self
-                            .verify_and_store(spans, *k, piece)
-                            .or_else(|e| self.refetch_from_fallback(spans, *k, deadline, e));
-                        match &outcome {
-                            Ok(b) => {
-                                out[*k - ks.start] = Some(b.clone());
-                                self.forget_failure(spans.kind, *k);
-                                if spans.kind == PieceKind::Span {
-                                    fetched.led.push(*k);
-                                }
-                            }
-                            // Wrong bytes (from the backend and any fallback): back off
-                            // like a failed fetch, so rereads do not fetch it again.
-                            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
-                                self.remember_failure(spans.kind, std::iter::once(*k))
-                            }
-                            Err(_) => {}
-                        }
-                        let outcome = outcome.inspect_err(|e| {
-                            if first_err.is_none() {
-                                first_err = Some(io::Error::new(e.kind(), e.to_string()));
-                            }
-                        });
-                        Self::land(f, outcome);
-                    }
+                let mut pieces = match outcome {
+                    Ok(pieces) => pieces.into_iter().map(Ok).collect::<Vec<_>>(),
+                    Err(e) => asked
+                        .iter()
+                        .map(|_| Err(io::Error::new(e.kind(), e.to_string())))
+                        .collect(),
                 }
-                Err(e) => {
-                    for (_, f) in run.iter_mut() {
-                        Self::land(f, Err(io::Error::new(e.kind(), e.to_string())));
+                .into_iter();
+                for ((run, _), l) in batch.iter().zip(landed.iter_mut()) {
+                    if l.is_none() {
+                        let piece = pieces
+                            .next()
+                            .unwrap_or_else(|| Err(io::Error::other("a run went unanswered")));
+                        if piece.is_err() {
+                            self.remember_failure(
+                                spans.kind,
+                                led[run.clone()].iter().map(|(k, _)| *k),
+                            );
+                        }
+                        *l = Some(piece);
                     }
-                    first_err.get_or_insert(e);
                 }
             }
-            i = j;
+            for ((run, bound), l) in batch.into_iter().zip(landed) {
+                let start = bound.start;
+                let run = &mut led[run];
+                match l.unwrap_or_else(|| Err(io::Error::other("a run went unanswered"))) {
+                    Ok(data) => {
+                        fetched.bytes += data.len() as u64;
+                        for (k, f) in run.iter_mut() {
+                            let r = &spans.ranges[*k];
+                            let piece = data
+                                .get((r.start - start) as usize..(r.end - start) as usize)
+                                .unwrap_or_default();
+                            let outcome = self
+                                .verify_and_store(spans, *k, piece)
+                                .or_else(|e| self.refetch_from_fallback(spans, *k, deadline, e));
+                            match &outcome {
+                                Ok(b) => {
+                                    if let Some(slot) = slot_of(*k) {
+                                        out[slot] = Some(b.clone());
+                                    }
+                                    self.forget_failure(spans.kind, *k);
+                                    if spans.kind == PieceKind::Span {
+                                        fetched.led.push(*k);
+                                    }
+                                }
+                                // Wrong bytes (from the backend and any fallback): back
+                                // off like a failed fetch, so rereads do not fetch it again.
+                                Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                                    self.remember_failure(spans.kind, std::iter::once(*k))
+                                }
+                                Err(_) => {}
+                            }
+                            let outcome = outcome.inspect_err(|e| {
+                                if first_err.is_none() {
+                                    first_err = Some(io::Error::new(e.kind(), e.to_string()));
+                                }
+                            });
+                            Self::land(f, outcome);
+                        }
+                    }
+                    Err(e) => {
+                        for (_, f) in run.iter_mut() {
+                            Self::land(f, Err(io::Error::new(e.kind(), e.to_string())));
+                        }
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
         }
         if let Some(e) = first_err {
             return Err(e);
         }
         for (k, f) in followed {
             MountStats::add(&self.stats.shared_waits, 1);
-            out[k - ks.start] = Some(follow(&f, deadline)?);
+            if let Some(slot) = slot_of(k) {
+                out[slot] = Some(follow(&f, deadline)?);
+            }
         }
         out.into_iter()
             .map(|b| b.ok_or_else(|| io::Error::other("span missing after fetch")))

@@ -90,6 +90,11 @@ pub(crate) struct TestBackend {
     pub hang: AtomicBool,
     pub hang_release: Mutex<bool>,
     pub hang_cv: Condvar,
+    /// Answer several ranges in one call (as a registry answering `multipart/byteranges`);
+    /// each such call counts once in `calls`.
+    pub batches: AtomicBool,
+    /// The ranges of each call, in order.
+    pub asked: Mutex<Vec<Vec<Range<u64>>>>,
 }
 
 impl TestBackend {
@@ -118,6 +123,26 @@ impl RangeSource for TestBackend {
 
     fn read_range(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        self.asked.lock().unwrap().push(vec![range.clone()]);
+        self.answer(range)
+    }
+
+    fn read_ranges(&self, ranges: &[Range<u64>]) -> io::Result<Vec<Vec<u8>>> {
+        if !self.batches.load(Ordering::SeqCst) {
+            return ranges.iter().map(|r| self.read_range(r.clone())).collect();
+        }
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.asked.lock().unwrap().push(ranges.to_vec());
+        ranges.iter().map(|r| self.answer(r.clone())).collect()
+    }
+
+    fn batches_ranges(&self) -> bool {
+        self.batches.load(Ordering::SeqCst)
+    }
+}
+
+impl TestBackend {
+    fn answer(&self, range: Range<u64>) -> io::Result<Vec<u8>> {
         if self.hang.load(Ordering::SeqCst) {
             let mut released = self.hang_release.lock().unwrap();
             while !*released {
@@ -851,6 +876,64 @@ fn warm_windows_brings_a_stretchs_missing_windows_in_one_request_and_span_fetche
     let storeless = WindowRig::new(None, None);
     assert_eq!(storeless.source.warm_windows(0..1 << 20).unwrap(), 0);
     assert_eq!(storeless.windows.calls.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn ranges_apart_are_fetched_in_one_request_where_the_backend_batches() {
+    for batches in [true, false] {
+        let (_dir, rig) = WindowRig::stored_many_blocks();
+        rig.spans.batches.store(batches, Ordering::SeqCst);
+        let spans = rig.source.spans.as_ref().unwrap();
+        assert!(spans.ranges.len() >= 16, "{} spans", spans.ranges.len());
+        let r = |k: usize| spans.ranges[k].clone();
+        // Three stretches apart, out of order, one of them twice.
+        // (A span's inner bytes: neighbouring spans share a boundary byte.)
+        let inner = |k: usize| r(k).start + 2..r(k).end - 2;
+        let asked = [inner(9), inner(1).start..inner(2).end, inner(5), inner(9)];
+        let fetched = rig.source.warm_spans_many(&asked).unwrap();
+        // The spans covering them (neighbouring spans share a boundary byte), each once,
+        // in runs of neighbours: nothing between the runs is fetched.
+        let mut ks: Vec<usize> = asked.iter().flat_map(|a| spans.covering(a)).collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let mut runs: Vec<Range<u64>> = Vec::new();
+        for (i, &k) in ks.iter().enumerate() {
+            if i > 0 && ks[i - 1] + 1 == k {
+                runs.last_mut().unwrap().end = spans.ranges[k].end;
+            } else {
+                runs.push(spans.ranges[k].clone());
+            }
+        }
+        assert_eq!(runs.len(), 3, "three runs: {ks:?}");
+        let want: u64 = runs.iter().map(span_len).sum();
+        assert_eq!(fetched, want, "each covering span once");
+        let calls = rig.spans.asked.lock().unwrap().clone();
+        if batches {
+            assert_eq!(calls, vec![runs.clone()], "one request");
+            assert_eq!(rig.stats.requests.load(Ordering::Relaxed), 1);
+        } else {
+            assert_eq!(
+                calls,
+                runs.iter().map(|r| vec![r.clone()]).collect::<Vec<_>>()
+            );
+            assert_eq!(rig.stats.requests.load(Ordering::Relaxed), 3);
+        }
+        // All local now: reads inflate them without asking again.
+        assert_eq!(rig.source.warm_spans_many(&asked).unwrap(), 0);
+        assert_eq!(rig.spans.asked.lock().unwrap().len(), calls.len());
+        // Spans with local ones between them: one request for both runs.
+        assert!(rig.source.warm_spans(inner(14)).unwrap() > 0);
+        rig.spans.asked.lock().unwrap().clear();
+        rig.source
+            .warm_spans(inner(13).start..inner(15).end)
+            .unwrap();
+        let calls = rig.spans.asked.lock().unwrap().clone();
+        if batches {
+            assert_eq!(calls, vec![vec![r(13), r(15)]]);
+        } else {
+            assert_eq!(calls, vec![vec![r(13)], vec![r(15)]]);
+        }
+    }
 }
 
 #[test]

@@ -1,7 +1,9 @@
 //! HTTP `Range` (blob reads) and `Content-Range` (chunked uploads) parsing.
 //!
-//! Only what registries need: one byte range per request. Multi-range requests are
-//! answered with the whole blob (allowed by RFC 9110), which every client handles.
+//! One byte range per request here; a request for several ranges of a blob is answered
+//! as `multipart/byteranges` by the blob handler (`ferry_registry_client::byteranges`)
+//! where they are in order and apart, and with the whole blob otherwise (allowed by
+//! RFC 9110, and every client handles it).
 
 pub use ferry_registry_client::{RangeRequest, parse_range};
 

@@ -373,9 +373,26 @@ async fn ranges() {
         let r = get("bytes=100-").await;
         assert_eq!(r.status, StatusCode::RANGE_NOT_SATISFIABLE);
         assert_eq!(r.header("content-range"), "bytes */100");
-        let r = get("bytes=0-1,5-6").await;
-        assert_eq!(r.status, StatusCode::OK);
-        assert_eq!(&r.body[..], &data[..]);
+        // Several ranges in order and apart: one multipart answer, both cached and not.
+        let r = get("bytes=0-1,5-6,-3").await;
+        assert_eq!(r.status, StatusCode::PARTIAL_CONTENT);
+        let boundary = ferry_registry_client::byteranges::boundary(r.header("content-type"))
+            .expect("multipart/byteranges")
+            .to_string();
+        assert_eq!(r.header("content-length"), r.body.len().to_string());
+        let parts = ferry_registry_client::byteranges::parse(&r.body, &boundary).unwrap();
+        let asked = [0..2, 5..7, 97..100];
+        let got = ferry_registry_client::byteranges::slices(&asked, &parts, &r.body).unwrap();
+        for (a, g) in asked.iter().zip(got) {
+            assert_eq!(g, &data[a.start as usize..a.end as usize]);
+        }
+        assert_eq!(parts.len(), 3, "one part per range");
+        // Overlapping, out of order, or touching: the whole blob.
+        for several in ["bytes=0-5,3-8", "bytes=5-6,0-1", "bytes=0-49,50-99"] {
+            let r = get(several).await;
+            assert_eq!(r.status, StatusCode::OK, "{several}");
+            assert_eq!(&r.body[..], &data[..]);
+        }
         let r = t
             .send(
                 Method::HEAD,
