@@ -32,7 +32,6 @@ use ferry_oci::ImageRef;
 use ferry_oci::media;
 use ferry_registry_client::{Client, ClientConfig, ClientError, Repo};
 use ferry_snapshotter::remote::LABEL_STAGED_DIR;
-use futures_util::StreamExt;
 use tokio::sync::Semaphore;
 
 use crate::containerd::Containerd;

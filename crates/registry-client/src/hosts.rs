@@ -36,6 +36,9 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderName, HeaderValue};
 
+/// containerd's default `config_path`, and ferry's.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/containerd/certs.d";
+
 /// Largest `hosts.toml` read.
 pub const MAX_HOSTS_FILE_BYTES: u64 = 1 << 20;
 /// Most `[host."…"]` tables in one file.
