@@ -356,11 +356,24 @@ fn is_host_port(s: &str) -> bool {
 const MAX_TRACE_DURATION: Duration = Duration::from_secs(3600);
 
 /// `[registry]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RegistrySection {
     /// `host[:port]` of registries spoken to over plain HTTP (loopback ones always are).
     pub plain_http: Vec<String>,
+    /// containerd's registry host directory (`<dir>/<host[:port]>/hosts.toml`: mirrors,
+    /// `server`, CA and client certificates), read so that one configuration serves
+    /// containerd and ferry. A missing directory means none; `""` turns it off.
+    pub config_path: PathBuf,
+}
+
+impl Default for RegistrySection {
+    fn default() -> Self {
+        RegistrySection {
+            plain_http: Vec::new(),
+            config_path: PathBuf::from(ferry_registry_client::hosts::DEFAULT_CONFIG_PATH),
+        }
+    }
 }
 
 impl DaemonConfig {
@@ -519,6 +532,8 @@ impl DaemonConfig {
         for host in &self.registry.plain_http {
             cfg.registry.entry(host.clone()).or_default().plain_http = true;
         }
+        cfg.config_path =
+            Some(self.registry.config_path.clone()).filter(|p| !p.as_os_str().is_empty());
         cfg
     }
 }
@@ -642,6 +657,7 @@ mod tests {
             root = "/root"
             [registry]
             plain_http = ["reg.local:5000"]
+            config_path = "/etc/ferry/certs.d"
             [trace]
             auto_record = false
             quiet = "500ms"
@@ -670,6 +686,20 @@ mod tests {
         let client = c.client_config();
         assert!(client.registry["reg.local:5000"].plain_http);
         assert_eq!(client.max_concurrent_downloads, 3);
+        assert_eq!(
+            client.config_path.as_deref(),
+            Some(Path::new("/etc/ferry/certs.d"))
+        );
+        let off = DaemonConfig::from_toml("[registry]\nconfig_path = \"\"\n").unwrap();
+        assert_eq!(off.client_config().config_path, None, "\"\" turns it off");
+        assert_eq!(
+            DaemonConfig::default()
+                .client_config()
+                .config_path
+                .as_deref(),
+            Some(Path::new("/etc/containerd/certs.d")),
+            "containerd's default"
+        );
         // Numbers are accepted where texts are.
         let n = DaemonConfig::from_toml("[fetch]\nrequest_size = 4096\ntimeout = 7\n").unwrap();
         assert_eq!(n.fetch.request_size, 4096);

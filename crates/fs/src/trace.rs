@@ -356,15 +356,13 @@ fn fetch_trace_blob(
         )));
     }
     let digest = blob.digest().to_string();
-    let bytes = runtime.handle().block_on(async {
-        let stream = client.blob_stream(repo, &digest, None).await?;
-        stream.collect_body("trace blob", blob.size()).await
-    })?;
-    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
-        return Err(Error::Invalid(format!(
-            "startup trace blob {digest} does not match its digest"
-        )));
-    }
+    // Verified by the client, which asks the registry itself when a mirror's bytes fail.
+    let bytes = runtime.handle().block_on(client.blob_verified(
+        repo,
+        &digest,
+        blob.size(),
+        "trace blob",
+    ))?;
     Trace::from_json(&bytes)
 }
 

@@ -32,7 +32,6 @@ use ferry_oci::ImageRef;
 use ferry_oci::media;
 use ferry_registry_client::{Client, ClientConfig, ClientError, Repo};
 use ferry_snapshotter::remote::LABEL_STAGED_DIR;
-use futures_util::StreamExt;
 use tokio::sync::Semaphore;
 
 use crate::containerd::Containerd;
@@ -377,27 +376,10 @@ async fn fetch_small_blob(
             "config {digest} is {size} bytes, more than the {MAX_CONFIG_BYTES} allowed"
         )));
     }
-    let mut stream = client.blob_stream(repo, digest, None).await?;
-    let mut out = Vec::with_capacity(size as usize);
-    while let Some(chunk) = stream.body.next().await {
-        let chunk = chunk.map_err(|e| PullError::Image(format!("config {digest}: {e}")))?;
-        if out.len() as u64 + chunk.len() as u64 > size {
-            return Err(PullError::Image(format!(
-                "config {digest} is larger than its descriptor's {size} bytes"
-            )));
-        }
-        out.extend_from_slice(&chunk);
-    }
-    let actual = format!(
-        "sha256:{}",
-        hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&out))
-    );
-    if actual != digest {
-        return Err(PullError::Registry(ClientError::DigestMismatch {
-            expected: digest.to_string(),
-            actual,
-        }));
-    }
+    // Verified by the client, which asks the registry itself when a mirror's bytes fail.
+    let out = client
+        .blob_verified(repo, digest, size, &format!("config {digest}"))
+        .await?;
     Ok(out)
 }
 

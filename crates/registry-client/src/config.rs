@@ -60,6 +60,13 @@ pub struct ClientConfig {
     pub monolithic_push_limit: u64,
     /// Look credentials up in docker's and podman's auth files.
     pub use_auth_files: bool,
+    /// containerd's registry host directory (`hosts.toml` per registry; see
+    /// [`crate::hosts`]). `None` or empty: not read. Where a host directory applies to a
+    /// registry, its hosts replace `mirrors` for that registry; `plain_http`,
+    /// `skip_tls_verify` and `credentials` still apply where hosts.toml leaves them unsaid
+    /// (credentials always come from here or the auth files, never from hosts.toml).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_path: Option<std::path::PathBuf>,
     /// Per-registry settings, keyed by `host[:port]`.
     pub registry: BTreeMap<String, RegistryConfig>,
 }
@@ -75,6 +82,7 @@ impl Default for ClientConfig {
             chunk_size: 16 << 20,
             monolithic_push_limit: 1 << 30,
             use_auth_files: true,
+            config_path: None,
             registry: BTreeMap::new(),
         }
     }

@@ -52,6 +52,7 @@ pub(crate) mod credentials;
 pub mod download;
 #[doc(hidden)]
 pub mod fuzz_api;
+pub mod hosts;
 pub mod retry;
 mod runtime;
 #[cfg(test)]
@@ -401,6 +402,55 @@ struct Endpoint {
     scheme: Option<&'static str>,
     skip_tls_verify: bool,
     mirror: bool,
+    /// What replaces `/v2` in request paths (a hosts.toml URL path or `override_path`);
+    /// `None`: `/v2`.
+    root: Option<Arc<str>>,
+    /// CA files, client certificates, dial timeout from hosts.toml: requests go through a
+    /// client built for them. `None`: the shared clients.
+    tls: Option<Arc<TlsKey>>,
+    /// Headers hosts.toml adds to every request to this endpoint.
+    headers: Arc<[(HeaderName, HeaderValue)]>,
+}
+
+/// The TLS (and dial) settings a dedicated HTTP client is built for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct TlsKey {
+    files: hosts::TlsFiles,
+    skip_verify: bool,
+    dial_timeout: Option<std::time::Duration>,
+}
+
+/// Which hosts of a hosts.toml a call may use (containerd's capabilities).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Want {
+    /// Content by digest.
+    Pull,
+    /// A tag (manifest by tag, tag list).
+    Resolve,
+    /// The registry itself only (writes, and what must not come from a mirror).
+    Origin,
+}
+
+impl Want {
+    fn allowed(self, c: &hosts::Capabilities) -> bool {
+        match self {
+            Want::Pull => c.pull,
+            Want::Resolve => c.resolve,
+            Want::Origin => true,
+        }
+    }
+}
+
+/// Whether a read of `path` resolves a tag (else it is content by digest).
+fn resolves_a_tag(path: &str) -> bool {
+    let path = path.split('?').next().unwrap_or(path);
+    if path.ends_with("/tags/list") {
+        return true;
+    }
+    match path.rsplit_once("/manifests/") {
+        Some((_, reference)) => !reference.contains(':'),
+        None => false,
+    }
 }
 
 impl Endpoint {
@@ -418,6 +468,14 @@ impl Endpoint {
         host_port == self.host
             && (url.scheme() == "https" || self.scheme == Some("http") || is_loopback(h))
     }
+}
+
+/// Why a request was not sent or not answered.
+#[derive(Debug)]
+enum Sent {
+    /// The endpoint's HTTP client could not be built (hosts.toml TLS files).
+    Config(ClientError),
+    Http(reqwest::Error),
 }
 
 /// Where a request goes.
@@ -440,8 +498,8 @@ struct Call {
     push: bool,
     /// Another repository this call needs pull access to (cross-repository mount).
     mount_from: Option<String>,
-    /// May be served by a pull mirror.
-    use_mirrors: bool,
+    /// Which hosts may serve it (mirrors for reads, by capability).
+    want: Want,
     /// For NotFound messages.
     what: String,
 }
@@ -449,6 +507,13 @@ struct Call {
 impl Call {
     fn new(method: Method, path: String, what: String) -> Self {
         let read = method == Method::GET || method == Method::HEAD;
+        let want = if !read {
+            Want::Origin
+        } else if resolves_a_tag(&path) {
+            Want::Resolve
+        } else {
+            Want::Pull
+        };
         Call {
             method,
             target: Target::Path(path),
@@ -456,7 +521,7 @@ impl Call {
             body: None,
             push: !read,
             mount_from: None,
-            use_mirrors: read,
+            want,
             what,
         }
     }
@@ -493,6 +558,101 @@ struct Inner {
     /// Registries that answered a request for several ranges with the whole blob: asked
     /// one range per request from then on (see [`Client::blob_ranges`]).
     single_range: Mutex<HashSet<String>>,
+    /// hosts.toml per registry, read on the registry's first use (`None`: no host
+    /// directory applies).
+    hosts: Mutex<HashMap<String, Option<Arc<hosts::HostsFile>>>>,
+    /// HTTP clients built for hosts.toml TLS settings (CA files, client certificates).
+    tls_clients: Mutex<HashMap<Arc<TlsKey>, reqwest::Client>>,
+}
+
+/// Most registries whose hosts.toml a client keeps parsed (more are read each time).
+const MAX_HOSTS_CACHED: usize = 1024;
+/// Most distinct TLS settings a client keeps a dedicated HTTP client for.
+const MAX_TLS_CLIENTS: usize = 256;
+/// Largest CA or client certificate file read.
+const MAX_PEM_BYTES: u64 = 1 << 20;
+
+fn read_pem(path: &std::path::Path) -> Result<Vec<u8>, ClientError> {
+    use std::io::Read;
+    let io = |source| ClientError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut out = Vec::new();
+    std::fs::File::open(path)
+        .map_err(io)?
+        .take(MAX_PEM_BYTES + 1)
+        .read_to_end(&mut out)
+        .map_err(io)?;
+    if out.len() as u64 > MAX_PEM_BYTES {
+        return Err(ClientError::Config(format!(
+            "{} is larger than {MAX_PEM_BYTES} bytes",
+            path.display()
+        )));
+    }
+    Ok(out)
+}
+
+/// One HTTP client (pool) with the given TLS settings.
+fn build_http(
+    cfg: &ClientConfig,
+    insecure: bool,
+    tls: Option<&TlsKey>,
+) -> Result<reqwest::Client, ClientError> {
+    let mut b = reqwest::Client::builder()
+        .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
+        .connect_timeout(cfg.connect_timeout)
+        .read_timeout(cfg.idle_timeout)
+        .pool_idle_timeout(std::time::Duration::from_secs(90))
+        .redirect(reqwest::redirect::Policy::none())
+        .danger_accept_invalid_certs(insecure);
+    if let Some(tls) = tls {
+        if let Some(d) = tls.dial_timeout {
+            b = b.connect_timeout(d);
+        }
+        for ca in &tls.files.ca {
+            let pem = read_pem(ca)?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
+                ClientError::Config(format!("CA file {}: {}", ca.display(), error_chain(&e)))
+            })?;
+            if certs.is_empty() {
+                return Err(ClientError::Config(format!(
+                    "CA file {} holds no PEM certificate",
+                    ca.display()
+                )));
+            }
+            for c in certs {
+                b = b.add_root_certificate(c);
+            }
+        }
+        if tls.files.client.len() > 1 {
+            tracing::warn!(
+                "hosts.toml names {} client certificates for one host; ferry presents the first",
+                tls.files.client.len()
+            );
+        }
+        if let Some((cert, key)) = tls.files.client.first() {
+            // One PEM buffer holding the certificate chain and the key, as rustls wants.
+            let mut pem = read_pem(cert)?;
+            if let Some(key) = key {
+                pem.push(b'\n');
+                pem.extend(read_pem(key)?);
+            }
+            let id = reqwest::Identity::from_pem(&pem).map_err(|e| {
+                ClientError::Config(format!(
+                    "client certificate {}{}: {}",
+                    cert.display(),
+                    key.as_ref()
+                        .map(|k| format!(" with key {}", k.display()))
+                        .unwrap_or_default(),
+                    error_chain(&e)
+                ))
+            })?;
+            b = b.identity(id);
+        }
+    }
+    b.build()
+        .map_err(|e| ClientError::Config(format!("HTTP client: {}", error_chain(&e))))
 }
 
 /// A registry client: cheap to clone; clones share the connection pool and token cache.
@@ -515,17 +675,7 @@ pub struct PutManifest {
 impl Client {
     /// Builds a client (no network traffic yet).
     pub fn new(cfg: ClientConfig) -> Result<Client, ClientError> {
-        let build = |insecure: bool| {
-            reqwest::Client::builder()
-                .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
-                .connect_timeout(cfg.connect_timeout)
-                .read_timeout(cfg.idle_timeout)
-                .pool_idle_timeout(std::time::Duration::from_secs(90))
-                .redirect(reqwest::redirect::Policy::none())
-                .danger_accept_invalid_certs(insecure)
-                .build()
-                .map_err(|e| ClientError::Config(format!("HTTP client: {}", error_chain(&e))))
-        };
+        let build = |insecure: bool| build_http(&cfg, insecure, None);
         if cfg.max_attempts == 0 || cfg.chunk_size == 0 || cfg.max_concurrent_downloads == 0 {
             return Err(ClientError::Config(
                 "client config: max_attempts, chunk_size and max_concurrent_downloads must be at least 1"
@@ -541,6 +691,8 @@ impl Client {
                 schemes: Mutex::new(HashMap::new()),
                 secrets: tokio::sync::Mutex::new(HashMap::new()),
                 single_range: Mutex::new(HashSet::new()),
+                hosts: Mutex::new(HashMap::new()),
+                tls_clients: Mutex::new(HashMap::new()),
             }),
             origin_only: false,
         })
@@ -557,7 +709,10 @@ impl Client {
 
     /// True when reads from `registry` may be served by a pull mirror.
     pub fn has_mirrors(&self, registry: &str) -> bool {
-        !self.origin_only && !self.registry_config(registry).mirrors.is_empty()
+        !self.origin_only
+            && self
+                .endpoints(registry, Want::Pull)
+                .is_ok_and(|eps| eps.iter().any(|ep| ep.mirror))
     }
 
     /// The configuration this client was built with.
@@ -582,10 +737,134 @@ impl Client {
             .unwrap_or_default()
     }
 
-    fn endpoints(&self, registry: &str, use_mirrors: bool) -> Vec<Endpoint> {
+    /// The hosts.toml that applies to `registry` (`config_path`), parsed once.
+    fn hosts_for(&self, registry: &str) -> Result<Option<Arc<hosts::HostsFile>>, ClientError> {
+        let Some(root) = self
+            .inner
+            .cfg
+            .config_path
+            .as_ref()
+            .filter(|p| !p.as_os_str().is_empty())
+        else {
+            return Ok(None);
+        };
+        if let Some(h) = self.inner.hosts.lock().get(registry) {
+            return Ok(h.clone());
+        }
+        let loaded = hosts::load(root, registry)
+            .map_err(|e| ClientError::Config(format!("registry host config: {e}")))?
+            .map(Arc::new);
+        if let Some(h) = &loaded {
+            tracing::debug!(registry, source = %h.source.display(), hosts = h.hosts.len(), "registry host config");
+            if !h.ignored_keys.is_empty() {
+                tracing::warn!(file = %h.source.display(), keys = ?h.ignored_keys, "ignoring keys ferry (and containerd) do not know");
+            }
+            if !self.registry_config(registry).mirrors.is_empty() {
+                tracing::warn!(registry, file = %h.source.display(), "hosts.toml applies to this registry: the client config's mirrors for it are not used");
+            }
+        }
+        let mut cache = self.inner.hosts.lock();
+        if cache.len() < MAX_HOSTS_CACHED {
+            cache.insert(registry.to_string(), loaded.clone());
+        }
+        Ok(loaded)
+    }
+
+    /// An endpoint for a host of a hosts.toml. `fallback`: ferry's own table for the
+    /// host, for what hosts.toml leaves unsaid (plain HTTP, skip verify).
+    fn hosts_endpoint(
+        loc_host: String,
+        scheme: Option<&'static str>,
+        root: &str,
+        settings: &hosts::HostSettings,
+        fallback: &RegistryConfig,
+        mirror: bool,
+    ) -> Endpoint {
+        let skip = settings.tls.skip_verify.unwrap_or(fallback.skip_tls_verify);
+        let dedicated = !settings.tls.ca.is_empty()
+            || !settings.tls.client.is_empty()
+            || settings.dial_timeout.is_some();
+        Endpoint {
+            host: loc_host,
+            scheme: scheme.or(fallback.plain_http.then_some("http")),
+            skip_tls_verify: skip,
+            mirror,
+            root: (root != "/v2").then(|| Arc::from(root)),
+            tls: dedicated.then(|| {
+                Arc::new(TlsKey {
+                    files: settings.tls.clone(),
+                    skip_verify: skip,
+                    dial_timeout: settings.dial_timeout,
+                })
+            }),
+            headers: settings.headers.clone().into(),
+        }
+    }
+
+    /// Where a call for `registry` may go, in order: mirrors (hosts.toml hosts with the
+    /// capability `want` needs, else the client config's `mirrors` for reads), then the
+    /// registry itself (hosts.toml `server`, else the host; docker.io is reached at
+    /// registry-1.docker.io).
+    fn endpoints(&self, registry: &str, want: Want) -> Result<Vec<Endpoint>, ClientError> {
         let rc = self.registry_config(registry);
+        let origin_host = if registry == "docker.io" || registry == "index.docker.io" {
+            "registry-1.docker.io".to_string()
+        } else {
+            registry.to_string()
+        };
         let mut out = Vec::new();
-        if use_mirrors {
+        if let Some(h) = self.hosts_for(registry)? {
+            if want != Want::Origin {
+                for e in &h.hosts {
+                    if want.allowed(&e.settings.capabilities) {
+                        let mc = self.registry_config(&e.location.host);
+                        out.push(Self::hosts_endpoint(
+                            e.location.host.clone(),
+                            e.location.scheme,
+                            &e.location.root,
+                            &e.settings,
+                            &mc,
+                            true,
+                        ));
+                    }
+                }
+            }
+            if want.allowed(&h.server_settings.capabilities) {
+                let (host, scheme, root) = match &h.server {
+                    Some(loc) => (
+                        if loc.host == "docker.io" {
+                            origin_host.clone()
+                        } else {
+                            loc.host.clone()
+                        },
+                        loc.scheme,
+                        loc.root.as_str(),
+                    ),
+                    None => (origin_host, None, "/v2"),
+                };
+                out.push(Self::hosts_endpoint(
+                    host,
+                    scheme,
+                    root,
+                    &h.server_settings,
+                    &rc,
+                    false,
+                ));
+            }
+            if out.is_empty() {
+                return Err(ClientError::Config(format!(
+                    "{}: no host has the capability to {} for {registry}",
+                    h.source.display(),
+                    if want == Want::Resolve {
+                        "resolve tags"
+                    } else {
+                        "pull"
+                    }
+                )));
+            }
+            return Ok(out);
+        }
+        if want != Want::Origin {
             for m in &rc.mirrors {
                 let (scheme, rest) = if let Some(r) = m.strip_prefix("http://") {
                     (Some("http"), r)
@@ -605,21 +884,29 @@ impl Client {
                     skip_tls_verify: mc.skip_tls_verify,
                     host,
                     mirror: true,
+                    root: None,
+                    tls: None,
+                    headers: Arc::from([]),
                 });
             }
         }
-        let host = if registry == "docker.io" || registry == "index.docker.io" {
-            "registry-1.docker.io".to_string()
-        } else {
-            registry.to_string()
-        };
         out.push(Endpoint {
-            host,
+            host: origin_host,
             scheme: rc.plain_http.then_some("http"),
             skip_tls_verify: rc.skip_tls_verify,
             mirror: false,
+            root: None,
+            tls: None,
+            headers: Arc::from([]),
         });
-        out
+        Ok(out)
+    }
+
+    /// The registry itself (never a mirror).
+    fn origin(&self, registry: &str) -> Result<Endpoint, ClientError> {
+        self.endpoints(registry, Want::Origin)?
+            .pop()
+            .ok_or_else(|| ClientError::Config(format!("no endpoint for {registry}")))
     }
 
     fn scheme_of(&self, ep: &Endpoint) -> &'static str {
@@ -653,12 +940,26 @@ impl Client {
         }
     }
 
-    fn http_for(&self, ep: &Endpoint) -> &reqwest::Client {
-        if ep.skip_tls_verify {
-            &self.inner.http_insecure
-        } else {
-            &self.inner.http
+    fn http_for(&self, ep: &Endpoint) -> Result<reqwest::Client, ClientError> {
+        let Some(key) = &ep.tls else {
+            return Ok(if ep.skip_tls_verify {
+                self.inner.http_insecure.clone()
+            } else {
+                self.inner.http.clone()
+            });
+        };
+        if let Some(c) = self.inner.tls_clients.lock().get(key) {
+            return Ok(c.clone());
         }
+        // Built outside the lock: it reads certificate files.
+        let c = build_http(&self.inner.cfg, key.skip_verify, Some(key)).map_err(|e| {
+            ClientError::Config(format!("TLS settings of {} (hosts.toml): {e}", ep.host))
+        })?;
+        let mut cache = self.inner.tls_clients.lock();
+        if cache.len() < MAX_TLS_CLIENTS {
+            cache.insert(key.clone(), c.clone());
+        }
+        Ok(c)
     }
 
     /// Credentials for a host (explicit config first, then docker/podman auth files).
@@ -687,7 +988,12 @@ impl Client {
     fn url_for(&self, ep: &Endpoint, target: &Target) -> Result<url::Url, ClientError> {
         let s = match target {
             Target::Url(u) => return Ok(u.clone()),
-            Target::Path(p) => format!("{}://{}{}", self.scheme_of(ep), ep.host, p),
+            Target::Path(p) => match (&ep.root, p.strip_prefix("/v2")) {
+                (Some(root), Some(rest)) => {
+                    format!("{}://{}{root}{rest}", self.scheme_of(ep), ep.host)
+                }
+                _ => format!("{}://{}{}", self.scheme_of(ep), ep.host, p),
+            },
         };
         url::Url::parse(&s).map_err(|e| ClientError::Invalid {
             what: format!("URL {s}"),
@@ -703,8 +1009,9 @@ impl Client {
         mut url: url::Url,
         call: &Call,
         mut auth: Option<String>,
-    ) -> Result<reqwest::Response, reqwest::Error> {
+    ) -> Result<reqwest::Response, Sent> {
         let origin = origin_of(&url);
+        let http = self.http_for(ep).map_err(Sent::Config)?;
         let mut method = call.method.clone();
         let mut body = call.body.clone();
         let mut hops = 0;
@@ -712,7 +1019,13 @@ impl Client {
             if origin_of(&url) != origin {
                 auth = None;
             }
-            let mut req = self.http_for(ep).request(method.clone(), url.clone());
+            let mut req = http.request(method.clone(), url.clone());
+            // hosts.toml headers are for that host, like credentials: not across hosts.
+            if origin_of(&url) == origin {
+                for (name, value) in ep.headers.iter() {
+                    req = req.header(name, value);
+                }
+            }
             req = req.headers(call.headers.clone());
             if let Some(a) = &auth {
                 req = req.header(header::AUTHORIZATION, a);
@@ -722,7 +1035,7 @@ impl Client {
             } else if method == Method::PUT || method == Method::POST || method == Method::PATCH {
                 req = req.header(header::CONTENT_LENGTH, "0");
             }
-            let resp = req.send().await?;
+            let resp = req.send().await.map_err(Sent::Http)?;
             let status = resp.status().as_u16();
             let location = resp
                 .headers()
@@ -750,9 +1063,12 @@ impl Client {
     /// Runs a call against mirrors (reads) then the registry.
     async fn execute(&self, repo: &Repo, call: &Call) -> Result<reqwest::Response, ClientError> {
         check_repo(repo)?;
-        let use_mirrors =
-            call.use_mirrors && !self.origin_only && matches!(call.target, Target::Path(_));
-        let endpoints = self.endpoints(&repo.registry, use_mirrors);
+        let want = if self.origin_only || !matches!(call.target, Target::Path(_)) {
+            Want::Origin
+        } else {
+            call.want
+        };
+        let endpoints = self.endpoints(&repo.registry, want)?;
         for ep in &endpoints {
             match self.execute_on(ep, repo, call).await {
                 Ok(resp) => return Ok(resp),
@@ -790,7 +1106,7 @@ impl Client {
             let auth = if same_host {
                 self.inner
                     .auth
-                    .authorize(self.http_for(ep), &ep.host, &scope, &secret, force_token)
+                    .authorize(&self.http_for(ep)?, &ep.host, &scope, &secret, force_token)
                     .await?
             } else {
                 None
@@ -809,7 +1125,8 @@ impl Client {
                     }
                     resp
                 }
-                Err(e) => {
+                Err(Sent::Config(e)) => return Err(e),
+                Err(Sent::Http(e)) => {
                     // A concurrent first request may have switched the host to http
                     // meanwhile: follow it, rather than count this as a failure (which
                     // cost a retry's backoff, or the call when retries are off).
@@ -823,7 +1140,9 @@ impl Client {
                         registry: ep.host.clone(),
                         message: error_chain(&e),
                     };
-                    if attempt < max_attempts {
+                    // A mirror that cannot be reached is not waited for: the next
+                    // endpoint (at last the registry itself) serves the call.
+                    if attempt < max_attempts && !ep.mirror {
                         retry::sleep(&self.inner.cfg, attempt, None).await;
                         attempt += 1;
                         continue;
@@ -905,8 +1224,71 @@ impl Client {
     // ------------------------------------------------------------------ manifests
 
     /// GETs a manifest by tag or digest; verifies its digest (the requested one, else the
-    /// registry's `Docker-Content-Digest`). `accept` empty means every manifest type.
+    /// registry's `Docker-Content-Digest`). `accept` empty means every manifest type. A
+    /// document a mirror served that does not verify is fetched again from the registry
+    /// itself.
     pub async fn get_manifest(
+        &self,
+        r: &Repo,
+        reference: &str,
+        accept: &[&str],
+    ) -> Result<Manifest, ClientError> {
+        match self.get_manifest_once(r, reference, accept).await {
+            Err(ClientError::DigestMismatch { expected, actual })
+                if self.has_mirrors(&r.registry) =>
+            {
+                tracing::warn!(%r, %expected, %actual, "a mirror served a manifest that does not verify; asking the registry itself");
+                self.origin_only()
+                    .get_manifest_once(r, reference, accept)
+                    .await
+            }
+            other => other,
+        }
+    }
+
+    /// A whole blob of at most `max` bytes (`what` names it in errors), checked against
+    /// its digest. Bytes a mirror served that do not verify (or that it failed to
+    /// serve) are fetched again from the registry itself; what reaches the caller
+    /// always verified.
+    pub async fn blob_verified(
+        &self,
+        r: &Repo,
+        digest: &str,
+        max: u64,
+        what: &str,
+    ) -> Result<Vec<u8>, ClientError> {
+        check_digest(digest)?;
+        let once = |c: Client| {
+            let what = what.to_string();
+            let (r, digest) = (r.clone(), digest.to_string());
+            async move {
+                let bytes = c
+                    .blob_stream(&r, &digest, None)
+                    .await?
+                    .collect_body(&what, max)
+                    .await?;
+                let actual = sha256_hex_digest(&bytes);
+                if actual != digest {
+                    return Err(ClientError::DigestMismatch {
+                        expected: digest,
+                        actual,
+                    });
+                }
+                Ok(bytes)
+            }
+        };
+        match once(self.clone()).await {
+            Err(e)
+                if self.has_mirrors(&r.registry) && !matches!(e, ClientError::TooLarge { .. }) =>
+            {
+                tracing::warn!(%r, %digest, error = %e, "{what} from a mirror failed or did not verify; asking the registry itself");
+                once(self.origin_only()).await
+            }
+            other => other,
+        }
+    }
+
+    async fn get_manifest_once(
         &self,
         r: &Repo,
         reference: &str,
@@ -1105,14 +1487,12 @@ impl Client {
     /// ([`Client::may_pull_with`]); the value is a secret and must not be logged.
     pub async fn pull_authorization(&self, r: &Repo) -> Result<Option<String>, ClientError> {
         check_repo(r)?;
-        let Some(ep) = self.endpoints(&r.registry, false).pop() else {
-            return Ok(None);
-        };
+        let ep = self.origin(&r.registry)?;
         let secret = self.secret_for(&ep, r).await;
         let scope = format!("repository:{}:pull", r.repository);
         self.inner
             .auth
-            .authorize(self.http_for(&ep), &ep.host, &scope, &secret, false)
+            .authorize(&self.http_for(&ep)?, &ep.host, &scope, &secret, false)
             .await
     }
 
@@ -1131,16 +1511,13 @@ impl Client {
     ) -> Result<bool, ClientError> {
         check_repo(r)?;
         check_digest(digest)?;
-        let ep = self
-            .endpoints(&r.registry, false)
-            .pop()
-            .ok_or_else(|| ClientError::Config(format!("no endpoint for {}", r.registry)))?;
+        let ep = self.origin(&r.registry)?;
         let target = Target::Path(format!("/v2/{}/blobs/{digest}", r.repository));
         let mut switched = false;
         loop {
             let url = self.url_for(&ep, &target)?;
             let https = url.scheme() == "https";
-            let mut req = self.http_for(&ep).head(url);
+            let mut req = self.http_for(&ep)?.head(url);
             if let Some(a) = authorization {
                 let v = HeaderValue::from_str(a).map_err(|e| ClientError::Invalid {
                     what: "forwarded authorization".into(),
@@ -1537,13 +1914,10 @@ impl Client {
         }
         let mut url = location;
         url.query_pairs_mut().append_pair("digest", digest);
-        let ep = self
-            .endpoints(&r.registry, false)
-            .pop()
-            .ok_or_else(|| ClientError::Config("no endpoint".into()))?;
+        let ep = self.origin(&r.registry)?;
         let same_host = ep.owns(&url);
-        let mut req = self
-            .http_for(&ep)
+        let http = self.http_for(&ep)?;
+        let mut req = http
             .put(url)
             .header(header::CONTENT_TYPE, "application/octet-stream")
             .header(header::CONTENT_LENGTH, size.to_string())
@@ -1554,7 +1928,7 @@ impl Client {
             if let Some(a) = self
                 .inner
                 .auth
-                .authorize(self.http_for(&ep), &ep.host, &scope, &secret, false)
+                .authorize(&http, &ep.host, &scope, &secret, false)
                 .await?
             {
                 req = req.header(header::AUTHORIZATION, a);

@@ -31,6 +31,8 @@ struct Recorded {
     path: String,
     authorization: Option<String>,
     range: Option<String>,
+    /// The `x-ferry-test` header (hosts.toml `header`).
+    x_test: Option<String>,
 }
 
 #[derive(Debug)]
@@ -56,6 +58,8 @@ struct Fake {
     corrupt_manifests: AtomicBool,
     /// Answer everything under /v2/ with 404 (a useless mirror).
     all_404: AtomicBool,
+    /// Serve the API under this path instead of `/v2` (a mirror behind a prefix).
+    api_root: Mutex<Option<String>>,
     log: Mutex<Vec<Recorded>>,
 }
 
@@ -77,6 +81,7 @@ impl Default for Fake {
             redirect_blobs: Mutex::new(None),
             corrupt_manifests: AtomicBool::new(false),
             all_404: AtomicBool::new(false),
+            api_root: Mutex::new(None),
             log: Mutex::default(),
         }
     }
@@ -199,12 +204,21 @@ impl Fake {
 }
 
 async fn handle(State(fake): State<Arc<Fake>>, req: Request) -> Response {
-    let path = req.uri().path().to_string();
+    let raw_path = req.uri().path().to_string();
+    let mut path = raw_path.clone();
+    let root = fake.api_root.lock().unwrap().clone();
+    if let Some(root) = root {
+        // Only the prefixed API exists; `/v2` itself is not found.
+        path = match path.strip_prefix(&root) {
+            Some(rest) => format!("/v2{rest}"),
+            None => format!("/not-served{path}"),
+        };
+    }
     let query = req.uri().query().unwrap_or("").to_string();
     let method = req.method().to_string();
     fake.log.lock().unwrap().push(Recorded {
         method: method.clone(),
-        path: format!("{path}?{query}"),
+        path: format!("{raw_path}?{query}"),
         authorization: req
             .headers()
             .get("authorization")
@@ -213,6 +227,11 @@ async fn handle(State(fake): State<Arc<Fake>>, req: Request) -> Response {
         range: req
             .headers()
             .get("range")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        x_test: req
+            .headers()
+            .get("x-ferry-test")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string),
     });
@@ -1180,6 +1199,9 @@ fn credentials_never_follow_a_downgrade_to_plain_http() {
         scheme: None,
         skip_tls_verify: false,
         mirror: false,
+        root: None,
+        tls: None,
+        headers: Arc::from([]),
     };
     let url = |s: &str| url::Url::parse(s).unwrap();
     assert!(tls.owns(&url("https://registry.example:5000/v2/x/tags/list?last=a")));
@@ -1200,4 +1222,242 @@ fn credentials_never_follow_a_downgrade_to_plain_http() {
 
 fn name(s: &str) -> ferry_oci::RepositoryName {
     ferry_oci::RepositoryName::parse(s).unwrap()
+}
+
+// ------------------------------------------------------------------ hosts.toml
+
+/// A `config_path` directory with one `hosts.toml` for `registry`.
+fn hosts_dir(registry: &str, text: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let host_dir = dir.path().join(registry);
+    std::fs::create_dir(&host_dir).unwrap();
+    std::fs::write(host_dir.join("hosts.toml"), text).unwrap();
+    dir
+}
+
+fn with_hosts(dir: &tempfile::TempDir) -> impl FnOnce(&mut ClientConfig) + '_ {
+    |cfg: &mut ClientConfig| cfg.config_path = Some(dir.path().to_path_buf())
+}
+
+/// A loopback port nothing listens on.
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test]
+async fn hosts_toml_mirror_down_then_good_mirror_then_origin() {
+    let fake = start_fake().await;
+    let good = start_fake().await;
+    let d = fake.add_blob(b"origin bytes");
+    good.blobs
+        .lock()
+        .unwrap()
+        .insert(d.clone(), Bytes::from_static(b"origin bytes"));
+    good.link("team/app", &d);
+    let dir = hosts_dir(
+        &fake.host(),
+        &format!(
+            "[host.\"http://127.0.0.1:{}\"]\ncapabilities = [\"pull\"]\n\
+             [host.\"http://{}\"]\ncapabilities = [\"pull\", \"resolve\"]\n\
+             [host.\"http://{}\".header]\nx-ferry-test = \"from-hosts\"\n",
+            closed_port(),
+            good.host(),
+            good.host()
+        ),
+    );
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    assert!(c.has_mirrors(&fake.host()));
+    let start = Instant::now();
+    let got = collect(c.blob_stream(&r, &d, None).await.unwrap()).await;
+    assert_eq!(got, b"origin bytes");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "a refused mirror is not retried"
+    );
+    assert_eq!(
+        good.requests("GET", "/blobs/"),
+        1,
+        "the second host served it"
+    );
+    assert_eq!(
+        fake.requests("GET", "/blobs/"),
+        0,
+        "the origin was not needed"
+    );
+    let seen = good
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|r| r.x_test.as_deref() == Some("from-hosts"));
+    assert!(seen, "hosts.toml headers go to their host");
+    // Only the origin is left once the good mirror is gone too.
+    good.all_404.store(true, Ordering::SeqCst);
+    let got = collect(c.blob_stream(&r, &d, None).await.unwrap()).await;
+    assert_eq!(got, b"origin bytes");
+    assert_eq!(fake.requests("GET", "/blobs/"), 1);
+    assert!(
+        fake.log.lock().unwrap().iter().all(|r| r.x_test.is_none()),
+        "not to the origin"
+    );
+}
+
+#[tokio::test]
+async fn hosts_toml_capabilities_choose_hosts_per_call() {
+    let fake = start_fake().await;
+    let mirror = start_fake().await;
+    let doc = br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a","size":2},"layers":[]}"#;
+    let d = fake.add_manifest("team/app", "v1", media::OCI_MANIFEST, doc);
+    mirror.add_manifest("team/app", "v1", media::OCI_MANIFEST, doc);
+    let dir = hosts_dir(
+        &fake.host(),
+        &format!(
+            "[host.\"http://{}\"]\ncapabilities = [\"pull\"]\n",
+            mirror.host()
+        ),
+    );
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    // By tag: resolve, which the mirror may not do.
+    c.get_manifest(&r, "v1", &[]).await.unwrap();
+    assert_eq!(mirror.requests("GET", "/manifests/"), 0);
+    assert_eq!(fake.requests("GET", "/manifests/v1"), 1);
+    // By digest: pull, the mirror's.
+    c.get_manifest(&r, &d, &[]).await.unwrap();
+    assert_eq!(mirror.requests("GET", "/manifests/sha256:"), 1);
+    assert_eq!(fake.requests("GET", "/manifests/sha256:"), 0);
+    // A server that may not resolve leaves nobody to ask: a clear error.
+    let dir = hosts_dir(
+        &fake.host(),
+        &format!(
+            "capabilities = [\"pull\"]\n[host.\"http://{}\"]\ncapabilities = [\"pull\"]\n",
+            mirror.host()
+        ),
+    );
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    let e = c.get_manifest(&r, "v1", &[]).await.unwrap_err().to_string();
+    assert!(e.contains("hosts.toml") && e.contains("resolve"), "{e}");
+}
+
+#[tokio::test]
+async fn hosts_toml_corrupt_mirror_is_caught_and_the_origin_serves() {
+    let fake = start_fake().await;
+    let bad = start_fake().await;
+    let d = fake.add_blob(b"the real bytes");
+    bad.blobs
+        .lock()
+        .unwrap()
+        .insert(d.clone(), Bytes::from_static(b"corrupt bytes!"));
+    bad.link("team/app", &d);
+    let doc = br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}"#;
+    let md = fake.add_manifest("team/app", "v1", media::OCI_INDEX, doc);
+    bad.add_manifest("team/app", "v1", media::OCI_INDEX, doc);
+    bad.corrupt_manifests.store(true, Ordering::SeqCst);
+    let dir = hosts_dir(
+        &fake.host(),
+        &format!(
+            "[host.\"http://{}\"]\ncapabilities = [\"pull\"]\n",
+            bad.host()
+        ),
+    );
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    let got = c.blob_verified(&r, &d, 14, "test blob").await.unwrap();
+    assert_eq!(got, b"the real bytes");
+    assert_eq!(
+        bad.requests("GET", "/blobs/"),
+        1,
+        "the mirror was asked first"
+    );
+    assert_eq!(fake.requests("GET", "/blobs/"), 1, "then the origin");
+    let m = c.get_manifest(&r, &md, &[]).await.unwrap();
+    assert_eq!(m.digest, md);
+    assert_eq!(bad.requests("GET", "/manifests/"), 1);
+    assert_eq!(fake.requests("GET", "/manifests/"), 1);
+    // Without mirrors a mismatch is an error, not a loop.
+    let (c, r) = client_for(&bad, |_| {});
+    let e = c.blob_verified(&r, &d, 14, "test blob").await.unwrap_err();
+    assert!(matches!(e, ClientError::DigestMismatch { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn hosts_toml_override_path_and_server() {
+    let fake = start_fake().await;
+    let prefixed = start_fake().await;
+    *prefixed.api_root.lock().unwrap() = Some("/cache/team-mirror".into());
+    let d = prefixed.add_blob(b"behind a prefix");
+    // The origin named by `server` is another host than the registry's name.
+    let dir = hosts_dir(
+        "registry.invalid",
+        &format!(
+            "server = \"http://{}\"\n\
+             [host.\"http://{}/cache/team-mirror\"]\noverride_path = true\ncapabilities = [\"pull\"]\n",
+            fake.host(),
+            prefixed.host()
+        ),
+    );
+    let mut cfg = test_config();
+    cfg.config_path = Some(dir.path().to_path_buf());
+    let c = Client::new(cfg).unwrap();
+    let r = Repo::parse("registry.invalid", "team/app").unwrap();
+    let got = collect(c.blob_stream(&r, &d, None).await.unwrap()).await;
+    assert_eq!(got, b"behind a prefix");
+    assert_eq!(
+        prefixed.requests("GET", "/cache/team-mirror/team/app/blobs/"),
+        1
+    );
+    // Without override_path the URL's path gets /v2 appended: not served there, so the
+    // server (the fake, by `server`) answers.
+    let d2 = fake.add_blob(b"from the server");
+    let dir = hosts_dir(
+        "registry.invalid",
+        &format!(
+            "server = \"http://{}\"\n[host.\"http://{}/cache/team-mirror\"]\n",
+            fake.host(),
+            prefixed.host()
+        ),
+    );
+    let mut cfg = test_config();
+    cfg.config_path = Some(dir.path().to_path_buf());
+    let c = Client::new(cfg).unwrap();
+    let got = collect(c.blob_stream(&r, &d2, None).await.unwrap()).await;
+    assert_eq!(got, b"from the server");
+    assert_eq!(
+        prefixed.requests("GET", "/cache/team-mirror/v2/team/app/blobs/"),
+        1
+    );
+    // Pushes go to the server only.
+    assert_eq!(c.origin("registry.invalid").unwrap().host, fake.host());
+}
+
+#[tokio::test]
+async fn hosts_toml_bad_ca_file_is_a_clear_error_and_mirrors_fall_through() {
+    let fake = start_fake().await;
+    let d = fake.add_blob(b"origin bytes");
+    let dir = hosts_dir(
+        &fake.host(),
+        &format!(
+            "[host.\"https://127.0.0.1:{}\"]\nca = \"missing-ca.pem\"\n",
+            closed_port()
+        ),
+    );
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    // The mirror's TLS settings cannot be built: skipped, the origin serves.
+    let got = collect(c.blob_stream(&r, &d, None).await.unwrap()).await;
+    assert_eq!(got, b"origin bytes");
+    // The same on the server itself is the call's error, naming the file.
+    let dir = hosts_dir(&fake.host(), "ca = \"missing-ca.pem\"\n");
+    let (c, r) = client_for(&fake, with_hosts(&dir));
+    let e = c.blob_stream(&r, &d, None).await.unwrap_err().to_string();
+    assert!(e.contains("missing-ca.pem"), "{e}");
+}
+
+#[test]
+fn tag_reads_resolve_and_digest_reads_pull() {
+    assert!(resolves_a_tag("/v2/a/b/manifests/latest"));
+    assert!(resolves_a_tag("/v2/a/b/tags/list?n=10"));
+    assert!(!resolves_a_tag(
+        "/v2/a/b/manifests/sha256:0000000000000000000000000000000000000000000000000000000000000000"
+    ));
+    assert!(!resolves_a_tag("/v2/a/b/blobs/sha256:00"));
+    assert!(!resolves_a_tag("/v2/a/b/referrers/sha256:00"));
 }

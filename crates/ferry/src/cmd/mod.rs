@@ -18,7 +18,7 @@ pub mod status;
 pub mod store;
 pub mod trace;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use ferry_oci::{ImageRef, OciLayout, Platform};
@@ -71,6 +71,7 @@ pub fn platform_image(
     image: &str,
     platform: &ferry_oci::Platform,
     plain_http: bool,
+    config_path: Option<PathBuf>,
 ) -> Result<String> {
     use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
     let parsed = ferry_oci::ImageRef::parse(image)?;
@@ -87,7 +88,10 @@ pub fn platform_image(
             repository,
             ..
         } => {
-            let mut cfg = ClientConfig::default();
+            let mut cfg = ClientConfig {
+                config_path,
+                ..ClientConfig::default()
+            };
             if plain_http {
                 cfg.registry.entry(registry.clone()).or_default().plain_http = true;
             }
@@ -109,6 +113,11 @@ pub fn platform_image(
 }
 
 /// A current-thread async runtime for one command's registry calls.
+/// The registry client's `config_path` from a `--registry-config-path` value (`""`: off).
+pub fn registry_config_path(flag: &Path) -> Option<PathBuf> {
+    (!flag.as_os_str().is_empty()).then(|| flag.to_path_buf())
+}
+
 pub fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -59,6 +59,11 @@ pub struct Args {
     /// Speak plain HTTP to the registry (loopback registries get it automatically).
     #[arg(long)]
     plain_http: bool,
+    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
+    /// `server`, certificates), as containerd's `config_path`; "" turns it off. A mount
+    /// through the daemon uses the daemon's `[registry] config_path`.
+    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
+    registry_config_path: PathBuf,
     /// Keep this file updated with the mount's counters as JSON; the mount is then
     /// served by its own detached process, not the daemon (`ferry status --json` shows
     /// the daemon's mounts).
@@ -90,7 +95,12 @@ pub struct UmountArgs {
 /// Runs `ferry mount`.
 pub fn run(mut args: Args) -> Result<()> {
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
+        args.image = super::platform_image(
+            &args.image,
+            &platform,
+            args.plain_http,
+            super::registry_config_path(&args.registry_config_path),
+        )?;
     }
     let mountpoint = args
         .mountpoint
@@ -130,6 +140,7 @@ pub fn run(mut args: Args) -> Result<()> {
         cfg.registry.entry(registry).or_default().plain_http = true;
     }
     cfg.max_concurrent_downloads = args.concurrency;
+    cfg.config_path = super::registry_config_path(&args.registry_config_path);
     let client = Client::new(cfg)?;
     let runtime = RangeRuntime::new()?;
     let source = ImageSource::open(&args.image, &client, &runtime)
@@ -216,6 +227,8 @@ fn run_detached(args: &Args, mountpoint: &Path) -> Result<()> {
     if args.plain_http {
         cmd.arg("--plain-http");
     }
+    cmd.arg("--registry-config-path")
+        .arg(&args.registry_config_path);
     if args.owner_only {
         cmd.arg("--owner-only");
     }
@@ -255,6 +268,11 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
         (args.request_size != 8 << 20, "--request-size"),
         (args.timeout != 30, "--timeout"),
         (args.plain_http, "--plain-http"),
+        (
+            args.registry_config_path
+                != Path::new(ferry_registry_client::hosts::DEFAULT_CONFIG_PATH),
+            "--registry-config-path",
+        ),
         (args.owner_only, "--owner-only"),
     ]
     .into_iter()
@@ -263,7 +281,7 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
     if !ignored.is_empty() {
         eprintln!(
             "ferry: warning: {} apply to --foreground mounts only; the daemon uses its config \
-             ([fetch], [fuse], [registry] plain_http)",
+             ([fetch], [fuse], [registry] plain_http and config_path)",
             ignored.join(", ")
         );
     }

@@ -48,6 +48,10 @@ pub struct Args {
     /// Talk plain HTTP to the registry.
     #[arg(long)]
     plain_http: bool,
+    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
+    /// `server`, certificates), as containerd's `config_path`; "" turns it off.
+    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
+    registry_config_path: PathBuf,
     /// The snapshotter's name in containerd.
     #[arg(long, default_value = "ferry")]
     snapshotter: String,
@@ -87,6 +91,7 @@ pub fn run(args: Args) -> Result<()> {
     let mut registry = ClientConfig {
         max_concurrent_downloads: args.concurrency.max(1),
         chunk_size: args.chunk_size,
+        config_path: super::registry_config_path(&args.registry_config_path),
         ..ClientConfig::default()
     };
     let credentials = match &args.creds {

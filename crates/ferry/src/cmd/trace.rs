@@ -177,7 +177,7 @@ fn record(mut args: RecordArgs) -> Result<()> {
         bail!("nothing to do with the trace: pass --output FILE and/or --publish");
     }
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
+        args.image = super::platform_image(&args.image, &platform, args.plain_http, None)?;
     }
     let client = client_for(&args.image, args.plain_http)?;
     let runtime = RangeRuntime::new()?;
@@ -318,7 +318,7 @@ fn run_chrooted(root: &Path, args: &RecordArgs) -> Result<std::process::ExitStat
 
 fn show(mut args: ShowArgs) -> Result<()> {
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(&args.image, &platform, args.plain_http)?;
+        args.image = super::platform_image(&args.image, &platform, args.plain_http, None)?;
     }
     let client = client_for(&args.image, args.plain_http)?;
     let runtime = RangeRuntime::new()?;

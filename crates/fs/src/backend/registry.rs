@@ -155,12 +155,9 @@ pub async fn fetch_index_blob(
         )));
     }
     let digest = blob.digest().to_string();
-    let stream = client.blob_stream(repo, &digest, None).await?;
-    let bytes = stream.collect_body("index blob", blob.size()).await?;
-    if ferry_oci::sha256_digest(&bytes).to_string() != digest {
-        return Err(Error::Invalid(format!(
-            "index blob {digest} does not match its digest"
-        )));
-    }
+    // Verified by the client, which asks the registry itself when a mirror's bytes fail.
+    let bytes = client
+        .blob_verified(repo, &digest, blob.size(), "index blob")
+        .await?;
     Ok(ferry_index::image::decode_index_blob(blob, &bytes)?)
 }
