@@ -1592,27 +1592,10 @@ impl Client {
                 ));
             }
         }
-        let mut call = Call::new(
-            Method::GET,
-            format!("/v2/{}/blobs/{digest}", r.repository),
-            format!("blob {digest} in {r}"),
-        );
-        if let Some(rg) = &range {
-            call = call.header(header::RANGE, &format!("bytes={}-{}", rg.start, rg.end - 1))?;
-        }
-        let resp = match self.execute(r, &call).await {
-            Err(ClientError::Status {
-                status: 416,
-                registry,
-                ..
-            }) => {
-                return Err(ClientError::Invalid {
-                    what: format!("range of blob {digest} at {registry}"),
-                    reason: "past the end of the blob (416)".into(),
-                });
-            }
-            other => other?,
-        };
+        let range_header = range
+            .as_ref()
+            .map(|rg| format!("bytes={}-{}", rg.start, rg.end - 1));
+        let resp = self.get_blob(r, digest, range_header.as_deref()).await?;
         let status = resp.status().as_u16();
         let content_length = resp.content_length();
         let registry = r.registry.clone();
@@ -1692,6 +1675,35 @@ impl Client {
         }
     }
 
+    /// `GET` of blob `digest`, with `range` as its `Range` header; a 416 becomes an
+    /// error saying the range lies past the blob's end.
+    async fn get_blob(
+        &self,
+        r: &Repo,
+        digest: &str,
+        range: Option<&str>,
+    ) -> Result<reqwest::Response, ClientError> {
+        let mut call = Call::new(
+            Method::GET,
+            format!("/v2/{}/blobs/{digest}", r.repository),
+            format!("blob {digest} in {r}"),
+        );
+        if let Some(range) = range {
+            call = call.header(header::RANGE, range)?;
+        }
+        match self.execute(r, &call).await {
+            Err(ClientError::Status {
+                status: 416,
+                registry,
+                ..
+            }) => Err(ClientError::Invalid {
+                what: format!("range of blob {digest} at {registry}"),
+                reason: "past the end of the blob (416)".into(),
+            }),
+            other => other,
+        }
+    }
+
     /// Bytes `range` of blob `digest`, collected (at most the range's length).
     pub async fn blob_range(
         &self,
@@ -1743,25 +1755,9 @@ impl Client {
         if ranges.len() == 1 || !self.batches_ranges(&r.registry) {
             return self.blob_ranges_one_by_one(r, digest, ranges).await;
         }
-        let call = Call::new(
-            Method::GET,
-            format!("/v2/{}/blobs/{digest}", r.repository),
-            format!("blob {digest} in {r}"),
-        )
-        .header(header::RANGE, &byteranges::range_header(ranges))?;
-        let resp = match self.execute(r, &call).await {
-            Err(ClientError::Status {
-                status: 416,
-                registry,
-                ..
-            }) => {
-                return Err(ClientError::Invalid {
-                    what: format!("ranges of blob {digest} at {registry}"),
-                    reason: "past the end of the blob (416)".into(),
-                });
-            }
-            other => other?,
-        };
+        let resp = self
+            .get_blob(r, digest, Some(&byteranges::range_header(ranges)))
+            .await?;
         if resp.status().as_u16() != 206 {
             tracing::info!(
                 registry = %r.registry,
