@@ -43,7 +43,9 @@ pub(crate) fn parse(src: &str) -> Result<Value, String> {
         started = true;
         let indent = body.len() - trimmed.len();
         if body[..indent].contains('\t') {
-            return Err(format!("line {no}: tabs are not allowed in YAML indentation"));
+            return Err(format!(
+                "line {no}: tabs are not allowed in YAML indentation"
+            ));
         }
         lines.push(Line {
             no,
@@ -108,7 +110,11 @@ impl Parser {
                 break;
             }
             if l.indent > indent || !is_item(&l.text) {
-                return Err(format!("line {}: expected `- ` at column {}", l.no, indent + 1));
+                return Err(format!(
+                    "line {}: expected `- ` at column {}",
+                    l.no,
+                    indent + 1
+                ));
             }
             let no = l.no;
             let rest = l.text[1..].trim_start().to_string();
@@ -145,7 +151,10 @@ impl Parser {
             }
             if is_item(&l.text) {
                 // A sequence at the mapping's indentation belongs to the key before.
-                return Err(format!("line {}: a `- ` item where a key was expected", l.no));
+                return Err(format!(
+                    "line {}: a `- ` item where a key was expected",
+                    l.no
+                ));
             }
             let no = l.no;
             let (key, value) = split_key(&l.text, no)?

@@ -571,7 +571,12 @@ pub fn parse_response(bytes: &[u8], api_version: &str) -> Result<Response, Strin
         b.text
             .len()
             .cmp(&a.text.len())
-            .then(a.text.matches('*').count().cmp(&b.text.matches('*').count()))
+            .then(
+                a.text
+                    .matches('*')
+                    .count()
+                    .cmp(&b.text.matches('*').count()),
+            )
             .then(a.text.cmp(&b.text))
     });
     Ok(Response {
@@ -788,7 +793,11 @@ impl CredentialProviders {
                 reason: format!("plugin directory {} is not a directory", bin_dir.display()),
             });
         }
-        Ok(Self::new(parsed, bin_dir.to_path_buf(), Arc::new(SystemClock)))
+        Ok(Self::new(
+            parsed,
+            bin_dir.to_path_buf(),
+            Arc::new(SystemClock),
+        ))
     }
 
     /// The same providers with another plugin timeout (tests).

@@ -12,7 +12,10 @@ fn match_images_as_the_kubelet_matches() {
     // Globs within one host part.
     assert!(m("*.azurecr.io", "myreg.azurecr.io/app"));
     assert!(!m("*.azurecr.io", "azurecr.io/app"), "one part per glob");
-    assert!(!m("*.io", "a.azurecr.io/app"), "a glob matches one part only");
+    assert!(
+        !m("*.io", "a.azurecr.io/app"),
+        "a glob matches one part only"
+    );
     assert!(m("k8s.*.io", "k8s.gcr.io/pause"));
     assert!(m("app*.k8s.io", "app1.k8s.io/x"));
     assert!(!m("app*.k8s.io", "bpp1.k8s.io/x"));
@@ -84,7 +87,11 @@ fn kubelet_config_yaml_and_json() {
     assert_eq!(p.default_cache_duration, Duration::from_secs(12 * 3600));
     assert_eq!(p.args, ["get-credentials"]);
     assert!(p.matches("1.dkr.ecr.eu-west-1.amazonaws.com/x"));
-    assert_eq!(c.skipped.len(), 1, "service-account-token plugins are skipped");
+    assert_eq!(
+        c.skipped.len(),
+        1,
+        "service-account-token plugins are skipped"
+    );
     assert!(
         !format!("{c:?}").contains("very-secret-profile"),
         "env values are redacted"
@@ -104,11 +111,26 @@ fn bad_configs_say_why() {
         )
     };
     let cases = [
-        ("  - name: p\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n", "matchImages"),
-        ("  - name: p\n    matchImages: [a.io]\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n", "defaultCacheDuration"),
-        ("  - name: p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: v9\n", "apiVersion"),
-        ("  - name: ../p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n", "file name"),
-        ("  - name: p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n    surprise: 1\n", "surprise"),
+        (
+            "  - name: p\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+            "matchImages",
+        ),
+        (
+            "  - name: p\n    matchImages: [a.io]\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+            "defaultCacheDuration",
+        ),
+        (
+            "  - name: p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: v9\n",
+            "apiVersion",
+        ),
+        (
+            "  - name: ../p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n",
+            "file name",
+        ),
+        (
+            "  - name: p\n    matchImages: [a.io]\n    defaultCacheDuration: 1m\n    apiVersion: credentialprovider.kubelet.k8s.io/v1\n    surprise: 1\n",
+            "surprise",
+        ),
     ];
     for (provider, why) in cases {
         let err = parse_config(base(provider).as_bytes()).unwrap_err();
@@ -226,7 +248,10 @@ async fn plugin_gets_the_request_and_its_answer_is_used() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!((c.username.as_str(), c.password.as_str()), ("robot", "pw-1"));
+    assert_eq!(
+        (c.username.as_str(), c.password.as_str()),
+        ("robot", "pw-1")
+    );
     let req: serde_json::Value =
         serde_json::from_slice(&std::fs::read(p.dir.path().join("request")).unwrap()).unwrap();
     assert_eq!(req["apiVersion"], V1);
@@ -257,7 +282,10 @@ async fn plugin_gets_the_request_and_its_answer_is_used() {
     assert_eq!(p.runs(), 1);
     // Nothing secret in Debug.
     let shown = format!("{providers:?}");
-    assert!(!shown.contains("pw-1") && !shown.contains("env-secret"), "{shown}");
+    assert!(
+        !shown.contains("pw-1") && !shown.contains("env-secret"),
+        "{shown}"
+    );
 }
 
 #[tokio::test]
@@ -267,26 +295,47 @@ async fn cache_follows_the_cache_key_type() {
     let p = Plugin::new(&answer("Image", None, "*.example.com", "pw"));
     let prov = p.providers(&["*.example.com"], clock.clone());
     for _ in 0..3 {
-        prov.credentials("a.example.com", "one").await.unwrap().unwrap();
+        prov.credentials("a.example.com", "one")
+            .await
+            .unwrap()
+            .unwrap();
     }
     assert_eq!(p.runs(), 1);
-    prov.credentials("a.example.com", "two").await.unwrap().unwrap();
+    prov.credentials("a.example.com", "two")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 2);
 
     // Registry: any repository of the registry is served; another registry asks.
     let p = Plugin::new(&answer("Registry", None, "*.example.com", "pw"));
     let prov = p.providers(&["*.example.com"], clock.clone());
-    prov.credentials("a.example.com", "one").await.unwrap().unwrap();
-    prov.credentials("a.example.com", "two").await.unwrap().unwrap();
+    prov.credentials("a.example.com", "one")
+        .await
+        .unwrap()
+        .unwrap();
+    prov.credentials("a.example.com", "two")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 1);
-    prov.credentials("b.example.com", "one").await.unwrap().unwrap();
+    prov.credentials("b.example.com", "one")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 2);
 
     // Global: one answer for everything.
     let p = Plugin::new(&answer("Global", None, "*.example.com", "pw"));
     let prov = p.providers(&["*.example.com"], clock.clone());
-    prov.credentials("a.example.com", "one").await.unwrap().unwrap();
-    prov.credentials("b.example.com", "two").await.unwrap().unwrap();
+    prov.credentials("a.example.com", "one")
+        .await
+        .unwrap()
+        .unwrap();
+    prov.credentials("b.example.com", "two")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 1);
 }
 
@@ -295,33 +344,60 @@ async fn expiry_refresh_and_forget() {
     let clock = Arc::new(ManualClock::default());
     let p = Plugin::new(&answer("Registry", Some("1m"), "reg.example.com", "pw"));
     let prov = p.providers(&["reg.example.com"], clock.clone());
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     clock.advance(Duration::from_secs(59));
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 1, "still fresh");
     clock.advance(Duration::from_secs(2));
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 2, "expired: asked again");
     prov.forget("reg.example.com", "app");
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 3, "forgotten: asked again");
 
     // cacheDuration 0: never cached.
     let p = Plugin::new(&answer("Image", Some("0s"), "reg.example.com", "pw"));
     let prov = p.providers(&["reg.example.com"], clock.clone());
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 2);
 
     // No cacheDuration: the provider's default (600 s here).
     let p = Plugin::new(&answer("Image", None, "reg.example.com", "pw"));
     let prov = p.providers(&["reg.example.com"], clock.clone());
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     clock.advance(Duration::from_secs(599));
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 1);
     clock.advance(Duration::from_secs(2));
-    prov.credentials("reg.example.com", "app").await.unwrap().unwrap();
+    prov.credentials("reg.example.com", "app")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(p.runs(), 2);
 }
 
@@ -338,7 +414,10 @@ async fn a_slow_plugin_is_killed_at_the_timeout() {
         .unwrap_err();
     assert!(started.elapsed() < Duration::from_secs(10));
     let msg = err.to_string();
-    assert!(msg.contains("\"plugin\"") && msg.contains("killed"), "{msg}");
+    assert!(
+        msg.contains("\"plugin\"") && msg.contains("killed"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
