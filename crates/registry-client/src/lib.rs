@@ -1180,10 +1180,18 @@ impl Client {
                     .await
                 {
                     Ok(a) => a,
-                    Err(e @ ClientError::Unauthorized { .. }) if secret.from_provider => {
+                    Err(ClientError::Unauthorized { registry, message })
+                        if secret.from_provider =>
+                    {
                         self.forget_provider_secret(ep, repo);
                         if provider_refreshed {
-                            return Err(e);
+                            return Err(ClientError::Unauthorized {
+                                registry,
+                                message: format!(
+                                    "credentials from the kubelet credential provider were \
+                                     refused, also after asking it again: {message}"
+                                ),
+                            });
                         }
                         provider_refreshed = true;
                         secret = self.secret_for(ep, repo).await;
