@@ -365,6 +365,12 @@ pub struct RegistrySection {
     /// `server`, CA and client certificates), read so that one configuration serves
     /// containerd and ferry. A missing directory means none; `""` turns it off.
     pub config_path: PathBuf,
+    /// The kubelet's credential provider config (its `--image-credential-provider-config`,
+    /// a `CredentialProviderConfig`): plugins asked for credentials of repositories that
+    /// neither explicit config nor auth files cover, cached in memory only. `""`: off.
+    pub credential_provider_config: PathBuf,
+    /// Where those plugins are (the kubelet's `--image-credential-provider-bin-dir`).
+    pub credential_provider_bin_dir: PathBuf,
 }
 
 impl Default for RegistrySection {
@@ -372,6 +378,8 @@ impl Default for RegistrySection {
         RegistrySection {
             plain_http: Vec::new(),
             config_path: PathBuf::from(ferry_registry_client::hosts::DEFAULT_CONFIG_PATH),
+            credential_provider_config: PathBuf::new(),
+            credential_provider_bin_dir: PathBuf::new(),
         }
     }
 }
@@ -464,6 +472,23 @@ impl DaemonConfig {
                 )));
             }
         }
+        if !self
+            .registry
+            .credential_provider_config
+            .as_os_str()
+            .is_empty()
+            && self
+                .registry
+                .credential_provider_bin_dir
+                .as_os_str()
+                .is_empty()
+        {
+            return Err(Error::Config(
+                "registry.credential_provider_config needs registry.credential_provider_bin_dir \
+                 (the kubelet's --image-credential-provider-bin-dir)"
+                    .into(),
+            ));
+        }
         Ok(())
     }
 
@@ -534,6 +559,9 @@ impl DaemonConfig {
         }
         cfg.config_path =
             Some(self.registry.config_path.clone()).filter(|p| !p.as_os_str().is_empty());
+        let set = |p: &PathBuf| Some(p.clone()).filter(|p| !p.as_os_str().is_empty());
+        cfg.credential_provider_config = set(&self.registry.credential_provider_config);
+        cfg.credential_provider_bin_dir = set(&self.registry.credential_provider_bin_dir);
         cfg
     }
 }
@@ -689,6 +717,24 @@ mod tests {
         assert_eq!(
             client.config_path.as_deref(),
             Some(Path::new("/etc/ferry/certs.d"))
+        );
+        assert_eq!(client.credential_provider_config, None, "off by default");
+        let kubelet = DaemonConfig::from_toml(
+            "[registry]\ncredential_provider_config = \"/etc/kubernetes/credential-providers.yaml\"\n\
+             credential_provider_bin_dir = \"/usr/libexec/kubernetes/kubelet-plugins/credential-provider/exec\"\n",
+        )
+        .unwrap()
+        .client_config();
+        assert_eq!(
+            kubelet.credential_provider_config.as_deref(),
+            Some(Path::new("/etc/kubernetes/credential-providers.yaml"))
+        );
+        assert!(kubelet.credential_provider_bin_dir.is_some());
+        assert!(
+            DaemonConfig::from_toml("[registry]\ncredential_provider_config = \"/x.yaml\"\n")
+                .unwrap_err()
+                .to_string()
+                .contains("credential_provider_bin_dir")
         );
         let off = DaemonConfig::from_toml("[registry]\nconfig_path = \"\"\n").unwrap();
         assert_eq!(off.client_config().config_path, None, "\"\" turns it off");

@@ -113,10 +113,26 @@ struct Token {
 }
 
 /// Secrets for one host: basic credentials and/or an OAuth2 identity (refresh) token.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub(crate) struct HostSecret {
     pub basic: Option<Credentials>,
     pub identity_token: Option<String>,
+    /// The credentials came from a kubelet credential provider plugin: a refusal drops
+    /// them and asks the plugin again (once).
+    pub from_provider: bool,
+}
+
+impl std::fmt::Debug for HostSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostSecret")
+            .field("basic", &self.basic)
+            .field(
+                "identity_token",
+                &self.identity_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("from_provider", &self.from_provider)
+            .finish()
+    }
 }
 
 impl HostSecret {

@@ -67,6 +67,16 @@ pub struct ClientConfig {
     /// (credentials always come from here or the auth files, never from hosts.toml).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub config_path: Option<std::path::PathBuf>,
+    /// The kubelet's credential provider config (`CredentialProviderConfig`, as given to
+    /// its `--image-credential-provider-config`; see [`crate::credprovider`]). `None`:
+    /// no plugins. Plugins are asked only when neither `credentials` nor the auth files
+    /// have credentials for a repository.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential_provider_config: Option<std::path::PathBuf>,
+    /// Where the plugins named in `credential_provider_config` are (the kubelet's
+    /// `--image-credential-provider-bin-dir`); required with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential_provider_bin_dir: Option<std::path::PathBuf>,
     /// Per-registry settings, keyed by `host[:port]`.
     pub registry: BTreeMap<String, RegistryConfig>,
 }
@@ -83,6 +93,8 @@ impl Default for ClientConfig {
             monolithic_push_limit: 1 << 30,
             use_auth_files: true,
             config_path: None,
+            credential_provider_config: None,
+            credential_provider_bin_dir: None,
             registry: BTreeMap::new(),
         }
     }

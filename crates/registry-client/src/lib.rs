@@ -49,6 +49,7 @@ pub mod cache;
 pub mod config;
 pub mod copy;
 pub(crate) mod credentials;
+pub mod credprovider;
 pub mod download;
 #[doc(hidden)]
 pub mod fuzz_api;
@@ -563,6 +564,8 @@ struct Inner {
     hosts: Mutex<HashMap<String, Option<Arc<hosts::HostsFile>>>>,
     /// HTTP clients built for hosts.toml TLS settings (CA files, client certificates).
     tls_clients: Mutex<HashMap<Arc<TlsKey>, reqwest::Client>>,
+    /// Kubelet credential provider plugins (they cache their own answers, with expiry).
+    providers: Option<credprovider::CredentialProviders>,
 }
 
 /// Most registries whose hosts.toml a client keeps parsed (more are read each time).
@@ -675,6 +678,32 @@ pub struct PutManifest {
 impl Client {
     /// Builds a client (no network traffic yet).
     pub fn new(cfg: ClientConfig) -> Result<Client, ClientError> {
+        let providers = match (
+            &cfg.credential_provider_config,
+            &cfg.credential_provider_bin_dir,
+        ) {
+            (None, _) => None,
+            (Some(config), Some(bin_dir)) => Some(
+                credprovider::CredentialProviders::load(config, bin_dir)
+                    .map_err(|e| ClientError::Config(e.to_string()))?,
+            ),
+            (Some(config), None) => {
+                return Err(ClientError::Config(format!(
+                    "credential provider config {} needs a plugin directory \
+                     (credential_provider_bin_dir)",
+                    config.display()
+                )));
+            }
+        };
+        Self::with_credential_providers(cfg, providers)
+    }
+
+    /// Builds a client that asks `providers` for credentials no other source has
+    /// (whatever `cfg` says about provider files).
+    pub fn with_credential_providers(
+        cfg: ClientConfig,
+        providers: Option<credprovider::CredentialProviders>,
+    ) -> Result<Client, ClientError> {
         let build = |insecure: bool| build_http(&cfg, insecure, None);
         if cfg.max_attempts == 0 || cfg.chunk_size == 0 || cfg.max_concurrent_downloads == 0 {
             return Err(ClientError::Config(
@@ -693,6 +722,7 @@ impl Client {
                 single_range: Mutex::new(HashSet::new()),
                 hosts: Mutex::new(HashMap::new()),
                 tls_clients: Mutex::new(HashMap::new()),
+                providers,
             }),
             origin_only: false,
         })
@@ -962,27 +992,63 @@ impl Client {
         Ok(c)
     }
 
-    /// Credentials for a host (explicit config first, then docker/podman auth files).
+    /// Credentials for a host: explicit config first, then docker/podman auth files
+    /// (both kept for the client's life), then kubelet credential provider plugins (their
+    /// answers expire, so they are asked each time and cache on their own).
     async fn secret_for(&self, ep: &Endpoint, repo: &Repo) -> HostSecret {
         let name = if ep.mirror { &ep.host } else { &repo.registry };
         let key = (name.clone(), repo.repository.clone());
-        let mut cache = self.inner.secrets.lock().await;
-        if let Some(s) = cache.get(&key) {
-            return s.clone();
-        }
-        let explicit = self.registry_config(name).credentials;
-        let secret = match explicit {
-            Some(c) => HostSecret {
-                basic: Some(c),
-                identity_token: None,
-            },
-            None if self.inner.cfg.use_auth_files => {
-                credentials::lookup(name, repo.repository.as_str()).await
+        let fixed = {
+            let mut cache = self.inner.secrets.lock().await;
+            match cache.get(&key) {
+                Some(s) => s.clone(),
+                None => {
+                    let explicit = self.registry_config(name).credentials;
+                    let secret = match explicit {
+                        Some(c) => HostSecret {
+                            basic: Some(c),
+                            ..HostSecret::default()
+                        },
+                        None if self.inner.cfg.use_auth_files => {
+                            credentials::lookup(name, repo.repository.as_str()).await
+                        }
+                        None => HostSecret::default(),
+                    };
+                    cache.insert(key, secret.clone());
+                    secret
+                }
             }
-            None => HostSecret::default(),
         };
-        cache.insert(key, secret.clone());
-        secret
+        if !fixed.is_anonymous() {
+            return fixed;
+        }
+        if let Some(providers) = &self.inner.providers {
+            match providers.credentials(name, repo.repository.as_str()).await {
+                Ok(Some(c)) => {
+                    return HostSecret {
+                        basic: Some(c),
+                        identity_token: None,
+                        from_provider: true,
+                    };
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(
+                    registry = %name,
+                    repository = %repo.repository,
+                    error = %e,
+                    "no credentials from the credential provider; going on without them"
+                ),
+            }
+        }
+        fixed
+    }
+
+    /// Drops the plugin credentials the registry refused for `ep`/`repo`.
+    fn forget_provider_secret(&self, ep: &Endpoint, repo: &Repo) {
+        if let Some(providers) = &self.inner.providers {
+            let name = if ep.mirror { &ep.host } else { &repo.registry };
+            providers.forget(name, repo.repository.as_str());
+        }
     }
 
     fn url_for(&self, ep: &Endpoint, target: &Target) -> Result<url::Url, ClientError> {
@@ -1092,11 +1158,14 @@ impl Client {
         call: &Call,
     ) -> Result<reqwest::Response, ClientError> {
         let scope = call.scope(repo);
-        let secret = self.secret_for(ep, repo).await;
+        let mut secret = self.secret_for(ep, repo).await;
         let max_attempts = self.inner.cfg.max_attempts.max(1);
         let mut attempt = 1u32;
         let mut reauthenticated = false;
         let mut force_token = false;
+        // Plugin credentials the registry refused are dropped and asked for again, once
+        // (they expired or were rotated early); refused again, they are dropped for good.
+        let mut provider_refreshed = false;
         loop {
             let url = self.url_for(ep, &call.target)?;
             let same_host = match &call.target {
@@ -1104,10 +1173,33 @@ impl Client {
                 Target::Url(u) => ep.owns(u),
             };
             let auth = if same_host {
-                self.inner
+                match self
+                    .inner
                     .auth
                     .authorize(&self.http_for(ep)?, &ep.host, &scope, &secret, force_token)
-                    .await?
+                    .await
+                {
+                    Ok(a) => a,
+                    Err(ClientError::Unauthorized { registry, message })
+                        if secret.from_provider =>
+                    {
+                        self.forget_provider_secret(ep, repo);
+                        if provider_refreshed {
+                            return Err(ClientError::Unauthorized {
+                                registry,
+                                message: format!(
+                                    "credentials from the kubelet credential provider were \
+                                     refused, also after asking it again: {message}"
+                                ),
+                            });
+                        }
+                        provider_refreshed = true;
+                        secret = self.secret_for(ep, repo).await;
+                        force_token = true;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
             } else {
                 None
             };
@@ -1176,9 +1268,24 @@ impl Client {
                         self.inner.auth.invalidate(&ep.host, &scope);
                         continue;
                     }
+                    if secret.from_provider && same_host {
+                        self.forget_provider_secret(ep, repo);
+                        if !provider_refreshed {
+                            provider_refreshed = true;
+                            secret = self.secret_for(ep, repo).await;
+                            force_token = true;
+                            self.inner.auth.invalidate(&ep.host, &scope);
+                            continue;
+                        }
+                    }
                     let msg = error_message(resp).await;
                     let why = if secret.is_anonymous() {
                         format!("{msg} (no credentials were found for {})", ep.host)
+                    } else if secret.from_provider {
+                        format!(
+                            "{msg} (credentials from the kubelet credential provider were \
+                             refused, also after asking it again)"
+                        )
                     } else {
                         format!("{msg} (credentials were refused)")
                     };

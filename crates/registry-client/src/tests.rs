@@ -1484,3 +1484,123 @@ fn tag_reads_resolve_and_digest_reads_pull() {
     assert!(!resolves_a_tag("/v2/a/b/blobs/sha256:00"));
     assert!(!resolves_a_tag("/v2/a/b/referrers/sha256:00"));
 }
+
+// ------------------------------------------------------------------ credential providers
+
+/// A plugin directory whose `plugin` answers with password `pw-N` for its N-th run (its
+/// runs counted in `runs`), and `alice` as the username.
+fn provider_plugin(passwords: &[&str], duration: &str) -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cases = String::new();
+    for (i, p) in passwords.iter().enumerate() {
+        cases.push_str(&format!("  {}) pw='{p}' ;;\n", i + 1));
+    }
+    let script = format!(
+        r#"#!/bin/sh
+d="$(dirname "$0")"
+cat > /dev/null
+echo run >> "$d/runs"
+n=$(wc -l < "$d/runs")
+case $n in
+{cases}  *) pw='{last}' ;;
+esac
+printf '{{"apiVersion":"credentialprovider.kubelet.k8s.io/v1","kind":"CredentialProviderResponse","cacheKeyType":"Registry","cacheDuration":"{duration}","auth":{{"127.0.0.1":{{"username":"alice","password":"%s"}}}}}}' "$pw"
+"#,
+        last = passwords.last().unwrap()
+    );
+    let path = dir.path().join("plugin");
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+fn plugin_runs(dir: &tempfile::TempDir) -> usize {
+    std::fs::read_to_string(dir.path().join("runs"))
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+fn provider_client(
+    fake: &Fake,
+    dir: &tempfile::TempDir,
+    clock: Arc<dyn credprovider::Clock>,
+) -> (Client, Repo) {
+    let port = fake.host().rsplit_once(':').unwrap().1.to_string();
+    let config = credprovider::ProvidersConfig {
+        providers: vec![credprovider::Provider {
+            name: "plugin".into(),
+            match_images: vec![
+                credprovider::ImagePattern::parse(&format!("127.0.0.1:{port}")).unwrap(),
+            ],
+            default_cache_duration: Duration::from_secs(60),
+            api_version: "credentialprovider.kubelet.k8s.io/v1".into(),
+            args: Vec::new(),
+            env: Vec::new(),
+        }],
+        skipped: Vec::new(),
+    };
+    // The answer's auth key has no port; the plugin writes the one it was asked for.
+    let script = std::fs::read_to_string(dir.path().join("plugin")).unwrap();
+    std::fs::write(
+        dir.path().join("plugin"),
+        script.replace("\"127.0.0.1\"", &format!("\"127.0.0.1:{port}\"")),
+    )
+    .unwrap();
+    let providers = credprovider::CredentialProviders::new(config, dir.path().to_path_buf(), clock);
+    (
+        Client::with_credential_providers(test_config(), Some(providers)).unwrap(),
+        Repo::parse(fake.host(), "team/app").unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn provider_credentials_refused_are_asked_for_again_once() {
+    let fake = start_fake().await;
+    *fake.auth.lock().unwrap() = AuthMode::Basic;
+    let d = fake.add_blob(b"x");
+    // The first answer is stale (rotated early); the second is good.
+    let dir = provider_plugin(&["stale", "s3cret"], "1h");
+    let (c, r) = provider_client(&fake, &dir, Arc::new(credprovider::SystemClock));
+    assert_eq!(c.blob_size(&r, &d).await.unwrap(), Some(1));
+    assert_eq!(plugin_runs(&dir), 2);
+    // The good answer is cached: no more runs.
+    assert_eq!(c.blob_size(&r, &d).await.unwrap(), Some(1));
+    assert_eq!(plugin_runs(&dir), 2);
+}
+
+#[tokio::test]
+async fn provider_credentials_refused_twice_fail_clearly_and_are_not_kept() {
+    let fake = start_fake().await;
+    *fake.auth.lock().unwrap() = AuthMode::Bearer { lifetime_secs: 60 };
+    let d = fake.add_blob(b"x");
+    let dir = provider_plugin(&["wrong"], "1h");
+    let (c, r) = provider_client(&fake, &dir, Arc::new(credprovider::SystemClock));
+    let err = c.blob_size(&r, &d).await.unwrap_err();
+    assert!(matches!(err, ClientError::Unauthorized { .. }), "{err}");
+    assert!(!err.to_string().contains("wrong"), "{err}");
+    assert_eq!(plugin_runs(&dir), 2, "asked once more, not in a loop");
+    // Nothing was kept: the next request asks again.
+    let _ = c.blob_size(&r, &d).await.unwrap_err();
+    assert_eq!(plugin_runs(&dir), 4);
+}
+
+#[tokio::test]
+async fn expired_provider_credentials_are_fetched_again_mid_run() {
+    let fake = start_fake().await;
+    *fake.auth.lock().unwrap() = AuthMode::Bearer { lifetime_secs: 1 };
+    let d = fake.add_blob(b"hello");
+    let clock = Arc::new(credprovider::ManualClock::default());
+    let dir = provider_plugin(&["s3cret"], "10m");
+    let (c, r) = provider_client(&fake, &dir, clock.clone());
+    assert_eq!(c.blob_size(&r, &d).await.unwrap(), Some(5));
+    assert_eq!(plugin_runs(&dir), 1);
+    // Hours later (a cold file of a long-running container): the plugin's answer and
+    // the registry token have both expired; both are fetched again.
+    clock.advance(Duration::from_secs(3 * 3600));
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let got = collect(c.blob_stream(&r, &d, None).await.unwrap()).await;
+    assert_eq!(got, b"hello");
+    assert_eq!(plugin_runs(&dir), 2);
+    assert!(fake.token_requests.load(Ordering::SeqCst) >= 2);
+}

@@ -112,12 +112,61 @@ pub fn platform_image(
     }
 }
 
-/// A current-thread async runtime for one command's registry calls.
+/// The kubelet's credential provider plugins, with the kubelet's own flag names.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CredentialProviderArgs {
+    /// The kubelet's credential provider config (`CredentialProviderConfig`, YAML or
+    /// JSON): its plugins are asked for credentials that neither --creds nor docker's or
+    /// podman's auth files have; answers are kept in memory only.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FERRY_IMAGE_CREDENTIAL_PROVIDER_CONFIG",
+        requires = "image_credential_provider_bin_dir"
+    )]
+    pub image_credential_provider_config: Option<PathBuf>,
+    /// The directory of the plugins that config names.
+    #[arg(
+        long,
+        value_name = "DIR",
+        env = "FERRY_IMAGE_CREDENTIAL_PROVIDER_BIN_DIR"
+    )]
+    pub image_credential_provider_bin_dir: Option<PathBuf>,
+}
+
+impl CredentialProviderArgs {
+    /// Sets the client config's plugin settings.
+    pub fn apply(&self, cfg: &mut ClientConfig) {
+        cfg.credential_provider_config = self.image_credential_provider_config.clone();
+        cfg.credential_provider_bin_dir = self.image_credential_provider_bin_dir.clone();
+    }
+
+    /// Whether any is set.
+    pub fn is_set(&self) -> bool {
+        self.image_credential_provider_config.is_some()
+    }
+
+    /// The flags again, for a child `ferry` process.
+    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
+        let mut out = Vec::new();
+        if let Some(c) = &self.image_credential_provider_config {
+            out.push("--image-credential-provider-config".into());
+            out.push(c.clone().into_os_string());
+        }
+        if let Some(d) = &self.image_credential_provider_bin_dir {
+            out.push("--image-credential-provider-bin-dir".into());
+            out.push(d.clone().into_os_string());
+        }
+        out
+    }
+}
+
 /// The registry client's `config_path` from a `--registry-config-path` value (`""`: off).
 pub fn registry_config_path(flag: &Path) -> Option<PathBuf> {
     (!flag.as_os_str().is_empty()).then(|| flag.to_path_buf())
 }
 
+/// A current-thread async runtime for one command's registry calls.
 pub fn current_thread_runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

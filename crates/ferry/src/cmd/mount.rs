@@ -64,6 +64,10 @@ pub struct Args {
     /// through the daemon uses the daemon's `[registry] config_path`.
     #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
     registry_config_path: PathBuf,
+    // A mount through the daemon uses the daemon's `[registry]
+    // credential_provider_config` instead.
+    #[command(flatten)]
+    credential_providers: super::CredentialProviderArgs,
     /// Keep this file updated with the mount's counters as JSON; the mount is then
     /// served by its own detached process, not the daemon (`ferry status --json` shows
     /// the daemon's mounts).
@@ -141,6 +145,7 @@ pub fn run(mut args: Args) -> Result<()> {
     }
     cfg.max_concurrent_downloads = args.concurrency;
     cfg.config_path = super::registry_config_path(&args.registry_config_path);
+    args.credential_providers.apply(&mut cfg);
     let client = Client::new(cfg)?;
     let runtime = RangeRuntime::new()?;
     let source = ImageSource::open(&args.image, &client, &runtime)
@@ -229,6 +234,7 @@ fn run_detached(args: &Args, mountpoint: &Path) -> Result<()> {
     }
     cmd.arg("--registry-config-path")
         .arg(&args.registry_config_path);
+    cmd.args(args.credential_providers.to_args());
     if args.owner_only {
         cmd.arg("--owner-only");
     }
@@ -273,6 +279,10 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
                 != Path::new(ferry_registry_client::hosts::DEFAULT_CONFIG_PATH),
             "--registry-config-path",
         ),
+        (
+            args.credential_providers.is_set(),
+            "--image-credential-provider-config",
+        ),
         (args.owner_only, "--owner-only"),
     ]
     .into_iter()
@@ -281,7 +291,7 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
     if !ignored.is_empty() {
         eprintln!(
             "ferry: warning: {} apply to --foreground mounts only; the daemon uses its config \
-             ([fetch], [fuse], [registry] plain_http and config_path)",
+             ([fetch], [fuse], [registry] plain_http, config_path and credential_provider_config)",
             ignored.join(", ")
         );
     }

@@ -52,6 +52,8 @@ pub struct Args {
     /// `server`, certificates), as containerd's `config_path`; "" turns it off.
     #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
     registry_config_path: PathBuf,
+    #[command(flatten)]
+    credential_providers: super::CredentialProviderArgs,
     /// The snapshotter's name in containerd.
     #[arg(long, default_value = "ferry")]
     snapshotter: String,
@@ -94,6 +96,7 @@ pub fn run(args: Args) -> Result<()> {
         config_path: super::registry_config_path(&args.registry_config_path),
         ..ClientConfig::default()
     };
+    args.credential_providers.apply(&mut registry);
     let credentials = match &args.creds {
         Some(c) => {
             let (username, password) =
