@@ -19,7 +19,8 @@ fuzz_target!(|data: &[u8]| {
         None => (data, &[][..]),
     };
     let head = String::from_utf8_lossy(head);
-    let b = boundary(&format!("multipart/byteranges; boundary={head}")).unwrap_or("B");
+    let content_type = format!("multipart/byteranges; boundary={head}");
+    let b = boundary(&content_type).unwrap_or("B");
     if let Ok(parts) = parse(body, b) {
         assert!(parts.len() <= MAX_RANGES);
         for p in &parts {
