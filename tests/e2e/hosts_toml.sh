@@ -21,6 +21,11 @@
 #    error naming the certificate problem.
 # 5. The node daemon with `[registry] config_path`: `ferry mount` through the daemon
 #    uses the hosts.toml of its config (the TLS registry and its CA, as in 4).
+# 6. `header` per host: the origin reached through `server` (a logging proxy) with a
+#    top-level `[header]`, and a pull-only mirror (another logging proxy) with its own
+#    `[host."…".header]`, the same header name with a different value: the mount works;
+#    every API request each host got carried its own value, none carried the other's
+#    (a list-valued header reaches the mirror with both values); both hosts were used.
 #
 # Env: FERRY (default target/release/ferry, else target/debug/ferry), OUT,
 #      FERRY_TIMEOUT (seconds per ferry call, 120), E2E_KEEP=1 / E2E_VERBOSE=1.
@@ -81,13 +86,17 @@ mount_check() {
     timeout 60 "$FERRY" umount "$mnt" >/dev/null 2>&1 || umount -l "$mnt" 2>/dev/null || true
 }
 
-# A proxy in front of the origin: MODE corrupt (flip one byte of every blob body) or
-# prefix (serve the API under /mirror/prefix instead of /v2). Counts in LOG.
+# start_proxy MODE [NAME]: a proxy in front of the origin: MODE corrupt (flip one byte
+# of every blob body), prefix (serve the API under /mirror/prefix instead of /v2) or
+# headers (forward as is, and log every request's headers, as JSON, on a line
+# "headers METHOD PATH [[name, value], ...]"). Log $E2E_TMP/proxy-NAME.log (NAME
+# defaults to MODE); address in PROXY_ADDR.
 start_proxy() {
-    local mode=$1 port log=$E2E_TMP/proxy-$1.log
+    local mode=$1 name=${2:-$1} port log
+    log=$E2E_TMP/proxy-$name.log
     port=$(free_port)
-    python3 - "$mode" "$port" "$ORIGIN" "$log" >"$E2E_TMP/proxy-$mode.err" 2>&1 <<'PY' &
-import http.client, sys, threading
+    python3 - "$mode" "$port" "$ORIGIN" "$log" >"$E2E_TMP/proxy-$name.err" 2>&1 <<'PY' &
+import http.client, json, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 mode, port, origin, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -106,6 +115,8 @@ class Proxy(BaseHTTPRequestHandler):
 
     def forward(self):
         path = self.path
+        if mode == "headers":
+            note(f"headers {self.command} {path} " + json.dumps([[k.lower(), v] for k, v in self.headers.items()]))
         if mode == "prefix":
             if not path.startswith("/mirror/prefix"):
                 self.send_response(404)
@@ -142,7 +153,7 @@ ThreadingHTTPServer(("127.0.0.1", port), Proxy).serve_forever()
 PY
     E2E_PIDS+=("$!")
     PROXY_ADDR=127.0.0.1:$port
-    wait_for 20 "proxy $mode" curl -s -o /dev/null "http://$PROXY_ADDR/" || e2e_die "proxy $mode did not start"
+    wait_for 20 "proxy $name" curl -s -o /dev/null "http://$PROXY_ADDR/" || e2e_die "proxy $name did not start"
 }
 
 # ---------------------------------------------------------------- 1. a mirror that is down
@@ -265,5 +276,61 @@ else
 fi
 kill "$DPID" 2>/dev/null || true
 wait "$DPID" 2>/dev/null || true
+
+# ---------------------------------------------------------------- 6. headers per host
+echo "# 6. each host's [header] goes to that host only"
+# The origin is reached through `server` (a logging proxy); a pull-only mirror (another
+# logging proxy) is tried first for blobs; manifests (resolve) go to the server. Both
+# send the same header name with values that say whose they are.
+start_proxy headers headers-server
+SERVER_PROXY=$PROXY_ADDR
+start_proxy headers headers-mirror
+MIRROR_PROXY=$PROXY_ADDR
+C6=$E2E_TMP/certs.d-headers
+hosts_toml "$C6" "$ORIGIN" "server = \"http://$SERVER_PROXY\"
+[header]
+  x-ferry-secret = \"for-server-only\"
+[host.\"http://$MIRROR_PROXY\"]
+  capabilities = [\"pull\"]
+  [host.\"http://$MIRROR_PROXY\".header]
+    x-ferry-secret = \"for-mirror-only\"
+    x-ferry-mirror-list = [\"mirror-a\", \"mirror-b\"]"
+# header_check NAME LOG OWN ALIEN...: every API request (path /v2…) in LOG carried
+# x-ferry-secret OWN; no request carried any of ALIEN anywhere in its headers
+header_check() {
+    local name=$1 log=$2 own=$3 total with alien n bad=""
+    shift 3
+    total=$(grep -c '^headers [A-Z]* /v2' "$log" 2>/dev/null || true)
+    with=$(grep '^headers [A-Z]* /v2' "$log" 2>/dev/null | grep -cF "[\"x-ferry-secret\", \"$own\"]" || true)
+    for alien in "$@"; do
+        n=$(grep -cF -- "$alien" "$log" 2>/dev/null || true)
+        ((${n:-0} == 0)) || bad+=" $alien (${n}x)"
+    done
+    if ((${total:-0} > 0 && ${with:-0} == ${total:-0})) && [[ -z $bad ]]; then
+        pass "$name: all $total API requests carried its own header ($own), none another host's ($*)"
+    else
+        fail "$name: ${with:-0} of ${total:-0} API requests carried $own; other hosts' values seen:${bad:- none}"
+        show "$log"
+    fi
+}
+if mount_check "headers per host" "$IMAGE" "$C6"; then
+    header_check "the mirror" "$E2E_TMP/proxy-headers-mirror.log" for-mirror-only for-server-only
+    header_check "the server" "$E2E_TMP/proxy-headers-server.log" for-server-only \
+        for-mirror-only mirror-a mirror-b
+    mb=$(grep -c '^headers GET /v2/e2e/small/blobs/' "$E2E_TMP/proxy-headers-mirror.log" 2>/dev/null || true)
+    sm=$(grep -c '^headers [A-Z]* /v2/e2e/small/manifests/' "$E2E_TMP/proxy-headers-server.log" 2>/dev/null || true)
+    if ((${mb:-0} > 0 && ${sm:-0} > 0)); then
+        pass "headers per host: both hosts were used (the mirror for $mb blob reads, the server for $sm manifest requests)"
+    else
+        fail "headers per host: mirror blob reads ${mb:-0}, server manifest requests ${sm:-0} (both must be > 0)"
+    fi
+    if grep -q '^headers [A-Z]* /v2.*\["x-ferry-mirror-list", "mirror-a, mirror-b"\]\|^headers [A-Z]* /v2.*"mirror-a".*"mirror-b"' \
+        "$E2E_TMP/proxy-headers-mirror.log"; then
+        pass "headers per host: a header given as a list reaches the mirror with both values"
+    else
+        fail "headers per host: the mirror never saw x-ferry-mirror-list with both values"
+        show "$E2E_TMP/proxy-headers-mirror.log"
+    fi
+fi
 
 e2e_summary
