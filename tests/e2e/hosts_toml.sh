@@ -33,15 +33,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-need_root "FUSE mounts"
-need_cmd python3 openssl curl jq tar gzip md5sum timeout mountpoint
-[[ -e /dev/fuse ]] || skip "no /dev/fuse"
-
-FT=${FERRY_TIMEOUT:-120}
-find_ferry
-e2e_init
-small_image
-require_ferry mount
+mount_prologue openssl
 
 publish_indexed_small e2e/small:v1
 ORIGIN=$REG_ADDR
@@ -49,10 +41,7 @@ ORIGIN_DATA=$REG_DATA
 IMAGE=$ORIGIN/e2e/small:v1
 
 # The reference: md5sum of every regular file of the image extracted normally.
-oci_extract "$IMG" small "$E2E_TMP/ref"
-sums() { (cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 md5sum); }
-sums "$E2E_TMP/ref" >"$E2E_TMP/ref.sums"
-e2e_log "reference: $(wc -l <"$E2E_TMP/ref.sums") files"
+reference_tree "$IMG"
 
 # hosts_toml CONFIG_DIR HOST TEXT: write CONFIG_DIR/HOST/hosts.toml
 hosts_toml() {
@@ -75,13 +64,12 @@ mount_check() {
         show "$E2E_TMP/m$n.err"
         return 1
     fi
-    if timeout 300 bash -c "$(declare -f sums); sums '$mnt'" >"$E2E_TMP/got$n.sums" 2>"$E2E_TMP/sums$n.err" &&
-        cmp -s "$E2E_TMP/ref.sums" "$E2E_TMP/got$n.sums"; then
+    if tree_equals_ref "$mnt" "$E2E_TMP/got$n.sums"; then
         pass "$name: every file read through the mount equals the image's ($(wc -l <"$E2E_TMP/got$n.sums") files)"
     else
         fail "$name: files read through the mount differ from the image's"
-        diff "$E2E_TMP/ref.sums" "$E2E_TMP/got$n.sums" | head -5 | show /dev/stdin
-        show "$E2E_TMP/sums$n.err"
+        diff "$REF_SUMS" "$E2E_TMP/got$n.sums" | head -5 | show /dev/stdin
+        show "$E2E_TMP/got$n.sums.err"
     fi
     timeout 60 "$FERRY" umount "$mnt" >/dev/null 2>&1 || umount -l "$mnt" 2>/dev/null || true
 }
@@ -260,9 +248,7 @@ if wait_for 30 "daemon" test -S "$DSOCK"; then
     MNT=$E2E_TMP/mnt-daemon
     mkdir -p "$MNT"
     fy "$E2E_TMP/dm.out" "$E2E_TMP/dm.err" mount "$TLS_ADDR/e2e/small:v1" "$MNT" --socket "$DSOCK"
-    if [[ $RC == 0 ]] && mountpoint -q "$MNT" &&
-        timeout 300 bash -c "$(declare -f sums); sums '$MNT'" >"$E2E_TMP/daemon.sums" 2>/dev/null &&
-        cmp -s "$E2E_TMP/ref.sums" "$E2E_TMP/daemon.sums"; then
+    if [[ $RC == 0 ]] && mountpoint -q "$MNT" && tree_equals_ref "$MNT" "$E2E_TMP/daemon.sums"; then
         pass "daemon with [registry] config_path: the TLS registry's CA from hosts.toml, every file equal"
     else
         fail "daemon with [registry] config_path: mount exit $RC"
