@@ -29,21 +29,13 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-need_root "FUSE mounts"
-need_cmd python3 curl jq tar gzip md5sum timeout mountpoint base64
-[[ -e /dev/fuse ]] || skip "no /dev/fuse"
-
-FT=${FERRY_TIMEOUT:-120}
-find_ferry
-e2e_init
-small_image
-require_ferry mount
+mount_prologue base64
 "$FERRY" mount --help | grep -q -- --image-credential-provider-config ||
     { fail "ferry mount has no --image-credential-provider-config"; e2e_summary || exit 1; }
 
 IMG=$E2E_TMP/img
 indexed_small "$IMG"
-oci_extract "$IMG" small "$E2E_TMP/ref"
+reference_tree "$IMG"
 
 PW="plugin-pw-$RANDOM$RANDOM-only-in-memory"
 PW_B64=$(printf 'robot:%s' "$PW" | base64 -w0)
@@ -113,10 +105,9 @@ mount_image() {
         --stats-file "$E2E_TMP/stats$n.json" --registry-config-path "$E2E_TMP/no-certs.d" --timeout 20 "$@"
 }
 umount_image() { timeout 60 "$FERRY" umount "$E2E_TMP/mnt$1" >/dev/null 2>&1 || umount -l "$E2E_TMP/mnt$1" 2>/dev/null || true; }
-same_file() { cmp -s "$E2E_TMP/ref/$2" "$1/$2"; }
 
 # Two regular files of the image, read at different times.
-mapfile -t FILES < <(cd "$E2E_TMP/ref" && find . -type f -size +1k | LC_ALL=C sort | head -40)
+mapfile -t FILES < <(cd "$REF" && find . -type f -size +1k | LC_ALL=C sort | head -40)
 ((${#FILES[@]} >= 2)) || e2e_die "the small image has too few files"
 FIRST=${FILES[0]}
 LAST=${FILES[-1]}
@@ -133,7 +124,7 @@ fi
 
 # 2. with the plugin
 mount_image 2 "${KUBELET[@]}"
-if [[ $RC == 0 ]] && mountpoint -q "$E2E_TMP/mnt2" && same_file "$E2E_TMP/mnt2" "$FIRST"; then
+if [[ $RC == 0 ]] && mountpoint -q "$E2E_TMP/mnt2" && same_as_ref "$E2E_TMP/mnt2" "$FIRST"; then
     pass "with the credential provider the private image mounts and $FIRST reads back equal (plugin runs: $(runs))"
 else
     fail "mount with the credential provider: exit $RC"
@@ -150,7 +141,7 @@ fi
 # 3. expiry mid-run: the answer (3 s) and the token (2 s) expire; a cold file still reads
 before=$(runs)
 sleep 5
-if mountpoint -q "$E2E_TMP/mnt2" && same_file "$E2E_TMP/mnt2" "$LAST" && (($(runs) > before)); then
+if mountpoint -q "$E2E_TMP/mnt2" && same_as_ref "$E2E_TMP/mnt2" "$LAST" && (($(runs) > before)); then
     pass "after the plugin's answer and the token expired, a cold file ($LAST) reads; the plugin was asked again ($before → $(runs) runs)"
 else
     fail "cold read after expiry (runs $before → $(runs))"
@@ -200,7 +191,7 @@ E2E_PIDS+=("$DPID")
 for _ in $(seq 100); do [[ -S $CTL_SOCK ]] && break; sleep 0.1; done
 mkdir -p "$E2E_TMP/mnt5"
 fy "$E2E_TMP/m5.out" "$E2E_TMP/m5.err" mount "$IMAGE" "$E2E_TMP/mnt5" --socket "$CTL_SOCK"
-if [[ $RC == 0 ]] && same_file "$E2E_TMP/mnt5" "$FIRST" && same_file "$E2E_TMP/mnt5" "$LAST"; then
+if [[ $RC == 0 ]] && same_as_ref "$E2E_TMP/mnt5" "$FIRST" && same_as_ref "$E2E_TMP/mnt5" "$LAST"; then
     pass "the daemon with [registry] credential_provider_config mounts the private image"
 else
     fail "daemon mount: exit $RC"

@@ -21,6 +21,11 @@
 #    error naming the certificate problem.
 # 5. The node daemon with `[registry] config_path`: `ferry mount` through the daemon
 #    uses the hosts.toml of its config (the TLS registry and its CA, as in 4).
+# 6. `header` per host: the origin reached through `server` (a logging proxy) with a
+#    top-level `[header]`, and a pull-only mirror (another logging proxy) with its own
+#    `[host."…".header]`, the same header name with a different value: the mount works;
+#    every API request each host got carried its own value, none carried the other's
+#    (a list-valued header reaches the mirror with both values); both hosts were used.
 #
 # Env: FERRY (default target/release/ferry, else target/debug/ferry), OUT,
 #      FERRY_TIMEOUT (seconds per ferry call, 120), E2E_KEEP=1 / E2E_VERBOSE=1.
@@ -28,15 +33,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-need_root "FUSE mounts"
-need_cmd python3 openssl curl jq tar gzip md5sum timeout mountpoint
-[[ -e /dev/fuse ]] || skip "no /dev/fuse"
-
-FT=${FERRY_TIMEOUT:-120}
-find_ferry
-e2e_init
-small_image
-require_ferry mount
+mount_prologue openssl
 
 publish_indexed_small e2e/small:v1
 ORIGIN=$REG_ADDR
@@ -44,10 +41,7 @@ ORIGIN_DATA=$REG_DATA
 IMAGE=$ORIGIN/e2e/small:v1
 
 # The reference: md5sum of every regular file of the image extracted normally.
-oci_extract "$IMG" small "$E2E_TMP/ref"
-sums() { (cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 md5sum); }
-sums "$E2E_TMP/ref" >"$E2E_TMP/ref.sums"
-e2e_log "reference: $(wc -l <"$E2E_TMP/ref.sums") files"
+reference_tree "$IMG"
 
 # hosts_toml CONFIG_DIR HOST TEXT: write CONFIG_DIR/HOST/hosts.toml
 hosts_toml() {
@@ -70,24 +64,27 @@ mount_check() {
         show "$E2E_TMP/m$n.err"
         return 1
     fi
-    if timeout 300 bash -c "$(declare -f sums); sums '$mnt'" >"$E2E_TMP/got$n.sums" 2>"$E2E_TMP/sums$n.err" &&
-        cmp -s "$E2E_TMP/ref.sums" "$E2E_TMP/got$n.sums"; then
+    if tree_equals_ref "$mnt" "$E2E_TMP/got$n.sums"; then
         pass "$name: every file read through the mount equals the image's ($(wc -l <"$E2E_TMP/got$n.sums") files)"
     else
         fail "$name: files read through the mount differ from the image's"
-        diff "$E2E_TMP/ref.sums" "$E2E_TMP/got$n.sums" | head -5 | show /dev/stdin
-        show "$E2E_TMP/sums$n.err"
+        diff "$REF_SUMS" "$E2E_TMP/got$n.sums" | head -5 | show /dev/stdin
+        show "$E2E_TMP/got$n.sums.err"
     fi
     timeout 60 "$FERRY" umount "$mnt" >/dev/null 2>&1 || umount -l "$mnt" 2>/dev/null || true
 }
 
-# A proxy in front of the origin: MODE corrupt (flip one byte of every blob body) or
-# prefix (serve the API under /mirror/prefix instead of /v2). Counts in LOG.
+# start_proxy MODE [NAME]: a proxy in front of the origin: MODE corrupt (flip one byte
+# of every blob body), prefix (serve the API under /mirror/prefix instead of /v2) or
+# headers (forward as is, and log every request's headers, as JSON, on a line
+# "headers METHOD PATH [[name, value], ...]"). Log $E2E_TMP/proxy-NAME.log (NAME
+# defaults to MODE); address in PROXY_ADDR.
 start_proxy() {
-    local mode=$1 port log=$E2E_TMP/proxy-$1.log
+    local mode=$1 name=${2:-$1} port log
+    log=$E2E_TMP/proxy-$name.log
     port=$(free_port)
-    python3 - "$mode" "$port" "$ORIGIN" "$log" >"$E2E_TMP/proxy-$mode.err" 2>&1 <<'PY' &
-import http.client, sys, threading
+    python3 - "$mode" "$port" "$ORIGIN" "$log" >"$E2E_TMP/proxy-$name.err" 2>&1 <<'PY' &
+import http.client, json, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 mode, port, origin, log = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -106,6 +103,8 @@ class Proxy(BaseHTTPRequestHandler):
 
     def forward(self):
         path = self.path
+        if mode == "headers":
+            note(f"headers {self.command} {path} " + json.dumps([[k.lower(), v] for k, v in self.headers.items()]))
         if mode == "prefix":
             if not path.startswith("/mirror/prefix"):
                 self.send_response(404)
@@ -142,7 +141,7 @@ ThreadingHTTPServer(("127.0.0.1", port), Proxy).serve_forever()
 PY
     E2E_PIDS+=("$!")
     PROXY_ADDR=127.0.0.1:$port
-    wait_for 20 "proxy $mode" curl -s -o /dev/null "http://$PROXY_ADDR/" || e2e_die "proxy $mode did not start"
+    wait_for 20 "proxy $name" curl -s -o /dev/null "http://$PROXY_ADDR/" || e2e_die "proxy $name did not start"
 }
 
 # ---------------------------------------------------------------- 1. a mirror that is down
@@ -249,9 +248,7 @@ if wait_for 30 "daemon" test -S "$DSOCK"; then
     MNT=$E2E_TMP/mnt-daemon
     mkdir -p "$MNT"
     fy "$E2E_TMP/dm.out" "$E2E_TMP/dm.err" mount "$TLS_ADDR/e2e/small:v1" "$MNT" --socket "$DSOCK"
-    if [[ $RC == 0 ]] && mountpoint -q "$MNT" &&
-        timeout 300 bash -c "$(declare -f sums); sums '$MNT'" >"$E2E_TMP/daemon.sums" 2>/dev/null &&
-        cmp -s "$E2E_TMP/ref.sums" "$E2E_TMP/daemon.sums"; then
+    if [[ $RC == 0 ]] && mountpoint -q "$MNT" && tree_equals_ref "$MNT" "$E2E_TMP/daemon.sums"; then
         pass "daemon with [registry] config_path: the TLS registry's CA from hosts.toml, every file equal"
     else
         fail "daemon with [registry] config_path: mount exit $RC"
@@ -265,5 +262,61 @@ else
 fi
 kill "$DPID" 2>/dev/null || true
 wait "$DPID" 2>/dev/null || true
+
+# ---------------------------------------------------------------- 6. headers per host
+echo "# 6. each host's [header] goes to that host only"
+# The origin is reached through `server` (a logging proxy); a pull-only mirror (another
+# logging proxy) is tried first for blobs; manifests (resolve) go to the server. Both
+# send the same header name with values that say whose they are.
+start_proxy headers headers-server
+SERVER_PROXY=$PROXY_ADDR
+start_proxy headers headers-mirror
+MIRROR_PROXY=$PROXY_ADDR
+C6=$E2E_TMP/certs.d-headers
+hosts_toml "$C6" "$ORIGIN" "server = \"http://$SERVER_PROXY\"
+[header]
+  x-ferry-secret = \"for-server-only\"
+[host.\"http://$MIRROR_PROXY\"]
+  capabilities = [\"pull\"]
+  [host.\"http://$MIRROR_PROXY\".header]
+    x-ferry-secret = \"for-mirror-only\"
+    x-ferry-mirror-list = [\"mirror-a\", \"mirror-b\"]"
+# header_check NAME LOG OWN ALIEN...: every API request (path /v2…) in LOG carried
+# x-ferry-secret OWN; no request carried any of ALIEN anywhere in its headers
+header_check() {
+    local name=$1 log=$2 own=$3 total with alien n bad=""
+    shift 3
+    total=$(grep -c '^headers [A-Z]* /v2' "$log" 2>/dev/null || true)
+    with=$(grep '^headers [A-Z]* /v2' "$log" 2>/dev/null | grep -cF "[\"x-ferry-secret\", \"$own\"]" || true)
+    for alien in "$@"; do
+        n=$(grep -cF -- "$alien" "$log" 2>/dev/null || true)
+        ((${n:-0} == 0)) || bad+=" $alien (${n}x)"
+    done
+    if ((${total:-0} > 0 && ${with:-0} == ${total:-0})) && [[ -z $bad ]]; then
+        pass "$name: all $total API requests carried its own header ($own), none another host's ($*)"
+    else
+        fail "$name: ${with:-0} of ${total:-0} API requests carried $own; other hosts' values seen:${bad:- none}"
+        show "$log"
+    fi
+}
+if mount_check "headers per host" "$IMAGE" "$C6"; then
+    header_check "the mirror" "$E2E_TMP/proxy-headers-mirror.log" for-mirror-only for-server-only
+    header_check "the server" "$E2E_TMP/proxy-headers-server.log" for-server-only \
+        for-mirror-only mirror-a mirror-b
+    mb=$(grep -c '^headers GET /v2/e2e/small/blobs/' "$E2E_TMP/proxy-headers-mirror.log" 2>/dev/null || true)
+    sm=$(grep -c '^headers [A-Z]* /v2/e2e/small/manifests/' "$E2E_TMP/proxy-headers-server.log" 2>/dev/null || true)
+    if ((${mb:-0} > 0 && ${sm:-0} > 0)); then
+        pass "headers per host: both hosts were used (the mirror for $mb blob reads, the server for $sm manifest requests)"
+    else
+        fail "headers per host: mirror blob reads ${mb:-0}, server manifest requests ${sm:-0} (both must be > 0)"
+    fi
+    if grep -q '^headers [A-Z]* /v2.*\["x-ferry-mirror-list", "mirror-a, mirror-b"\]\|^headers [A-Z]* /v2.*"mirror-a".*"mirror-b"' \
+        "$E2E_TMP/proxy-headers-mirror.log"; then
+        pass "headers per host: a header given as a list reaches the mirror with both values"
+    else
+        fail "headers per host: the mirror never saw x-ferry-mirror-list with both values"
+        show "$E2E_TMP/proxy-headers-mirror.log"
+    fi
+fi
 
 e2e_summary

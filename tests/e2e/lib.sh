@@ -22,6 +22,9 @@
 #   small_image              set $SMALL to the small test image (built once, cached)
 #   start_ferry_snapshotter / start_ferry_daemon CONFIG / stop_ferry_snapshotter
 #                            ferry as containerd's proxy snapshotter ($SNAP_SOCK, $SNAP_ROOT)
+#   mount_prologue / reference_tree / tree_sums / tree_equals_ref / same_as_ref
+#                            scripts that `ferry mount` the small image and compare
+#                            with the image extracted normally (see their section)
 #
 # Env knobs:
 #   E2E_TMPDIR    parent of the temp dir (default /tmp)
@@ -594,6 +597,49 @@ publish_indexed_small() {
     fy "$E2E_TMP/cp.out" "$E2E_TMP/cp.err" copy "oci:$IMG:small" "$IMAGE"
     [[ $RC == 0 ]] || { show "$E2E_TMP/cp.err"; e2e_die "ferry copy to $IMAGE failed"; }
 }
+
+# ------------------------------------------------------------------ lazy mounts of the small image
+# (used by hosts_toml.sh / credential_provider.sh)
+#
+#   mount_prologue [CMD...]  what a script that `ferry mount`s the small image needs first:
+#                            root, /dev/fuse and python3 curl jq tar gzip md5sum timeout
+#                            mountpoint plus CMDs (else skip); FT (FERRY_TIMEOUT, default
+#                            120); $FERRY with `mount` (else a FAIL and the summary);
+#                            $E2E_TMP; $SMALL
+#   reference_tree LAYOUT    REF=$E2E_TMP/ref: LAYOUT's image `small` extracted normally
+#                            (oci_extract); REF_SUMS=$E2E_TMP/ref.sums: its tree_sums
+#   tree_sums DIR            md5sum of every regular file under DIR (paths ./…, sorted)
+#   tree_equals_ref DIR OUT  tree_sums of DIR into OUT (errors in OUT.err) equal REF_SUMS;
+#                            bounded at 300 s, so a hung FUSE mount cannot hang the script
+#   same_as_ref DIR PATH     DIR/PATH has the bytes of $REF/PATH
+
+mount_prologue() {
+    need_root "FUSE mounts"
+    need_cmd python3 curl jq tar gzip md5sum timeout mountpoint "$@"
+    [[ -e /dev/fuse ]] || skip "no /dev/fuse"
+    FT=${FERRY_TIMEOUT:-120}
+    find_ferry
+    e2e_init
+    small_image
+    require_ferry mount
+}
+
+reference_tree() {
+    REF=$E2E_TMP/ref
+    REF_SUMS=$E2E_TMP/ref.sums
+    oci_extract "$1" small "$REF"
+    tree_sums "$REF" >"$REF_SUMS"
+    e2e_log "reference: $(wc -l <"$REF_SUMS") files"
+}
+
+tree_sums() { (cd "$1" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 md5sum); }
+
+tree_equals_ref() {
+    timeout 300 bash -c "$(declare -f tree_sums); tree_sums \"\$1\"" _ "$1" >"$2" 2>"$2.err" &&
+        cmp -s "$REF_SUMS" "$2"
+}
+
+same_as_ref() { cmp -s "$REF/$2" "$1/$2"; }
 
 # ------------------------------------------------------------------ registries under test
 # (used by registry_clients.sh / registry_badinput.sh)

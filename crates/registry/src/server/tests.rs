@@ -1688,6 +1688,313 @@ async fn token_auth_through_the_merged_token_endpoint() {
     );
 }
 
+// ---------------------------------------------------------------- several ranges, attacked
+
+// A `Range` with several ranges is answered as `multipart/byteranges` on three paths
+// (storage, the small-blob memory cache, pull-through); the memory cache is keyed by
+// digest alone, shared by every repository. Each path must refuse exactly as a single
+// range is refused. The tenants: alice owns `priv/**`, mallory owns `mallory/**`,
+// nobody may read anonymously.
+
+/// Two ranges of the blob, and the one range a single-range request asks for.
+const SEVERAL: &str = "bytes=0-9,100-199";
+const ONE: &str = "bytes=0-9";
+
+fn tenants_auth(dir: &std::path::Path, mode: crate::auth::AuthMode) -> Arc<Authenticator> {
+    let htpasswd = dir.join("htpasswd");
+    let lines = [
+        crate::auth::htpasswd_line("alice", "wonderland", 4).unwrap(),
+        crate::auth::htpasswd_line("mallory", "malice", 4).unwrap(),
+    ];
+    std::fs::write(&htpasswd, lines.join("\n") + "\n").unwrap();
+    let rule = |repository: &str, user: &str| crate::auth::AccessRule {
+        repository: repository.into(),
+        users: vec![user.into()],
+        actions: vec!["*".into()],
+    };
+    let cfg = AuthConfig {
+        enabled: Some(true),
+        htpasswd: Some(htpasswd),
+        secret: Some("0123456789abcdef0123456789abcdef".into()),
+        mode,
+        rules: vec![rule("priv/**", "alice"), rule("mallory/**", "mallory")],
+        ..AuthConfig::default()
+    };
+    Arc::new(Authenticator::new(&cfg).unwrap())
+}
+
+fn tenants_app(
+    dir: &std::path::Path,
+    mode: crate::auth::AuthMode,
+    upstream: Option<Arc<crate::cache::PullThrough>>,
+    cache: MemoryCacheConfig,
+) -> TestApp {
+    let state = AppState::new(
+        Arc::new(MemoryStorage::default()),
+        tenants_auth(dir, mode),
+        upstream,
+        Metrics::new(),
+        Limits::default(),
+        &cache,
+    );
+    TestApp {
+        router: router(state.clone()),
+        state,
+    }
+}
+
+/// The `Authorization` value `user` sends in `mode`: Basic credentials, or a token the
+/// token endpoint issued for `scope` (its grant may be empty).
+async fn login(
+    t: &TestApp,
+    mode: crate::auth::AuthMode,
+    user: &str,
+    password: &str,
+    scope: &str,
+) -> String {
+    if mode == crate::auth::AuthMode::Basic {
+        return basic(user, password);
+    }
+    let r = t
+        .send(
+            Method::GET,
+            &format!("/token?service=ferry-registry&scope={scope}"),
+            &[("authorization", &basic(user, password))],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{:?}", r.body);
+    format!("Bearer {}", r.json()["token"].as_str().unwrap())
+}
+
+/// 300 bytes, every one ≥ 0x80: an error body (ASCII JSON) carrying any byte of the
+/// blob would show it.
+fn private_blob() -> Vec<u8> {
+    (0..300u32).map(|i| 0x80 | (i * 37 % 128) as u8).collect()
+}
+
+async fn get_range(t: &TestApp, uri: &str, range: &str, authorization: Option<&str>) -> Resp {
+    let mut headers = vec![("range", range)];
+    if let Some(a) = authorization {
+        headers.push(("authorization", a));
+    }
+    t.send(Method::GET, uri, &headers, Body::empty()).await
+}
+
+/// The owner's several-range read: 206 `multipart/byteranges`, one part per range with
+/// the blob's bytes.
+async fn owner_reads_both_ranges(t: &TestApp, uri: &str, alice: &str, data: &[u8]) {
+    let r = get_range(t, uri, SEVERAL, Some(alice)).await;
+    assert_eq!(r.status, StatusCode::PARTIAL_CONTENT, "{:?}", r.body);
+    let boundary = ferry_registry_client::byteranges::boundary(r.header("content-type"))
+        .expect("multipart/byteranges")
+        .to_string();
+    assert_eq!(r.header("content-length"), r.body.len().to_string());
+    let parts = ferry_registry_client::byteranges::parse(&r.body, &boundary).unwrap();
+    assert_eq!(parts.len(), 2, "one part per range");
+    let asked = [0..10, 100..200];
+    let got = ferry_registry_client::byteranges::slices(&asked, &parts, &r.body).unwrap();
+    for (a, g) in asked.iter().zip(got) {
+        assert_eq!(g, &data[a.start as usize..a.end as usize]);
+    }
+}
+
+/// Mallory (with her own credentials, and any token she can get) and an anonymous client
+/// ask for several ranges of `digest`, which only `priv/app` holds, through alice's
+/// repository and through mallory's own: each gets the refusal a single range gets
+/// (403 DENIED where the repository is not hers, 404 BLOB_UNKNOWN where her repository
+/// does not hold the blob, 401 without credentials), and no byte of the blob.
+async fn attacker_gets_nothing(t: &TestApp, mode: crate::auth::AuthMode, digest: &str, path: &str) {
+    let own = login(t, mode, "mallory", "malice", "repository:mallory/app:pull").await;
+    // In token mode: a token asked for alice's repository (its grant is empty).
+    let asked_for_priv = login(t, mode, "mallory", "malice", "repository:priv/app:pull").await;
+    let victim = format!("/v2/priv/app/blobs/{digest}");
+    let hers = format!("/v2/mallory/app/blobs/{digest}");
+    let cases = [
+        (&victim, Some(&own), StatusCode::FORBIDDEN, "DENIED"),
+        (
+            &victim,
+            Some(&asked_for_priv),
+            StatusCode::FORBIDDEN,
+            "DENIED",
+        ),
+        (&hers, Some(&own), StatusCode::NOT_FOUND, "BLOB_UNKNOWN"),
+        (&victim, None, StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
+        (&hers, None, StatusCode::UNAUTHORIZED, "UNAUTHORIZED"),
+    ];
+    for (uri, authorization, status, code) in cases {
+        let who = if authorization.is_some() {
+            "mallory"
+        } else {
+            "anonymous"
+        };
+        let what = format!("{path}, {mode:?}: {who} asking {uri}");
+        let authorization = authorization.map(String::as_str);
+        let single = get_range(t, uri, ONE, authorization).await;
+        let several = get_range(t, uri, SEVERAL, authorization).await;
+        assert_eq!(single.status, status, "{what}, one range");
+        assert_eq!(several.status, status, "{what}, several ranges");
+        assert_eq!(several.error_code(), code, "{what}");
+        assert_eq!(single.error_code(), code, "{what}");
+        assert_eq!(
+            several.header("www-authenticate"),
+            single.header("www-authenticate"),
+            "{what}"
+        );
+        for r in [&single, &several] {
+            assert!(
+                r.body.iter().all(|b| *b < 0x80),
+                "{what}: blob bytes in the answer"
+            );
+            assert!(r.header("content-range").is_empty(), "{what}");
+            assert!(!r.header("content-type").contains("multipart"), "{what}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn several_ranges_of_a_stored_blob_need_the_same_access_as_one() {
+    for mode in [crate::auth::AuthMode::Basic, crate::auth::AuthMode::Token] {
+        let dir = tempfile::tempdir().unwrap();
+        // No memory cache: every read streams from storage.
+        let cache = MemoryCacheConfig {
+            entries: 0,
+            small_blob_bytes: 0,
+            ..MemoryCacheConfig::default()
+        };
+        let t = tenants_app(dir.path(), mode, None, cache);
+        let scope = "repository:priv/app:pull,push";
+        let alice = login(&t, mode, "alice", "wonderland", scope).await;
+        let data = private_blob();
+        let digest = digest_of(&data);
+        let r = t
+            .send(
+                Method::POST,
+                &format!("/v2/priv/app/blobs/uploads/?digest={digest}"),
+                &[("authorization", &alice)],
+                data.clone(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+        let uri = format!("/v2/priv/app/blobs/{digest}");
+        owner_reads_both_ranges(&t, &uri, &alice, &data).await;
+        attacker_gets_nothing(&t, mode, &digest, "storage").await;
+        assert!(t.state.inner.small_blobs.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn several_ranges_of_a_blob_in_the_memory_cache_need_the_same_access_as_one() {
+    for mode in [crate::auth::AuthMode::Basic, crate::auth::AuthMode::Token] {
+        let dir = tempfile::tempdir().unwrap();
+        let t = tenants_app(dir.path(), mode, None, MemoryCacheConfig::default());
+        let scope = "repository:priv/app:pull,push";
+        let alice = login(&t, mode, "alice", "wonderland", scope).await;
+        let data = private_blob();
+        let digest = digest_of(&data);
+        let r = t
+            .send(
+                Method::POST,
+                &format!("/v2/priv/app/blobs/uploads/?digest={digest}"),
+                &[("authorization", &alice)],
+                data.clone(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+        // Alice has just read it: the whole blob is in the memory cache every
+        // repository's reads go through (keyed by digest only).
+        let uri = format!("/v2/priv/app/blobs/{digest}");
+        owner_reads_both_ranges(&t, &uri, &alice, &data).await;
+        assert_eq!(
+            t.state.inner.small_blobs.get("", &digest).as_deref(),
+            Some(&data[..])
+        );
+        attacker_gets_nothing(&t, mode, &digest, "memory cache").await;
+        // Still cached: the refusals above were not misses.
+        assert!(t.state.inner.small_blobs.get("", &digest).is_some());
+        owner_reads_both_ranges(&t, &uri, &alice, &data).await;
+    }
+}
+
+/// A front registry in pull-through mode over `up`, with the tenants' rules.
+async fn pull_through_front(
+    dir: &std::path::Path,
+    mode: crate::auth::AuthMode,
+    up: &crate::cache::UpstreamConfig,
+) -> TestApp {
+    let pt = crate::cache::PullThrough::new(up, Metrics::new())
+        .await
+        .unwrap();
+    tenants_app(dir, mode, Some(Arc::new(pt)), MemoryCacheConfig::default())
+}
+
+/// Pull-through: the upstream (open, another ferry registry) holds the blob in
+/// `priv/app` only; the front registry has the tenants' rules. Alice's reads fetch the
+/// blob into the front's disk cache, which is shared by every repository: attacked
+/// right after her reads, and again once the blob is on disk (a front restarted over
+/// the same cache directory, so nothing is known about who may read it).
+#[tokio::test]
+async fn several_ranges_through_pull_through_need_the_same_access_as_one() {
+    let upstream_config = Config {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        storage: crate::storage::StorageConfig::Memory,
+        ..Config::default()
+    };
+    let (up_addr, up_stop, up_task) = start_server(upstream_config).await;
+    let data = private_blob();
+    let digest = digest_of(&data);
+    let r = reqwest::Client::new()
+        .post(format!(
+            "http://{up_addr}/v2/priv/app/blobs/uploads/?digest={digest}"
+        ))
+        .body(data.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::CREATED);
+    let uri = format!("/v2/priv/app/blobs/{digest}");
+    for mode in [crate::auth::AuthMode::Basic, crate::auth::AuthMode::Token] {
+        let dir = tempfile::tempdir().unwrap();
+        let up = crate::cache::UpstreamConfig::new(format!("http://{up_addr}"))
+            .with_default_cache_dir(dir.path());
+        let t = pull_through_front(dir.path(), mode, &up).await;
+        let alice = login(&t, mode, "alice", "wonderland", "repository:priv/app:pull").await;
+        let r = t
+            .send(
+                Method::GET,
+                &uri,
+                &[("authorization", &alice)],
+                Body::empty(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(&r.body[..], &data[..]);
+        owner_reads_both_ranges(&t, &uri, &alice, &data).await;
+        attacker_gets_nothing(&t, mode, &digest, "pull-through, just fetched").await;
+
+        // The download is committed to disk after its readers are served: wait for it
+        // (bounded, so a broken cache fails instead of hanging; never a threshold).
+        let on_disk = up
+            .effective_cache_dir()
+            .join("blobs/sha256")
+            .join(digest.trim_start_matches("sha256:"));
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while !on_disk.exists() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the fetched blob reaches the disk cache");
+        drop(t);
+        let t = pull_through_front(dir.path(), mode, &up).await;
+        attacker_gets_nothing(&t, mode, &digest, "pull-through, on disk").await;
+        let alice = login(&t, mode, "alice", "wonderland", "repository:priv/app:pull").await;
+        owner_reads_both_ranges(&t, &uri, &alice, &data).await;
+    }
+    up_stop.send(()).unwrap();
+    up_task.await.unwrap();
+}
+
 // ---------------------------------------------------------------- traces from pull-only nodes
 
 fn trace_json(reads: usize) -> Vec<u8> {
