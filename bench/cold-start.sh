@@ -37,7 +37,8 @@
 #   bench/cold-start.sh [RUNS]        RUNS rounds (default 1); medians are reported
 #
 # Env (see bench/README.md): IMG, TAG, WORKLOADS, REGISTRIES, LATENCIES, PHASES,
-# START_CMD, OUT, CHART_TO, FERRY. Needs root, containerd, runc, docker-registry, gnuplot
+# START_CMD, OUT, CHART_TO, FERRY, RSS_SETTLE (seconds; logs the daemon's RSS that long
+# after each run, when the start is over). Needs root, containerd, runc, docker-registry, gnuplot
 # (for the chart) and the Debian packages scripts/deps.sh installs.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -309,6 +310,10 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
         "$(sub "$(cat "$E2E_TMP/first-cpu-registry")" "$cpu_r0")" \
         "$(mem_of "$DAEMON_PID" | cut -d' ' -f1)"
     e2e_log "$1 ${2}ms $3 ($4): first output after $(cat "$E2E_TMP/seconds") s, $(sum_of "$first" bytes_fetched) B fetched by then ($(cat "$E2E_TMP/first-line"))"
+    if [[ ${RSS_SETTLE:-0} != 0 ]]; then # the daemon's resident size once the start is over
+        sleep "$RSS_SETTLE"
+        e2e_log "$1 ${2}ms $3 ($4): daemon RSS ${RSS_SETTLE} s after the run: $(($(mem_of "$DAEMON_PID" | cut -d' ' -f1) / 1024)) MB"
+    fi
 }
 
 # (c) leaves a warm node: prefetch done and the file cache's deferred materializations
