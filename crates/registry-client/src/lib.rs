@@ -54,6 +54,7 @@ pub mod download;
 #[doc(hidden)]
 pub mod fuzz_api;
 pub mod hosts;
+pub mod pullsecrets;
 pub mod retry;
 mod runtime;
 #[cfg(test)]
@@ -566,6 +567,8 @@ struct Inner {
     tls_clients: Mutex<HashMap<Arc<TlsKey>, reqwest::Client>>,
     /// Kubelet credential provider plugins (they cache their own answers, with expiry).
     providers: Option<credprovider::CredentialProviders>,
+    /// Credentials callers handed to pulls (CRI `PullImage`), per repository.
+    pull_secrets: Arc<pullsecrets::PullSecrets>,
 }
 
 /// Most registries whose hosts.toml a client keeps parsed (more are read each time).
@@ -723,6 +726,7 @@ impl Client {
                 hosts: Mutex::new(HashMap::new()),
                 tls_clients: Mutex::new(HashMap::new()),
                 providers,
+                pull_secrets: Arc::default(),
             }),
             origin_only: false,
         })
@@ -743,6 +747,12 @@ impl Client {
             && self
                 .endpoints(registry, Want::Pull)
                 .is_ok_and(|eps| eps.iter().any(|ep| ep.mirror))
+    }
+
+    /// The credentials callers handed to pulls (CRI `PullImage`), which this client uses
+    /// for their repositories before any other source (see [`pullsecrets`]).
+    pub fn pull_secrets(&self) -> &Arc<pullsecrets::PullSecrets> {
+        &self.inner.pull_secrets
     }
 
     /// The configuration this client was built with.
@@ -992,10 +1002,24 @@ impl Client {
         Ok(c)
     }
 
-    /// Credentials for a host: explicit config first, then docker/podman auth files
-    /// (both kept for the client's life), then kubelet credential provider plugins (their
-    /// answers expire, so they are asked each time and cache on their own).
+    /// Credentials for a host: those a caller handed to a pull of this very repository
+    /// (CRI `PullImage`; the registry itself, not its mirrors), then explicit config,
+    /// then docker/podman auth files (both kept for the client's life), then kubelet
+    /// credential provider plugins (their answers expire, so they are asked each time and
+    /// cache on their own).
     async fn secret_for(&self, ep: &Endpoint, repo: &Repo) -> HostSecret {
+        if !ep.mirror
+            && let Some(u) = self
+                .inner
+                .pull_secrets
+                .get(&repo.registry, repo.repository.as_str())
+        {
+            return HostSecret {
+                basic: u.basic,
+                identity_token: u.identity_token,
+                from_provider: false,
+            };
+        }
         let name = if ep.mirror { &ep.host } else { &repo.registry };
         let key = (name.clone(), repo.repository.clone());
         let fixed = {
