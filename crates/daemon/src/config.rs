@@ -49,6 +49,8 @@ pub struct DaemonConfig {
     pub trace: TraceSection,
     /// `[p2p]`: serve verified pieces to peers and fetch from them before the registry.
     pub p2p: P2pSection,
+    /// `[cri]`: the CRI image-service proxy in front of the container runtime.
+    pub cri: CriSection,
     /// A store directory given on the command line: wins over `FERRY_STORE` and
     /// `store.path` (not part of the file).
     #[serde(skip)]
@@ -173,6 +175,30 @@ impl Default for SnapshotterSection {
             enabled: true,
             socket: PathBuf::from(ferry_snapshotter::server::DEFAULT_SOCKET),
             root: PathBuf::from(ferry_snapshotter::server::DEFAULT_ROOT),
+        }
+    }
+}
+
+/// `[cri]`: the kubelet's image service endpoint (see `crate::cri`): every call is
+/// forwarded to the container runtime, and the credentials of each `PullImage` are kept
+/// in memory for that image's lazy reads. Off by default.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CriSection {
+    /// Serve the proxy (point the kubelet's `--image-service-endpoint` at `socket`).
+    pub enabled: bool,
+    /// The proxy's unix socket.
+    pub socket: PathBuf,
+    /// The container runtime's CRI socket every call is forwarded to.
+    pub runtime_socket: PathBuf,
+}
+
+impl Default for CriSection {
+    fn default() -> Self {
+        CriSection {
+            enabled: false,
+            socket: PathBuf::from("/run/ferry/cri.sock"),
+            runtime_socket: PathBuf::from("/run/containerd/containerd.sock"),
         }
     }
 }
@@ -436,6 +462,13 @@ impl DaemonConfig {
         }
         if self.store.max_bytes == 0 {
             return Err(Error::Config("store.max_bytes must be positive".into()));
+        }
+        if self.cri.enabled && self.cri.socket == self.cri.runtime_socket {
+            return Err(Error::Config(format!(
+                "cri.socket and cri.runtime_socket are both {}: the proxy would call itself; \
+                 point the kubelet at another path (default /run/ferry/cri.sock)",
+                self.cri.socket.display()
+            )));
         }
         let t = &self.trace;
         if t.quiet < Duration::from_millis(100) || t.quiet > t.max_duration {

@@ -273,6 +273,17 @@ impl Daemon {
         } else {
             None
         };
+        let cri = if config.cri.enabled {
+            let listener = runtime.block_on(crate::cri::bind(&config.cri.socket))?;
+            let proxy = Arc::new(crate::cri::CriProxy::new(
+                config.cri.runtime_socket.clone(),
+                manager.client().pull_secrets().clone(),
+            ));
+            tracing::info!(socket = %config.cri.socket.display(), runtime = %config.cri.runtime_socket.display(), "CRI image-service proxy");
+            Some((proxy, listener))
+        } else {
+            None
+        };
         let metrics_listener = match config.metrics.addr {
             Some(addr) => Some(
                 runtime
@@ -354,6 +365,16 @@ impl Daemon {
                         ferry_snapshotter::server::serve(snap, listener, &socket, stopped(rx))
                             .await
                             .map_err(|e| Error::Snapshotter(e.to_string()))
+                    }),
+                ));
+            }
+            if let Some((proxy, listener)) = cri {
+                let rx = stop_rx.clone();
+                let socket = config.cri.socket.clone();
+                tasks.push((
+                    "CRI proxy",
+                    tokio::spawn(async move {
+                        crate::cri::serve(listener, proxy, &socket, stopped(rx)).await
                     }),
                 ));
             }

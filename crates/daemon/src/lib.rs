@@ -50,6 +50,7 @@
 pub mod autotrace;
 pub mod config;
 pub mod control;
+pub mod cri;
 pub mod daemon;
 pub mod error;
 pub mod fdstore;

@@ -182,6 +182,7 @@ impl PullSecrets {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -230,7 +231,10 @@ mod tests {
             },
         );
         let b = s.get("r", "a").unwrap().basic.unwrap();
-        assert_eq!((b.username.as_str(), b.password.as_str()), ("alice", "s3cret"));
+        assert_eq!(
+            (b.username.as_str(), b.password.as_str()),
+            ("alice", "s3cret")
+        );
         s.remember(
             "r",
             "b",
