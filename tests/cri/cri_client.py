@@ -9,7 +9,7 @@ protobuf-compiler are needed. It must not grow test logic: the shell script deci
 what passes; this prints the responses as JSON (proto field names) on stdout.
 
     cri_client.py --socket SOCK version
-    cri_client.py --socket SOCK pull IMAGE
+    cri_client.py --socket SOCK pull IMAGE [--auth-file USER_PASSWORD_FILE]
     cri_client.py --socket SOCK image-status IMAGE
     cri_client.py --socket SOCK run-pod --name N --log-dir DIR --pod-config OUT.json
     cri_client.py --socket SOCK create --pod ID --pod-config POD.json --name N \
@@ -98,8 +98,11 @@ def main():
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per RPC")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("version")
-    for c in ("pull", "image-status"):
-        sub.add_parser(c).add_argument("image")
+    pp = sub.add_parser("pull")
+    pp.add_argument("image")
+    pp.add_argument("--auth-file", help="a file holding USER:PASSWORD, sent as the pull's "
+                    "AuthConfig (what the kubelet sends from an image pull secret)")
+    sub.add_parser("image-status").add_argument("image")
     rp = sub.add_parser("run-pod")
     rp.add_argument("--name", required=True)
     rp.add_argument("--log-dir", required=True)
@@ -130,7 +133,12 @@ def main():
         if a.cmd == "version":
             show(cri.runtime("Version", pb.VersionRequest(version="v1")))
         elif a.cmd == "pull":
-            show(cri.image("PullImage", pb.PullImageRequest(image=pb.ImageSpec(image=a.image))))
+            req = pb.PullImageRequest(image=pb.ImageSpec(image=a.image))
+            if a.auth_file:
+                with open(a.auth_file) as f:
+                    user, _, password = f.read().strip().partition(":")
+                req.auth.username, req.auth.password = user, password
+            show(cri.image("PullImage", req))
         elif a.cmd == "image-status":
             show(cri.image("ImageStatus", pb.ImageStatusRequest(image=pb.ImageSpec(image=a.image))))
         elif a.cmd == "run-pod":

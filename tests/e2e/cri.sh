@@ -30,7 +30,12 @@
 # layer of the indexed image must be a FUSE mount, no layer blob may reach containerd's
 # content store, and removing the images must release the mounts: checked PASS/FAILs),
 # else the standalone `ferry snapshotter` (ordinary unpack; the FUSE count is only
-# logged).
+# logged). With the daemon, also a private repository (token auth, only `robot` may
+# pull) through the daemon's CRI image-service proxy ([cri], in front of this
+# containerd) with the credentials in PullImage, as the kubelet sends a pull secret:
+# refused without or with wrong credentials; with them, its layers are FUSE mounts, no
+# layer blob is in containerd's content store, a file reads right lazily, and the
+# password is neither in the store nor in the daemon's log.
 #
 # Env: FERRY (default target/release/ferry, else target/debug/ferry), E2E_KEEP=1,
 #      E2E_VERBOSE=1 (print service logs on failure), CRI_TIMEOUT (seconds per RPC, 120),
@@ -56,12 +61,13 @@ require_ferry snapshotter
 
 CRI_CLIENT=$FERRY_ROOT/tests/cri/cri_client.py
 
-# cri CMD ARGS...: one CRI call; response JSON in $CRI_OUT, stderr in $CRI_ERR, exit in RC
+# cri CMD ARGS...: one CRI call (to $CRI_SOCK if set, else containerd's socket); response
+# JSON in $CRI_OUT, stderr in $CRI_ERR, exit in RC
 cri() {
     CRI_OUT=$E2E_TMP/cri.out
     CRI_ERR=$E2E_TMP/cri.err
     set +e
-    timeout $((${CRI_TIMEOUT:-120} + 10)) "$PY" "$CRI_CLIENT" --socket "$CONTAINERD_SOCK" \
+    timeout $((${CRI_TIMEOUT:-120} + 10)) "$PY" "$CRI_CLIENT" --socket "${CRI_SOCK:-$CONTAINERD_SOCK}" \
         --timeout "${CRI_TIMEOUT:-120}" "$@" >"$CRI_OUT" 2>"$CRI_ERR"
     RC=$?
     set -e
@@ -103,13 +109,41 @@ python3 "$FERRY_ROOT/bench/oci-layout.py" write --out "$E2E_TMP/pause" --tag pau
     --cmd '["/bin/busybox","sleep","2147483647"]' --env PATH=/bin "$PAUSE_ROOT" >"$E2E_TMP/pause.log" 2>&1 ||
     { show "$E2E_TMP/pause.log"; e2e_die "writing the pause image failed"; }
 
-: >"$E2E_TMP/reg.toml"
+# Token auth: e2e/** is public (anonymous pull), private/** only for `robot` (and the
+# pusher): the private checks pull it through ferry's CRI proxy with robot's password.
+ROBOT_PW="robot-pw-$RANDOM$RANDOM-only-in-memory"
+printf 'robot:%s' "$ROBOT_PW" >"$E2E_TMP/robot.auth"
+printf 'robot:not-%s' "$ROBOT_PW" >"$E2E_TMP/wrong.auth"
+make_htpasswd "$E2E_TMP/htpasswd" pusher pushpw robot "$ROBOT_PW" || e2e_die "no htpasswd"
+cat >"$E2E_TMP/reg.toml" <<EOF
+[auth]
+htpasswd = "$E2E_TMP/htpasswd"
+mode = "token"
+secret_file = "$E2E_TMP/token.secret"
+[[auth.rules]]
+repository = "**"
+users = ["pusher"]
+actions = ["*"]
+[[auth.rules]]
+repository = "e2e/**"
+users = ["anonymous", "*"]
+actions = ["pull"]
+[[auth.rules]]
+repository = "private/**"
+users = ["robot"]
+actions = ["pull"]
+EOF
 start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
 REGISTRY=$REG_ADDR
 APP_IMAGE=$REGISTRY/e2e/small:v1
 PAUSE_IMAGE=$REGISTRY/e2e/pause:v1
-if ! "$FERRY" copy "oci:$IMG:small" "$APP_IMAGE" >"$E2E_TMP/copy.log" 2>&1 ||
-    ! "$FERRY" copy "oci:$E2E_TMP/pause:pause" "$PAUSE_IMAGE" >>"$E2E_TMP/copy.log" 2>&1; then
+PRIVATE_IMAGE=$REGISTRY/private/small:v1
+mkdir -p "$E2E_TMP/docker-pusher"
+printf '{"auths":{"%s":{"auth":"%s"}}}\n' "$REGISTRY" "$(printf pusher:pushpw | base64 -w0)" \
+    >"$E2E_TMP/docker-pusher/config.json"
+pushing() { DOCKER_CONFIG=$E2E_TMP/docker-pusher "$FERRY" copy "$@" >>"$E2E_TMP/copy.log" 2>&1; }
+if ! pushing "oci:$IMG:small" "$APP_IMAGE" || ! pushing "oci:$IMG:small" "$PRIVATE_IMAGE" ||
+    ! pushing "oci:$E2E_TMP/pause:pause" "$PAUSE_IMAGE"; then
     show "$E2E_TMP/copy.log"
     e2e_die "ferry copy to the registry failed"
 fi
@@ -348,7 +382,70 @@ cri_variant() {
             fail "$v: $(fuse_mounts) FUSE mounts left after the images were removed"
         fi
     fi
+    if [[ -n $proxy && ${FERRY_BACKEND:-} == daemon ]]; then
+        cri_private "$v"
+    fi
     stop_cri_containerd "$d"
+}
+
+# cri_private V: the private repository, pulled as the kubelet pulls it with an image pull
+# secret, through ferry's CRI image-service proxy ([cri], in front of this containerd):
+# containerd gets the call unchanged, ferry keeps the credentials in memory for the
+# lazy layers' reads. From the attacker's side: no credentials, or wrong ones, get
+# nothing; the password is nowhere in the store or the daemon's log.
+cri_private() {
+    local v=$1 fuse f sum blobs=0 l content
+    echo "# $v: private repository through ferry's CRI proxy"
+    cri pull "$PRIVATE_IMAGE"
+    if [[ $RC != 0 ]]; then
+        pass "$v: PullImage of $PRIVATE_IMAGE without credentials is refused"
+    else
+        fail "$v: PullImage of $PRIVATE_IMAGE without credentials succeeded"
+    fi
+    CRI_SOCK=$CRI_PROXY_SOCK cri pull "$PRIVATE_IMAGE" --auth-file "$E2E_TMP/wrong.auth"
+    if [[ $RC != 0 ]] && fuse_mounts_are 0; then
+        pass "$v: through the proxy with a wrong password: refused, nothing mounted"
+    else
+        fail "$v: through the proxy with a wrong password: exit $RC, $(fuse_mounts) FUSE mounts"
+    fi
+    if CRI_SOCK=$CRI_PROXY_SOCK cri_ok "$v: PullImage of $PRIVATE_IMAGE through ferry's CRI proxy with the pull secret" \
+        pull "$PRIVATE_IMAGE" --auth-file "$E2E_TMP/robot.auth"; then
+        fuse=$(fuse_mounts)
+        if ((fuse == APP_LAYERS)); then
+            pass "$v: the private image's layers are mounted lazily ($fuse FUSE mounts)"
+        else
+            fail "$v: $fuse FUSE mounts for the private image's $APP_LAYERS layers: not lazy"
+            tail -20 "$SNAP_LOG" | show /dev/stdin
+        fi
+        content=$(ctr -a "$CONTAINERD_SOCK" -n k8s.io content ls -q || true)
+        for l in $APP_LAYER_DIGESTS; do
+            grep -xF "$l" <<<"$content" >/dev/null && blobs=$((blobs + 1))
+        done
+        if ((blobs == 0)); then
+            pass "$v: no layer blob of the private image in containerd's content store"
+        else
+            fail "$v: $blobs layer blobs of the private image in containerd's content store"
+        fi
+        # a lazy read through the daemon's FUSE mount, with the kept credentials (the
+        # daemon has no others)
+        f=$(find "$SNAP_ROOT" -path '*/fs/data/sub/dir/numbers.txt' 2>/dev/null | head -1 || true)
+        sum=""
+        [[ -n $f ]] && sum=$(timeout 60 sha256sum <"$f" | cut -d' ' -f1)
+        if [[ -n $f && $sum == "$NUM_SUM" ]]; then
+            pass "$v: a file of the private image reads lazily and right (sha256 ${sum:0:12}…)"
+        else
+            fail "$v: reading numbers.txt of the private image: '${f:-not found}' sha256 '$sum'"
+        fi
+    fi
+    if grep -rlF "$ROBOT_PW" "$E2E_TMP/store" "$SNAP_LOG" >/dev/null 2>&1; then
+        fail "$v: the pull secret's password was found in the store or the daemon's log"
+    else
+        pass "$v: the pull secret's password is neither in the store nor in the daemon's log"
+    fi
+    # shellcheck disable=SC2046 # image names have no spaces
+    timeout 60 ctr -a "$CONTAINERD_SOCK" -n k8s.io image rm --sync \
+        $(ctr -a "$CONTAINERD_SOCK" -n k8s.io image ls -q) >/dev/null 2>&1 || true
+    wait_for 20 "lazy layers released" fuse_mounts_are 0 || true
 }
 
 # fuse_mounts: FUSE mounts under the temp dir (the daemon's lazy layers)
@@ -377,6 +474,7 @@ if [[ $FERRY_BACKEND == auto ]]; then
     FERRY_BACKEND=snapshotter
     "$FERRY" daemon --help 2>/dev/null | grep -- '--config' >/dev/null && FERRY_BACKEND=daemon
 fi
+CRI_PROXY_SOCK=$E2E_TMP/run/cri.sock
 if [[ $FERRY_BACKEND == daemon ]]; then
     cat >"$E2E_TMP/daemon.toml" <<EOF
 [store]
@@ -389,6 +487,11 @@ socket = "$E2E_TMP/run/daemon.sock"
 enabled = true
 socket = "$SNAP_SOCK"
 root = "$SNAP_ROOT"
+
+[cri]
+enabled = true
+socket = "$CRI_PROXY_SOCK"
+runtime_socket = "$E2E_TMP/cri-ferry/containerd.sock"
 EOF
     start_ferry_daemon "$E2E_TMP/daemon.toml"
 else
