@@ -7,7 +7,8 @@
 # Network: a Linux bridge in the root namespace (10.R.0.1/24, R random per run), 16
 # namespaces each with a veth on it (10.R.0.11 … 10.R.0.26); ferry's registries listen on
 # the bridge address. Every daemon has `[p2p] enabled`, the same static `peers` list of
-# all 16 `ip:7050`, one shared `token_file`, `roots = 2`, `fan_out = 4`, and is started
+# all 16 `ip:7050`, one shared `token_file`, `roots = 2`, `fan_out = 4`, `piece_size =
+# 256K` (more pieces, so more trees: daemon 16 is surely asked in phase 4), and is started
 # with `nsenter --net` only (its FUSE mounts are in the root mount namespace, where the
 # readers run). Daemon 16's peer port is a python proxy in its namespace in front of its
 # real peer server (127.0.0.1:7051 there): pass-through in phase 1, flipping a byte of
@@ -39,7 +40,7 @@
 #    4 daemons get kill -9 and their veths go down (a dead machine: connects to it hang);
 #    the 12 others' reads finish, each md5 matching, within pieces × peer_timeout + 30 s.
 # 4. Corrupt peer: from phase 3 on, daemon 16's proxy flips a byte of every body. Daemon
-#    16 reads layer D (8 MiB) first, then the 11 other live daemons read it (so daemon 16
+#    16 reads layer D (32 files of 256 KiB) first, then the 11 other live daemons read it (so daemon 16
 #    holds what they ask it for, as parent or fallback): the proxy corrupted answers, the
 #    others' status shows `peer_corrupt` > 0, and every md5 of phases 3 and 4 is right.
 # 5. Pull rights: a second registry with token auth (`private/**`: robot may pull,
@@ -146,7 +147,7 @@ echo "hello from the fleet" >"$SRC/a/etc/motd"
 head -c $((16 << 20)) /dev/urandom >"$SRC/b/slow.bin"
 head -c $((1 << 20)) /dev/urandom >"$SRC/c/secret.bin"
 mkdir -p "$SRC/d"
-head -c $((8 << 20)) /dev/urandom >"$SRC/d/late.bin"
+for i in $(seq 32); do head -c $((256 << 10)) /dev/urandom >"$SRC/d/late$i.bin"; done
 IMG=$E2E_TMP/img
 PRIV=$E2E_TMP/priv
 layout "$IMG" "$SRC/a" "$SRC/b" "$SRC/d"
@@ -254,6 +255,7 @@ peer_timeout = "${PEER_TIMEOUT_MS}ms"
 roots = $R
 fan_out = 4
 fallbacks = 2
+piece_size = "256K"
 penalty = "60s"
 EOF
     in_ns "$i" "$FERRY" --log info daemon --config "$E2E_TMP/n$i/daemon.toml" >"$E2E_TMP/n$i.log" 2>&1 &
@@ -451,25 +453,21 @@ fi
 # holds all of layer D before the others read it, so for nearly every piece someone asks
 # it (as parent, or as a fallback after a parent that does not hold the piece yet).
 echo "# 4. daemon $BAD reads layer D first; the other $((${#LIVE[@]} - 1)) live daemons then read it through a corrupting proxy"
-want_d=$(awk '$2 == "./late.bin" { print $1 }' "$E2E_TMP/ref-d.md5")
-got=""
-mount_layer "$BAD" "$LAYER_D" "$E2E_TMP/n$BAD/mnt-d" "$IMAGE" &&
-    got=$(timeout 120 md5sum <"$E2E_TMP/n$BAD/mnt-d/late.bin" | cut -d' ' -f1)
-[[ $got == "$want_d" ]] || fail "daemon $BAD could not read layer D (md5 '$got')"
+# read_d I: md5 of every file of daemon I's layer D mount, as ref-d.md5 lists them
+read_d() { (cd "$E2E_TMP/n$1/mnt-d" && timeout 120 find . -type f | sort | timeout 120 xargs md5sum) >"$E2E_TMP/n$1/d.md5" 2>&1; }
+mount_layer "$BAD" "$LAYER_D" "$E2E_TMP/n$BAD/mnt-d" "$IMAGE" && read_d "$BAD"
+cmp -s "$E2E_TMP/n$BAD/d.md5" "$E2E_TMP/ref-d.md5" || fail "daemon $BAD could not read layer D"
 OTHERS=()
 for i in "${LIVE[@]}"; do [[ $i == "$BAD" ]] || OTHERS+=("$i"); done
 readers=()
 for i in "${OTHERS[@]}"; do
-    (
-        mount_layer "$i" "$LAYER_D" "$E2E_TMP/n$i/mnt-d" "$IMAGE" &&
-            timeout 120 md5sum <"$E2E_TMP/n$i/mnt-d/late.bin" | cut -d' ' -f1 >"$E2E_TMP/n$i/d.md5"
-    ) &
+    (mount_layer "$i" "$LAYER_D" "$E2E_TMP/n$i/mnt-d" "$IMAGE" && read_d "$i") &
     readers+=($!)
 done
 wait "${readers[@]}" || true
 okd=0 badd=""
 for i in "${OTHERS[@]}"; do
-    if [[ $(cat "$E2E_TMP/n$i/d.md5" 2>/dev/null) == "$want_d" ]]; then okd=$((okd + 1)); else badd+=" $i"; fi
+    if cmp -s "$E2E_TMP/n$i/d.md5" "$E2E_TMP/ref-d.md5"; then okd=$((okd + 1)); else badd+=" $i"; fi
 done
 corrupted=$(wc -l <"$E2E_TMP/corrupt.count" 2>/dev/null || echo 0)
 corrupt_seen=$(($(p2p_sum peer_corrupt "${OTHERS[@]}") - corrupt_before))
