@@ -7,8 +7,7 @@
 # Network: a Linux bridge in the root namespace (10.R.0.1/24, R random per run), 16
 # namespaces each with a veth on it (10.R.0.11 … 10.R.0.26); ferry's registries listen on
 # the bridge address. Every daemon has `[p2p] enabled`, the same static `peers` list of
-# all 16 `ip:7050`, one shared `token_file`, `roots = 2`, `fan_out = 4`, `piece_size =
-# 256K` (more pieces, so more trees: daemon 16 is surely asked in phase 4), and is started
+# all 16 `ip:7050`, one shared `token_file`, `roots = 2`, `fan_out = 4`, and is started
 # with `nsenter --net` only (its FUSE mounts are in the root mount namespace, where the
 # readers run). Daemon 16's peer port is a python proxy in its namespace in front of its
 # real peer server (127.0.0.1:7051 there): pass-through in phase 1, flipping a byte of
@@ -40,7 +39,7 @@
 #    4 daemons get kill -9 and their veths go down (a dead machine: connects to it hang);
 #    the 12 others' reads finish, each md5 matching, within pieces × peer_timeout + 30 s.
 # 4. Corrupt peer: from phase 3 on, daemon 16's proxy flips a byte of every body. Daemon
-#    16 reads layer D (32 files of 256 KiB) first, then the 11 other live daemons read it (so daemon 16
+#    16 reads layer D (64 files of 256 KiB: 16 pieces, so 16 trees) first, then the 11 other live daemons read it (so daemon 16
 #    holds what they ask it for, as parent or fallback): the proxy corrupted answers, the
 #    others' status shows `peer_corrupt` > 0, and every md5 of phases 3 and 4 is right.
 # 5. Pull rights: a second registry with token auth (`private/**`: robot may pull,
@@ -147,7 +146,7 @@ echo "hello from the fleet" >"$SRC/a/etc/motd"
 head -c $((16 << 20)) /dev/urandom >"$SRC/b/slow.bin"
 head -c $((1 << 20)) /dev/urandom >"$SRC/c/secret.bin"
 mkdir -p "$SRC/d"
-for i in $(seq 32); do head -c $((256 << 10)) /dev/urandom >"$SRC/d/late$i.bin"; done
+for i in $(seq 64); do head -c $((256 << 10)) /dev/urandom >"$SRC/d/late$i.bin"; done
 IMG=$E2E_TMP/img
 PRIV=$E2E_TMP/priv
 layout "$IMG" "$SRC/a" "$SRC/b" "$SRC/d"
@@ -255,7 +254,6 @@ peer_timeout = "${PEER_TIMEOUT_MS}ms"
 roots = $R
 fan_out = 4
 fallbacks = 2
-piece_size = "256K"
 penalty = "60s"
 EOF
     in_ns "$i" "$FERRY" --log info daemon --config "$E2E_TMP/n$i/daemon.toml" >"$E2E_TMP/n$i.log" 2>&1 &
@@ -417,7 +415,13 @@ for i in "${ALL[@]}"; do
         >"$E2E_TMP/n$i/b.md5" 2>"$E2E_TMP/n$i/b.err" &
     RPID[$i]=$!
 done
-progress() { cat "$E2E_TMP/n$1/progress" 2>/dev/null || echo 0; }
+# (empty while the reader rewrites the file: read as 0, not as a syntax error)
+progress() {
+    local p
+    p=$(cat "$E2E_TMP/n$1/progress" 2>/dev/null) || true
+    [[ $p =~ ^[0-9]+$ ]] || p=0
+    echo "$p"
+}
 some_progress() { local i; for i in "${ALL[@]}"; do (($(progress "$i") >= 2 << 20)) && return 0; done; return 1; }
 wait_for 60 "a reader past 2 MiB" some_progress || true
 # a dead machine: the process gone and its link down (connects to it hang until timeout)
