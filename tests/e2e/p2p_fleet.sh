@@ -10,8 +10,8 @@
 # all 16 `ip:7050`, one shared `token_file`, `roots = 2`, `fan_out = 4`, and is started
 # with `nsenter --net` only (its FUSE mounts are in the root mount namespace, where the
 # readers run). Daemon 16's peer port is a python proxy in its namespace in front of its
-# real peer server (127.0.0.1:7051 there): pass-through in phase 1, flipping a byte of
-# every body from phase 2 on. Everything (daemons, proxy, mounts, namespaces, veths, the
+# real peer server (127.0.0.1:7051 there): pass-through in phases 1-2, flipping a byte
+# of every body from phase 3 on. Everything (daemons, proxy, mounts, namespaces, veths, the
 # bridge) goes in the EXIT trap, on failure too. Layers are mounted one each through the
 # daemon (`ferry mount --layer`, the path that reads peers; a merged `ferry mount` reads
 # the registry only, docs/p2p.md). Prefetch, background fill and the file cache are off,
@@ -28,9 +28,12 @@
 #    Why slack: a child asks its parent while the parent's own read of the piece is in
 #    flight; the peer server waits up to peer_timeout / 4 for it to arrive, but with 16
 #    daemons on 2 loaded cores a parent's read (itself waiting on its own parent)
-#    sometimes takes longer, and the child reads the registry. Measured: 1.9-3.6 copies;
+#    sometimes takes longer, and the child reads the registry. Measured: 1.7-3.6 copies;
 #    12.7-14.5 when the server answered 404 at once (before that wait), 16 without peers;
-#    so the bound tells the tree from no tree.
+#    so the bound tells the tree from no tree. (A read is routed by the piece its first
+#    byte lies in, so a root of that piece fetches the whole merged request — readahead
+#    2 MiB — from the registry, later pieces included: with 256K pieces this went to 4.8
+#    copies. Keep piece_size at least the request size.)
 #    The layers are uncompressed tar: a gzip layer's index has a windows blob (about
 #    half the layer for random data) that every daemon reads from the registry, not
 #    through peers (docs/p2p.md), which would swamp the layer's own account.
@@ -39,9 +42,10 @@
 #    4 daemons get kill -9 and their veths go down (a dead machine: connects to it hang);
 #    the 12 others' reads finish, each md5 matching, within pieces × peer_timeout + 30 s.
 # 4. Corrupt peer: from phase 3 on, daemon 16's proxy flips a byte of every body. Daemon
-#    16 reads layer D (64 files of 256 KiB: 16 pieces, so 16 trees) first, then the 11 other live daemons read it (so daemon 16
-#    holds what they ask it for, as parent or fallback): the proxy corrupted answers, the
-#    others' status shows `peer_corrupt` > 0, and every md5 of phases 3 and 4 is right.
+#    16 reads layer D (64 files of 256 KiB: 16 pieces, so 16 trees) first, then the 11
+#    other live daemons read it (so daemon 16 holds what they ask it for, as parent or
+#    fallback): the proxy corrupted answers, the others' status shows `peer_corrupt` > 0,
+#    and every md5 of phases 3 and 4 is right.
 # 5. Pull rights: a second registry with token auth (`private/**`: robot may pull,
 #    nobody else), daemon 1 mounts private/app (robot's credentials) and reads it; from
 #    daemon 2's namespace, curl to daemon 1's peer server with the cluster token and
@@ -52,7 +56,7 @@
 # peer_timeout is 2 s (P2P_PEER_TIMEOUT_MS): at 500 ms the server's wait for spans in
 # flight (a quarter of it) was too short for 16 daemons on 2 loaded cores (2.9-5.2 copies).
 #
-# Env: FERRY, FERRY_TIMEOUT (seconds per ferry call, 60), P2P_NODES (16),
+# Env: FERRY, FERRY_TIMEOUT (seconds per ferry call, 60),
 #      P2P_SLACK (bytes), P2P_PEER_TIMEOUT_MS (2000), E2E_KEEP=1 / E2E_VERBOSE=1.
 # Output: PASS:/FAIL: lines, last line "N passed, M failed"; exit 1 on any failure.
 set -euo pipefail
@@ -63,7 +67,7 @@ need_cmd ip nsenter python3 curl jq tar gzip md5sum sha256sum timeout
 [[ -e /dev/fuse ]] || skip "no /dev/fuse"
 
 FT=${FERRY_TIMEOUT:-60}
-N=${P2P_NODES:-16}
+N=16
 R=2
 KILLED=(3 6 9 12) # a quarter of 16
 BAD=$N            # the corrupting peer
