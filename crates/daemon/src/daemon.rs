@@ -159,6 +159,9 @@ async fn p2p_parts(
             max_concurrent: p.max_concurrent,
             request_timeout: p.request_timeout,
             max_range: p.max_range,
+            // The caller's deadline covers the parent and `fallbacks` more: a quarter
+            // of it leaves room for two such waits and an answer.
+            arrival_wait: p.peer_timeout / 4,
         },
         stats,
     );

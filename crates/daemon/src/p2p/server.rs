@@ -12,7 +12,7 @@
 //! | 404 | this node does not serve that blob |
 //! | 403 | the blob was not resolved from that registry here, or the registry said the forwarded credential may not read it in that repository |
 //! | 416 | the range starts past the end, or is longer than [`ServerLimits::max_range`] |
-//! | 404 | some span of the range is not in the store (not arrived, not verified, evicted) |
+//! | 404 | some span of the range is not in the store (not arrived within [`ServerLimits::arrival_wait`], not verified, evicted) |
 //! | 206/200 | the bytes, every span of them verified by the store |
 
 use std::sync::Arc;
@@ -46,7 +46,17 @@ pub struct ServerLimits {
     pub request_timeout: Duration,
     /// Longest range served in one request.
     pub max_range: u64,
+    /// How long a request for spans not stored yet waits for them to arrive before it
+    /// is answered 404 (zero: not at all). A fleet starting one image at once asks a
+    /// parent for a piece while the parent's own read of it is still in flight; a 404
+    /// then sends the child to the registry, and the registry serves the piece once per
+    /// node instead of `roots` times. Kept well under the callers' `peer_timeout`,
+    /// which covers the parent and every fallback together.
+    pub arrival_wait: Duration,
 }
+
+/// How often a request waiting for spans to arrive looks again.
+const ARRIVAL_POLL: Duration = Duration::from_millis(5);
 
 /// Everything the server needs.
 #[derive(Debug)]
@@ -237,6 +247,10 @@ async fn answer(
     if range.end - range.start > s.limits.max_range {
         return unsatisfiable(size);
     }
+    let waiting_until = tokio::time::Instant::now() + s.limits.arrival_wait;
+    while !all_stored(&s.store, &table, &range) && tokio::time::Instant::now() < waiting_until {
+        tokio::time::sleep(ARRIVAL_POLL).await;
+    }
     let (store, table2, rg) = (s.store.clone(), table.clone(), range.clone());
     let bytes = match tokio::task::spawn_blocking(move || read_verified(&store, &table2, rg)).await
     {
@@ -260,6 +274,13 @@ fn unsatisfiable(size: u64) -> Response {
         [(header::CONTENT_RANGE, format!("bytes */{size}"))],
     )
         .into_response()
+}
+
+/// Whether the store holds an entry for every span covering `range` (committed, not yet
+/// verified by this read: [`read_verified`] does that).
+fn all_stored(store: &Store, table: &SpanTable, range: &std::ops::Range<u64>) -> bool {
+    let ks = table.covering(range);
+    !ks.is_empty() && ks.into_iter().all(|k| store.contains(table.span(k).1))
 }
 
 /// `range` of the blob out of the store's entries for its spans, each verified by the

@@ -94,6 +94,7 @@ struct Served {
     bytes: Vec<u8>,
     rights: Arc<Rights>,
     stats: Arc<P2pStats>,
+    store: Arc<Store>,
     _dir: tempfile::TempDir,
 }
 
@@ -125,7 +126,7 @@ async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> 
     let stats = Arc::new(P2pStats::default());
     let server = PeerServer::new(
         catalog,
-        store,
+        store.clone(),
         ClusterToken::new(TOKEN).unwrap(),
         PullGate::new(rights.clone(), Duration::from_secs(300)),
         limits,
@@ -145,6 +146,7 @@ async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> 
         bytes,
         rights,
         stats,
+        store,
         _dir: dir,
     }
 }
@@ -154,6 +156,7 @@ fn limits() -> ServerLimits {
         max_concurrent: 8,
         request_timeout: Duration::from_secs(30),
         max_range: 1 << 20,
+        arrival_wait: Duration::ZERO,
     }
 }
 
@@ -337,6 +340,61 @@ async fn a_caller_with_pull_rights_gets_verified_bytes_and_the_yes_is_cached() {
         resp.headers()["docker-content-digest"],
         s.digest.to_string().as_str()
     );
+}
+
+#[tokio::test]
+async fn a_span_arriving_within_the_wait_is_served() {
+    // A fleet starting at once: the child asks while the parent's own read is in flight.
+    let s = serve(
+        ServerLimits {
+            arrival_wait: Duration::from_secs(10),
+            ..limits()
+        },
+        None,
+    )
+    .await;
+    let (store, bytes) = (s.store.clone(), s.bytes.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_, _, table) = blob();
+        let (r, key) = table.span(2);
+        store
+            .put(key, &bytes[r.start as usize..r.end as usize])
+            .unwrap();
+    });
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            range: Some("bytes=1500-2999"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!(status, 206);
+    assert_eq!(body, s.bytes[1500..3000]);
+}
+
+#[tokio::test]
+async fn a_span_that_does_not_arrive_within_the_wait_is_a_404() {
+    let s = serve(
+        ServerLimits {
+            arrival_wait: Duration::from_millis(50),
+            ..limits()
+        },
+        None,
+    )
+    .await;
+    let start = std::time::Instant::now();
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            range: Some("bytes=2000-2999"),
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!((status, body.is_empty()), (404, true));
+    assert!(start.elapsed() >= Duration::from_millis(50));
 }
 
 #[tokio::test]
