@@ -102,8 +102,28 @@ fn connect_fd_holder(config: &DaemonConfig) -> Option<FdHolderClient> {
 /// The peer server, its listener, and what lazy layers need to use peers.
 struct PeerParts {
     listener: tokio::net::TcpListener,
+    /// TLS for the server's connections; `None`: plain HTTP.
+    tls: Option<crate::p2p::tls::PeerTls>,
     server: Arc<crate::p2p::server::PeerServer>,
     wiring: crate::mounts::PeerWiring,
+    /// The DNS membership, resolved once already, to refresh while serving.
+    dns: Option<crate::p2p::dns::DnsMembership>,
+}
+
+/// The name peers dial this daemon by, when it is known before DNS says: the host of
+/// an explicit `self_name`, or of `listen` unless it is a wildcard.
+fn own_tls_name(p: &crate::config::P2pSection) -> Option<String> {
+    let name = match &p.self_name {
+        Some(n) => n.clone(),
+        None if p.listen.ip().is_unspecified() => return None,
+        None => p.listen.to_string(),
+    };
+    let (host, _) = name.rsplit_once(':')?;
+    Some(
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned(),
+    )
 }
 
 /// Most layer blobs the peer server remembers (each a span table: ~48 bytes per 256 KiB
@@ -125,8 +145,19 @@ async fn p2p_parts(
         auth::ClusterToken::load(token_file).map_err(|e| Error::Config(format!("p2p: {e}")))?;
     let stats = Arc::new(crate::p2p::P2pStats::default());
     let catalog = Arc::new(crate::p2p::BlobCatalog::new(PEER_CATALOG_ENTRIES));
-    let transport = fetch::HttpPeers::new(token.clone(), p.peer_timeout)
-        .map_err(|e| Error::Config(format!("p2p: HTTP client: {e}")))?;
+    let tls = match p.tls_files() {
+        Some(files) => Some(
+            crate::p2p::tls::PeerTls::load(&files, own_tls_name(p).as_deref())
+                .map_err(|e| Error::Config(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let transport = fetch::HttpPeers::new(
+        token.clone(),
+        p.peer_timeout,
+        tls.as_ref().map(|t| t.client.clone()),
+    )
+    .map_err(|e| Error::Config(format!("p2p: HTTP client: {e}")))?;
     let fetcher = fetch::PeerFetcher::new(
         fetch::FetcherConfig {
             self_name: p.self_name(),
@@ -165,13 +196,33 @@ async fn p2p_parts(
     let listener = tokio::net::TcpListener::bind(p.listen)
         .await
         .map_err(|e| Error::io(format!("p2p: listening on {}", p.listen), e))?;
+    let fetcher = Arc::new(fetcher);
+    let dns = match &p.peers_dns {
+        Some(target) => {
+            use crate::p2p::dns;
+            let mut members = dns::DnsMembership::new(
+                Arc::new(dns::SystemResolver),
+                target,
+                p.self_name.clone(),
+                p.listen,
+                dns::local_addresses(),
+            )
+            .map_err(|e| Error::Config(e.to_string()))?;
+            // Once before serving, so the first reads already have peers; a failure is
+            // a warning (DNS may come up after the daemon), retried on the refresh.
+            if members.refresh().await == dns::Refresh::Changed {
+                dns::apply(&fetcher, &p.peers, &members);
+            }
+            Some(members)
+        }
+        None => None,
+    };
     Ok(PeerParts {
         listener,
+        tls,
         server: Arc::new(server),
-        wiring: crate::mounts::PeerWiring {
-            catalog,
-            fetcher: Arc::new(fetcher),
-        },
+        wiring: crate::mounts::PeerWiring { catalog, fetcher },
+        dns,
     })
 }
 
@@ -341,9 +392,33 @@ impl Daemon {
                 tasks.push((
                     "peers",
                     tokio::spawn(async move {
-                        crate::p2p::server::serve(parts.listener, router, stopped(rx)).await
+                        use crate::p2p::{server, tls};
+                        match parts.tls {
+                            Some(t) => {
+                                let listener = tls::TlsListener::new(
+                                    parts.listener,
+                                    t.acceptor(),
+                                    tls::HANDSHAKE_TIMEOUT,
+                                )
+                                .map_err(|e| Error::io("p2p: TLS listener", e))?;
+                                server::serve(listener, router, stopped(rx)).await
+                            }
+                            None => server::serve(parts.listener, router, stopped(rx)).await,
+                        }
                     }),
                 ));
+                if let Some(dns) = parts.dns {
+                    let rx = stop_rx.clone();
+                    let fetcher = parts.wiring.fetcher.clone();
+                    let (peers, every) = (config.p2p.peers.clone(), config.p2p.peers_dns_refresh);
+                    tasks.push((
+                        "peer DNS",
+                        tokio::spawn(async move {
+                            crate::p2p::dns::run(dns, peers, fetcher, every, stopped(rx)).await;
+                            Ok(())
+                        }),
+                    ));
+                }
             }
             if let Some((snap, listener)) = snapshotter {
                 let rx = stop_rx.clone();

@@ -192,8 +192,12 @@ fn a_range_comes_from_the_peer_not_the_registry() {
                     penalty: Duration::from_secs(60),
                 },
                 Arc::new(
-                    HttpPeers::new(ClusterToken::new(TOKEN).unwrap(), Duration::from_secs(5))
-                        .unwrap(),
+                    HttpPeers::new(
+                        ClusterToken::new(TOKEN).unwrap(),
+                        Duration::from_secs(5),
+                        None,
+                    )
+                    .unwrap(),
                 ),
                 Arc::new(c.clone()),
                 stats,
