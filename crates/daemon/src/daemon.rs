@@ -531,4 +531,90 @@ mod tests {
         daemon.join().unwrap().unwrap();
         assert!(!socket.exists(), "the control socket is removed");
     }
+
+    #[test]
+    fn the_peer_server_speaks_mtls_when_configured_and_a_readable_key_stops_the_start() {
+        use crate::p2p::tls_tests::{Leaf, ca, daemon_files, mtls, set_mode};
+        let dir = tempfile::tempdir().unwrap();
+        let cluster = ca("cluster");
+        let ours = mtls(daemon_files(
+            dir.path(),
+            "a",
+            &cluster,
+            &cluster,
+            Leaf::default(),
+        ));
+        let peer = mtls(daemon_files(
+            dir.path(),
+            "b",
+            &cluster,
+            &cluster,
+            Leaf::default(),
+        ));
+        let token = "cluster-secret-0123456789";
+        std::fs::write(dir.path().join("token"), token).unwrap();
+        let mut config = DaemonConfig {
+            store_path_flag: Some(dir.path().join("store")),
+            ..DaemonConfig::default()
+        };
+        config.control.socket = Some(dir.path().join("run/daemon.sock"));
+        config.snapshotter.enabled = false;
+        config.fuse.keep_connections = false;
+        config.p2p.enabled = true;
+        config.p2p.listen = "127.0.0.1:0".parse().unwrap();
+        config.p2p.token_file = Some(dir.path().join("token"));
+        config.p2p.tls_cert = Some(ours.cert.clone());
+        config.p2p.tls_key = Some(ours.key.clone());
+        config.p2p.tls_ca = Some(ours.ca.clone());
+        config.p2p.tls_client_auth = true;
+
+        // A key others can read: the daemon does not start, and says why.
+        set_mode(&ours.key, 0o644);
+        let err = Daemon::run(config.clone(), async {}, |_| {}).unwrap_err();
+        assert!(
+            err.to_string().contains("p2p.tls_key") && err.to_string().contains("chmod 600"),
+            "{err}"
+        );
+        set_mode(&ours.key, 0o600);
+
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let daemon = std::thread::spawn(move || {
+            Daemon::run(
+                config,
+                async {
+                    let _ = stop_rx.await;
+                },
+                |info| ready_tx.send(info.clone()).unwrap(),
+            )
+        });
+        let addr = ready_rx.recv().unwrap().p2p_addr.unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let tls = crate::p2p::tls::PeerTls::load(&peer, None).unwrap().client;
+        let (with_cert, plain) = rt.block_on(async {
+            let https = reqwest::Client::builder()
+                .use_preconfigured_tls(tls)
+                .build()
+                .unwrap();
+            let ping = |c: reqwest::Client, url: String| async move {
+                c.get(url)
+                    .header("authorization", format!("Bearer {token}"))
+                    .timeout(std::time::Duration::from_secs(10))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+            };
+            (
+                ping(https, format!("https://{addr}/v2/")).await,
+                ping(reqwest::Client::new(), format!("http://{addr}/v2/")).await,
+            )
+        });
+        assert_eq!(with_cert.unwrap(), 200);
+        assert!(plain.is_err(), "plain HTTP answered: {plain:?}");
+        stop_tx.send(()).unwrap();
+        daemon.join().unwrap().unwrap();
+    }
 }

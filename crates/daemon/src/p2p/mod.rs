@@ -29,7 +29,7 @@ pub mod server;
 mod tests;
 pub mod tls;
 #[cfg(test)]
-mod tls_tests;
+pub(crate) mod tls_tests;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -21,12 +21,12 @@ use super::tests::{Served, TOKEN, limits, repo, serve_with};
 use super::tls::{PeerTls, TlsError, TlsFiles};
 
 /// A CA: its certificate and key.
-struct Ca {
+pub(crate) struct Ca {
     cert: rcgen::Certificate,
     key: KeyPair,
 }
 
-fn ca(name: &str) -> Ca {
+pub(crate) fn ca(name: &str) -> Ca {
     let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
     p.distinguished_name.push(DnType::CommonName, name);
     p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -37,7 +37,7 @@ fn ca(name: &str) -> Ca {
 }
 
 /// What a leaf is made like.
-struct Leaf<'a> {
+pub(crate) struct Leaf<'a> {
     names: &'a [&'a str],
     expired: bool,
     usages: Vec<ExtendedKeyUsagePurpose>,
@@ -58,7 +58,13 @@ impl Default for Leaf<'_> {
 
 /// A daemon's files in `dir`: its certificate from `issuer`, its key (mode 600) and the
 /// CA it trusts (`trusts`).
-fn daemon_files(dir: &Path, tag: &str, issuer: &Ca, trusts: &Ca, leaf: Leaf<'_>) -> TlsFiles {
+pub(crate) fn daemon_files(
+    dir: &Path,
+    tag: &str,
+    issuer: &Ca,
+    trusts: &Ca,
+    leaf: Leaf<'_>,
+) -> TlsFiles {
     let names: Vec<String> = leaf.names.iter().map(|s| s.to_string()).collect();
     let mut p = CertificateParams::new(names).unwrap();
     p.distinguished_name.push(DnType::CommonName, tag);
@@ -85,12 +91,12 @@ fn daemon_files(dir: &Path, tag: &str, issuer: &Ca, trusts: &Ca, leaf: Leaf<'_>)
     }
 }
 
-fn set_mode(path: &Path, mode: u32) {
+pub(crate) fn set_mode(path: &Path, mode: u32) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-fn mtls(mut f: TlsFiles) -> TlsFiles {
+pub(crate) fn mtls(mut f: TlsFiles) -> TlsFiles {
     f.client_auth = true;
     f
 }
