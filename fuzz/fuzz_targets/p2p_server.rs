@@ -95,6 +95,7 @@ fn fixture() -> &'static Fixture {
                 max_concurrent: 4,
                 request_timeout: Duration::from_secs(5),
                 max_range: 1 << 20,
+                arrival_wait: Duration::ZERO,
             },
             Arc::new(P2pStats::default()),
         );

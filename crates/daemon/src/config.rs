@@ -281,6 +281,26 @@ pub struct P2pSection {
     /// and never past the credential's own expiry when it says).
     #[serde(with = "duration_text")]
     pub pull_check_ttl: Duration,
+    /// This daemon's certificate chain (PEM, leaf first), its server and client
+    /// certificate for peers. With `tls_key` and `tls_ca`, peers talk HTTPS; without
+    /// all three, plain HTTP.
+    pub tls_cert: Option<PathBuf>,
+    /// Its private key (PEM); refused when group or others may read or write it.
+    pub tls_key: Option<PathBuf>,
+    /// The cluster CA (PEM) that signs every daemon's certificate: the only roots a
+    /// peer is checked against.
+    pub tls_ca: Option<PathBuf>,
+    /// mTLS: the server requires a client certificate chained to `tls_ca`.
+    pub tls_client_auth: bool,
+    /// The name every peer's certificate is checked for; `None`: the host it is dialled
+    /// at (its address in the membership), which its certificate must then carry.
+    pub tls_server_name: Option<String>,
+    /// `name:port` resolved into members (every A/AAAA record, at that port), merged
+    /// with `peers`: a Kubernetes headless service, say.
+    pub peers_dns: Option<String>,
+    /// How often `peers_dns` is resolved again.
+    #[serde(with = "duration_text")]
+    pub peers_dns_refresh: Duration,
 }
 
 impl Default for P2pSection {
@@ -301,6 +321,13 @@ impl Default for P2pSection {
             max_range: 16 << 20,
             penalty: Duration::from_secs(30),
             pull_check_ttl: Duration::from_secs(300),
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            tls_client_auth: false,
+            tls_server_name: None,
+            peers_dns: None,
+            peers_dns_refresh: Duration::from_secs(30),
         }
     }
 }
@@ -362,7 +389,52 @@ impl P2pSection {
         if self.pull_check_ttl > MAX_PULL_CHECK_TTL {
             return bad("pull_check_ttl must be at most 5m".into());
         }
+        let tls = [&self.tls_cert, &self.tls_key, &self.tls_ca];
+        let given = tls.iter().filter(|f| f.is_some()).count();
+        if given != 0 && given != 3 {
+            return bad(
+                "tls_cert, tls_key and tls_ca go together: give all three for TLS between \
+                 peers, or none for plain HTTP"
+                    .into(),
+            );
+        }
+        if given == 0 && (self.tls_client_auth || self.tls_server_name.is_some()) {
+            return bad(
+                "tls_client_auth and tls_server_name need tls_cert, tls_key and tls_ca".into(),
+            );
+        }
+        if let Some(name) = &self.tls_server_name
+            && rustls::pki_types::ServerName::try_from(name.as_str()).is_err()
+        {
+            return bad(format!(
+                "tls_server_name: {name:?} is not a DNS name or IP address"
+            ));
+        }
+        if let Some(dns) = &self.peers_dns
+            && !is_host_port(dns)
+        {
+            return bad(format!(
+                "peers_dns: {dns:?} is not name:port (a headless service such as \
+                 ferry-peers.kube-system.svc.cluster.local:7050)"
+            ));
+        }
+        if self.peers_dns_refresh < Duration::from_secs(1)
+            || self.peers_dns_refresh > Duration::from_secs(3600)
+        {
+            return bad("peers_dns_refresh must be between 1s and 1h".into());
+        }
         Ok(())
+    }
+
+    /// The TLS files, when peers talk TLS (all three given; checked by `validate`).
+    pub fn tls_files(&self) -> Option<crate::p2p::tls::TlsFiles> {
+        Some(crate::p2p::tls::TlsFiles {
+            cert: self.tls_cert.clone()?,
+            key: self.tls_key.clone()?,
+            ca: self.tls_ca.clone()?,
+            client_auth: self.tls_client_auth,
+            server_name: self.tls_server_name.clone(),
+        })
     }
 }
 
@@ -901,6 +973,53 @@ mod tests {
             "[p2p]\nenabled = true\ntoken_file = \"t\"\nmax_concurrent = 0",
         ] {
             assert!(DaemonConfig::from_toml(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn p2p_tls_and_dns_settings_are_read_and_checked() {
+        let c = DaemonConfig::from_toml("").unwrap();
+        assert_eq!(c.p2p.tls_files(), None, "plain HTTP by default");
+        assert_eq!(c.p2p.peers_dns_refresh, Duration::from_secs(30));
+        let on = "[p2p]\nenabled = true\ntoken_file = \"t\"\n";
+        let c = DaemonConfig::from_toml(&format!(
+            "{on}tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\ntls_ca = \"/ca.pem\"\n\
+             tls_client_auth = true\ntls_server_name = \"ferry-peer\"\n\
+             peers_dns = \"ferry-peers.kube-system.svc.cluster.local:7050\"\n\
+             peers_dns_refresh = \"10s\"\n"
+        ))
+        .unwrap();
+        let files = c.p2p.tls_files().unwrap();
+        assert_eq!(files.key, Path::new("/k.pem"));
+        assert!(files.client_auth);
+        assert_eq!(files.server_name.as_deref(), Some("ferry-peer"));
+        assert_eq!(c.p2p.peers_dns_refresh, Duration::from_secs(10));
+        // The printed config reads back, TLS and DNS settings included.
+        assert_eq!(
+            DaemonConfig::from_toml(&c.to_toml().unwrap()).unwrap(),
+            c,
+            "round trip"
+        );
+        for (bad, needle) in [
+            ("tls_cert = \"/c.pem\"", "go together"),
+            ("tls_cert = \"/c\"\ntls_key = \"/k\"", "go together"),
+            ("tls_client_auth = true", "need tls_cert"),
+            ("tls_server_name = \"x\"", "need tls_cert"),
+            (
+                "tls_cert = \"/c\"\ntls_key = \"/k\"\ntls_ca = \"/a\"\ntls_server_name = \"a b\"",
+                "tls_server_name",
+            ),
+            ("peers_dns = \"no-port\"", "peers_dns"),
+            ("peers_dns = \"http://x:1/\"", "peers_dns"),
+            (
+                "peers_dns = \"x:1\"\npeers_dns_refresh = \"100ms\"",
+                "peers_dns_refresh",
+            ),
+        ] {
+            let err = DaemonConfig::from_toml(&format!("{on}{bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{bad}: {err}");
         }
     }
 }

@@ -102,8 +102,28 @@ fn connect_fd_holder(config: &DaemonConfig) -> Option<FdHolderClient> {
 /// The peer server, its listener, and what lazy layers need to use peers.
 struct PeerParts {
     listener: tokio::net::TcpListener,
+    /// TLS for the server's connections; `None`: plain HTTP.
+    tls: Option<crate::p2p::tls::PeerTls>,
     server: Arc<crate::p2p::server::PeerServer>,
     wiring: crate::mounts::PeerWiring,
+    /// The DNS membership, resolved once already, to refresh while serving.
+    dns: Option<crate::p2p::dns::DnsMembership>,
+}
+
+/// The name peers dial this daemon by, when it is known before DNS says: the host of
+/// an explicit `self_name`, or of `listen` unless it is a wildcard.
+fn own_tls_name(p: &crate::config::P2pSection) -> Option<String> {
+    let name = match &p.self_name {
+        Some(n) => n.clone(),
+        None if p.listen.ip().is_unspecified() => return None,
+        None => p.listen.to_string(),
+    };
+    let (host, _) = name.rsplit_once(':')?;
+    Some(
+        host.trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned(),
+    )
 }
 
 /// Most layer blobs the peer server remembers (each a span table: ~48 bytes per 256 KiB
@@ -125,8 +145,19 @@ async fn p2p_parts(
         auth::ClusterToken::load(token_file).map_err(|e| Error::Config(format!("p2p: {e}")))?;
     let stats = Arc::new(crate::p2p::P2pStats::default());
     let catalog = Arc::new(crate::p2p::BlobCatalog::new(PEER_CATALOG_ENTRIES));
-    let transport = fetch::HttpPeers::new(token.clone(), p.peer_timeout)
-        .map_err(|e| Error::Config(format!("p2p: HTTP client: {e}")))?;
+    let tls = match p.tls_files() {
+        Some(files) => Some(
+            crate::p2p::tls::PeerTls::load(&files, own_tls_name(p).as_deref())
+                .map_err(|e| Error::Config(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let transport = fetch::HttpPeers::new(
+        token.clone(),
+        p.peer_timeout,
+        tls.as_ref().map(|t| t.client.clone()),
+    )
+    .map_err(|e| Error::Config(format!("p2p: HTTP client: {e}")))?;
     let fetcher = fetch::PeerFetcher::new(
         fetch::FetcherConfig {
             self_name: p.self_name(),
@@ -168,13 +199,33 @@ async fn p2p_parts(
     let listener = tokio::net::TcpListener::bind(p.listen)
         .await
         .map_err(|e| Error::io(format!("p2p: listening on {}", p.listen), e))?;
+    let fetcher = Arc::new(fetcher);
+    let dns = match &p.peers_dns {
+        Some(target) => {
+            use crate::p2p::dns;
+            let mut members = dns::DnsMembership::new(
+                Arc::new(dns::SystemResolver),
+                target,
+                p.self_name.clone(),
+                p.listen,
+                dns::local_addresses(),
+            )
+            .map_err(|e| Error::Config(e.to_string()))?;
+            // Once before serving, so the first reads already have peers; a failure is
+            // a warning (DNS may come up after the daemon), retried on the refresh.
+            if members.refresh().await == dns::Refresh::Changed {
+                dns::apply(&fetcher, &p.peers, &members);
+            }
+            Some(members)
+        }
+        None => None,
+    };
     Ok(PeerParts {
         listener,
+        tls,
         server: Arc::new(server),
-        wiring: crate::mounts::PeerWiring {
-            catalog,
-            fetcher: Arc::new(fetcher),
-        },
+        wiring: crate::mounts::PeerWiring { catalog, fetcher },
+        dns,
     })
 }
 
@@ -355,9 +406,33 @@ impl Daemon {
                 tasks.push((
                     "peers",
                     tokio::spawn(async move {
-                        crate::p2p::server::serve(parts.listener, router, stopped(rx)).await
+                        use crate::p2p::{server, tls};
+                        match parts.tls {
+                            Some(t) => {
+                                let listener = tls::TlsListener::new(
+                                    parts.listener,
+                                    t.acceptor(),
+                                    tls::HANDSHAKE_TIMEOUT,
+                                )
+                                .map_err(|e| Error::io("p2p: TLS listener", e))?;
+                                server::serve(listener, router, stopped(rx)).await
+                            }
+                            None => server::serve(parts.listener, router, stopped(rx)).await,
+                        }
                     }),
                 ));
+                if let Some(dns) = parts.dns {
+                    let rx = stop_rx.clone();
+                    let fetcher = parts.wiring.fetcher.clone();
+                    let (peers, every) = (config.p2p.peers.clone(), config.p2p.peers_dns_refresh);
+                    tasks.push((
+                        "peer DNS",
+                        tokio::spawn(async move {
+                            crate::p2p::dns::run(dns, peers, fetcher, every, stopped(rx)).await;
+                            Ok(())
+                        }),
+                    ));
+                }
             }
             if let Some((snap, listener)) = snapshotter {
                 let rx = stop_rx.clone();
@@ -479,5 +554,91 @@ mod tests {
         stop_tx.send(()).unwrap();
         daemon.join().unwrap().unwrap();
         assert!(!socket.exists(), "the control socket is removed");
+    }
+
+    #[test]
+    fn the_peer_server_speaks_mtls_when_configured_and_a_readable_key_stops_the_start() {
+        use crate::p2p::tls_tests::{Leaf, ca, daemon_files, mtls, set_mode};
+        let dir = tempfile::tempdir().unwrap();
+        let cluster = ca("cluster");
+        let ours = mtls(daemon_files(
+            dir.path(),
+            "a",
+            &cluster,
+            &cluster,
+            Leaf::default(),
+        ));
+        let peer = mtls(daemon_files(
+            dir.path(),
+            "b",
+            &cluster,
+            &cluster,
+            Leaf::default(),
+        ));
+        let token = "cluster-secret-0123456789";
+        std::fs::write(dir.path().join("token"), token).unwrap();
+        let mut config = DaemonConfig {
+            store_path_flag: Some(dir.path().join("store")),
+            ..DaemonConfig::default()
+        };
+        config.control.socket = Some(dir.path().join("run/daemon.sock"));
+        config.snapshotter.enabled = false;
+        config.fuse.keep_connections = false;
+        config.p2p.enabled = true;
+        config.p2p.listen = "127.0.0.1:0".parse().unwrap();
+        config.p2p.token_file = Some(dir.path().join("token"));
+        config.p2p.tls_cert = Some(ours.cert.clone());
+        config.p2p.tls_key = Some(ours.key.clone());
+        config.p2p.tls_ca = Some(ours.ca.clone());
+        config.p2p.tls_client_auth = true;
+
+        // A key others can read: the daemon does not start, and says why.
+        set_mode(&ours.key, 0o644);
+        let err = Daemon::run(config.clone(), async {}, |_| {}).unwrap_err();
+        assert!(
+            err.to_string().contains("p2p.tls_key") && err.to_string().contains("chmod 600"),
+            "{err}"
+        );
+        set_mode(&ours.key, 0o600);
+
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let daemon = std::thread::spawn(move || {
+            Daemon::run(
+                config,
+                async {
+                    let _ = stop_rx.await;
+                },
+                |info| ready_tx.send(info.clone()).unwrap(),
+            )
+        });
+        let addr = ready_rx.recv().unwrap().p2p_addr.unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let tls = crate::p2p::tls::PeerTls::load(&peer, None).unwrap().client;
+        let (with_cert, plain) = rt.block_on(async {
+            let https = reqwest::Client::builder()
+                .use_preconfigured_tls(tls)
+                .build()
+                .unwrap();
+            let ping = |c: reqwest::Client, url: String| async move {
+                c.get(url)
+                    .header("authorization", format!("Bearer {token}"))
+                    .timeout(std::time::Duration::from_secs(10))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+            };
+            (
+                ping(https, format!("https://{addr}/v2/")).await,
+                ping(reqwest::Client::new(), format!("http://{addr}/v2/")).await,
+            )
+        });
+        assert_eq!(with_cert.unwrap(), 200);
+        assert!(plain.is_err(), "plain HTTP answered: {plain:?}");
+        stop_tx.send(()).unwrap();
+        daemon.join().unwrap().unwrap();
     }
 }

@@ -160,6 +160,7 @@ fn a_range_comes_from_the_peer_not_the_registry() {
             max_concurrent: 16,
             request_timeout: Duration::from_secs(30),
             max_range: 16 << 20,
+            arrival_wait: Duration::ZERO,
         },
         a_stats.clone(),
     );
@@ -192,8 +193,12 @@ fn a_range_comes_from_the_peer_not_the_registry() {
                     penalty: Duration::from_secs(60),
                 },
                 Arc::new(
-                    HttpPeers::new(ClusterToken::new(TOKEN).unwrap(), Duration::from_secs(5))
-                        .unwrap(),
+                    HttpPeers::new(
+                        ClusterToken::new(TOKEN).unwrap(),
+                        Duration::from_secs(5),
+                        None,
+                    )
+                    .unwrap(),
                 ),
                 Arc::new(c.clone()),
                 stats,

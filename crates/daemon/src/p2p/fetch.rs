@@ -22,7 +22,7 @@ use ferry_oci::Digest;
 use ferry_p2p::{Membership, PeerId, PieceId, Schedule, Source, Topology};
 use ferry_registry_client::{Client, Repo, parse_content_range};
 use ferry_store::ChunkKey;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::auth::ClusterToken;
 use super::catalog::SpanTable;
@@ -82,11 +82,12 @@ impl OriginCredentials for Client {
     }
 }
 
-/// [`PeerTransport`] over HTTP: the peer server's registry-style blob reads.
+/// [`PeerTransport`] over HTTP or HTTPS: the peer server's registry-style blob reads.
 #[derive(Clone)]
 pub struct HttpPeers {
     http: reqwest::Client,
     token: ClusterToken,
+    scheme: &'static str,
 }
 
 impl fmt::Debug for HttpPeers {
@@ -96,16 +97,32 @@ impl fmt::Debug for HttpPeers {
 }
 
 impl HttpPeers {
-    /// Peers asked with `token`, connections given up after `connect_timeout`.
-    pub fn new(token: ClusterToken, connect_timeout: Duration) -> Result<HttpPeers, String> {
-        let http = reqwest::Client::builder()
+    /// Peers asked with `token`, connections (the TLS handshake included) given up
+    /// after `connect_timeout`; over HTTPS with `tls` (the cluster CA as the only roots,
+    /// and our certificate for servers that ask), plain HTTP without.
+    pub fn new(
+        token: ClusterToken,
+        connect_timeout: Duration,
+        tls: Option<rustls::ClientConfig>,
+    ) -> Result<HttpPeers, String> {
+        let mut builder = reqwest::Client::builder()
             .user_agent(concat!("ferry-p2p/", env!("CARGO_PKG_VERSION")))
             .connect_timeout(connect_timeout)
             // A peer never redirects; following one would carry our credentials away.
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| e.to_string())?;
-        Ok(HttpPeers { http, token })
+            .redirect(reqwest::redirect::Policy::none());
+        let scheme = match tls {
+            Some(config) => {
+                builder = builder.use_preconfigured_tls(config).https_only(true);
+                "https"
+            }
+            None => "http",
+        };
+        let http = builder.build().map_err(|e| e.to_string())?;
+        Ok(HttpPeers {
+            http,
+            token,
+            scheme,
+        })
     }
 }
 
@@ -118,8 +135,8 @@ impl PeerTransport for HttpPeers {
             return Ok(Vec::new());
         }
         let url = format!(
-            "http://{peer}/v2/{}/blobs/{}?ns={}",
-            req.repo.repository, req.blob, req.repo.registry
+            "{}://{peer}/v2/{}/blobs/{}?ns={}",
+            self.scheme, req.repo.repository, req.blob, req.repo.registry
         );
         let mut r = self
             .http
@@ -184,25 +201,47 @@ pub struct FetcherConfig {
     pub penalty: Duration,
 }
 
-/// Whom to ask for a piece, and the asking; shared by every peer-routed layer.
-pub struct PeerFetcher {
+/// The membership as it is now, this daemon's place in it included.
+#[derive(Debug)]
+struct View {
     me: usize,
+    me_id: PeerId,
     membership: Membership,
+}
+
+impl View {
+    fn new(me_id: PeerId, others: impl IntoIterator<Item = PeerId>) -> View {
+        let membership = Membership::new(others.into_iter().chain(std::iter::once(me_id.clone())));
+        let me = membership.index_of(&me_id).unwrap_or_default();
+        View {
+            me,
+            me_id,
+            membership,
+        }
+    }
+}
+
+/// Whom to ask for a piece, and the asking; shared by every peer-routed layer. The
+/// membership can change while it runs ([`PeerFetcher::set_members`]: DNS).
+pub struct PeerFetcher {
+    view: RwLock<Arc<View>>,
     schedule: Schedule,
     config: FetcherConfig,
     transport: Arc<dyn PeerTransport>,
     credentials: Arc<dyn OriginCredentials>,
-    /// Member index → skipped until.
-    penalties: Mutex<HashMap<usize, Instant>>,
+    /// Member → skipped until; only members are kept, so it is bounded by the
+    /// membership.
+    penalties: Mutex<HashMap<PeerId, Instant>>,
     stats: Arc<P2pStats>,
     handle: tokio::runtime::Handle,
 }
 
 impl fmt::Debug for PeerFetcher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let view = self.view();
         f.debug_struct("PeerFetcher")
-            .field("me", &self.config.self_name)
-            .field("members", &self.membership.len())
+            .field("me", &view.me_id)
+            .field("members", &view.membership.len())
             .finish()
     }
 }
@@ -218,18 +257,12 @@ impl PeerFetcher {
         handle: tokio::runtime::Handle,
     ) -> Result<PeerFetcher, ferry_p2p::Error> {
         let schedule = Schedule::new(Topology::PieceHrw, config.roots, config.fan_out)?;
-        let me_id = PeerId(config.self_name.clone());
-        let membership = Membership::new(
-            config
-                .peers
-                .iter()
-                .map(|p| PeerId(p.clone()))
-                .chain(std::iter::once(me_id.clone())),
+        let view = View::new(
+            PeerId(config.self_name.clone()),
+            config.peers.iter().map(|p| PeerId(p.clone())),
         );
-        let me = membership.index_of(&me_id).unwrap_or_default();
         Ok(PeerFetcher {
-            me,
-            membership,
+            view: RwLock::new(Arc::new(view)),
             schedule,
             config,
             transport,
@@ -245,32 +278,60 @@ impl PeerFetcher {
         &self.stats
     }
 
+    fn view(&self) -> Arc<View> {
+        self.view.read().clone()
+    }
+
+    /// Replaces the membership with `others` and this daemon, named `me` (`None`: as
+    /// it was). Penalties of members that stay are kept; the rest are forgotten.
+    pub fn set_members(&self, others: impl IntoIterator<Item = PeerId>, me: Option<PeerId>) {
+        let me_id = me.unwrap_or_else(|| self.view().me_id.clone());
+        let view = View::new(me_id, others);
+        self.penalties
+            .lock()
+            .retain(|peer, _| view.membership.index_of(peer).is_some());
+        *self.view.write() = Arc::new(view);
+    }
+
+    /// The members, this daemon included, in membership order.
+    pub fn members(&self) -> Vec<PeerId> {
+        let view = self.view();
+        view.membership
+            .members()
+            .iter()
+            .map(|m| m.id.clone())
+            .collect()
+    }
+
+    /// This daemon's name in the membership.
+    pub fn me(&self) -> PeerId {
+        self.view().me_id.clone()
+    }
+
     /// The members to ask, in order, for the piece of `blob` holding byte `offset`:
     /// empty when this daemon is one of the piece's roots (it reads the registry).
     pub fn candidates(&self, blob: &Digest, offset: u64) -> Vec<PeerId> {
+        let view = self.view();
         let index = u32::try_from(offset / self.config.piece_size.max(1)).unwrap_or(u32::MAX);
         let tree = self
             .schedule
-            .tree(&self.membership, &PieceId::new(blob.clone(), index));
-        let parent = match tree.parent(self.me) {
+            .tree(&view.membership, &PieceId::new(blob.clone(), index));
+        let parent = match tree.parent(view.me) {
             Source::Origin => return Vec::new(),
             Source::Peer(p) => p,
         };
         std::iter::once(parent)
-            .chain(tree.fallbacks(self.me, self.config.fallbacks))
-            .map(|m| self.membership.members()[m].id.clone())
+            .chain(tree.fallbacks(view.me, self.config.fallbacks))
+            .map(|m| view.membership.members()[m].id.clone())
             .collect()
     }
 
     fn penalised(&self, peer: &PeerId, now: Instant) -> bool {
-        let Some(i) = self.membership.index_of(peer) else {
-            return false;
-        };
         let mut p = self.penalties.lock();
-        match p.get(&i) {
+        match p.get(peer) {
             Some(until) if now < *until => true,
             Some(_) => {
-                p.remove(&i);
+                p.remove(peer);
                 false
             }
             None => false,
@@ -280,10 +341,10 @@ impl PeerFetcher {
     fn penalise(&self, peer: &PeerId, why: &str) {
         tracing::info!(%peer, reason = why, penalty = ?self.config.penalty, "skipping a peer for a while");
         P2pStats::add(&self.stats.peer_failures, 1);
-        if let Some(i) = self.membership.index_of(peer) {
+        if self.view().membership.index_of(peer).is_some() {
             self.penalties
                 .lock()
-                .insert(i, Instant::now() + self.config.penalty);
+                .insert(peer.clone(), Instant::now() + self.config.penalty);
         }
     }
 

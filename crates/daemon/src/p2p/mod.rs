@@ -14,15 +14,22 @@
 //!   registry, within one peer deadline; it checks every span against the layer index
 //!   before handing bytes up (the device checks them again), and skips a peer that timed
 //!   out or served bad bytes for a while.
+//! * [`tls`]: TLS between peers from a cluster CA, optionally mutual; the token is still
+//!   required.
+//! * [`dns`]: membership from DNS (a headless service), re-resolved periodically.
 //!
 //! `docs/p2p.md` has the design, the threat model and the configuration.
 
 pub mod auth;
 pub mod catalog;
+pub mod dns;
 pub mod fetch;
 pub mod server;
 #[cfg(test)]
 mod tests;
+pub mod tls;
+#[cfg(test)]
+pub(crate) mod tls_tests;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -26,7 +26,6 @@ use axum::routing::any;
 use ferry_oci::{Digest, RepositoryName};
 use ferry_registry_client::{RangeRequest, Repo, parse_range};
 use ferry_store::Store;
-use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 
 use super::auth::{ClusterToken, PullGate};
@@ -105,12 +104,17 @@ pub fn router(server: Arc<PeerServer>) -> Router {
         .with_state(server)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
+/// Serves `router` on `listener` (a `TcpListener` for plain HTTP, a
+/// [`super::tls::TlsListener`] for TLS) until `shutdown` resolves.
+pub async fn serve<L>(
+    listener: L,
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> Result<()> {
+) -> Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
     axum::serve(listener, router)
         .with_graceful_shutdown(shutdown)
         .await

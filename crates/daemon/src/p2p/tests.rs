@@ -27,8 +27,8 @@ use super::fetch::{
 use super::server::{PeerServer, ServerLimits, read_verified};
 use super::{P2pStats, REGISTRY_AUTHORIZATION};
 
-const REGISTRY: &str = "reg.example";
-const TOKEN: &str = "cluster-secret-0123456789";
+pub(super) const REGISTRY: &str = "reg.example";
+pub(super) const TOKEN: &str = "cluster-secret-0123456789";
 const SPAN: usize = 1000;
 
 /// A blob of three spans of `SPAN` bytes and its table.
@@ -53,15 +53,15 @@ fn seeded_blob(seed: usize) -> (Vec<u8>, Digest, SpanTable) {
     (bytes, digest, table)
 }
 
-fn repo(name: &str) -> Repo {
+pub(super) fn repo(name: &str) -> Repo {
     Repo::parse(REGISTRY, name).unwrap()
 }
 
 /// The registry's answers: which credential may read which blob in which repository.
 #[derive(Debug, Default)]
-struct Rights {
+pub(super) struct Rights {
     allowed: HashSet<(Option<String>, String, Digest)>,
-    calls: AtomicUsize,
+    pub(super) calls: AtomicUsize,
     /// When set, every check waits for it (to hold a server slot in a test).
     hold: Option<Arc<tokio::sync::Notify>>,
     entered: Arc<tokio::sync::Notify>,
@@ -88,13 +88,14 @@ impl PullRights for Rights {
     }
 }
 
-struct Served {
-    base: String,
-    digest: Digest,
-    bytes: Vec<u8>,
-    rights: Arc<Rights>,
-    stats: Arc<P2pStats>,
-    store: Arc<Store>,
+pub(super) struct Served {
+    pub(super) addr: std::net::SocketAddr,
+    pub(super) base: String,
+    pub(super) digest: Digest,
+    pub(super) bytes: Vec<u8>,
+    pub(super) rights: Arc<Rights>,
+    pub(super) stats: Arc<P2pStats>,
+    pub(super) store: Arc<Store>,
     _dir: tempfile::TempDir,
 }
 
@@ -102,6 +103,15 @@ struct Served {
 /// registry lets `Bearer alice` read in `team/app` and `Bearer eve` read nothing of
 /// (eve may pull `eve/own`, which does not have this blob).
 async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> Served {
+    serve_with(limits, hold, None).await
+}
+
+/// [`serve`], over TLS with `tls` (handshakes bounded by `tls`'s timeout).
+pub(super) async fn serve_with(
+    limits: ServerLimits,
+    hold: Option<Arc<tokio::sync::Notify>>,
+    tls: Option<(super::tls::PeerTls, Duration)>,
+) -> Served {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open_with(dir.path(), StoreOptions::default()).unwrap());
     let (bytes, digest, table) = blob();
@@ -135,13 +145,28 @@ async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let router = super::server::router(Arc::new(server));
-    tokio::spawn(super::server::serve(
-        listener,
-        router,
-        std::future::pending(),
-    ));
+    let scheme = match tls {
+        Some((tls, timeout)) => {
+            let listener = super::tls::TlsListener::new(listener, tls.acceptor(), timeout).unwrap();
+            tokio::spawn(super::server::serve(
+                listener,
+                router,
+                std::future::pending(),
+            ));
+            "https"
+        }
+        None => {
+            tokio::spawn(super::server::serve(
+                listener,
+                router,
+                std::future::pending(),
+            ));
+            "http"
+        }
+    };
     Served {
-        base: format!("http://{addr}"),
+        addr,
+        base: format!("{scheme}://{addr}"),
         digest,
         bytes,
         rights,
@@ -151,7 +176,7 @@ async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> 
     }
 }
 
-fn limits() -> ServerLimits {
+pub(super) fn limits() -> ServerLimits {
     ServerLimits {
         max_concurrent: 8,
         request_timeout: Duration::from_secs(30),
