@@ -312,7 +312,7 @@ phase_ferry() { # REGISTRY LATENCY WORKLOAD PHASE REF STORE
     e2e_log "$1 ${2}ms $3 ($4): first output after $(cat "$E2E_TMP/seconds") s, $(sum_of "$first" bytes_fetched) B fetched by then ($(cat "$E2E_TMP/first-line"))"
     if [[ ${RSS_SETTLE:-0} != 0 ]]; then # the daemon's resident size once the start is over
         sleep "$RSS_SETTLE"
-        e2e_log "$1 ${2}ms $3 ($4): daemon RSS ${RSS_SETTLE} s after the run: $(($(mem_of "$DAEMON_PID" | cut -d' ' -f1) / 1024)) MB"
+        e2e_log "$1 ${2}ms $3 ($4): daemon RSS ${RSS_SETTLE} s after the run: $(($(mem_of "$DAEMON_PID" | cut -d' ' -f1) / 1024)) MB ($(awk '/^(Anonymous|Rss):/ {printf "%s %d MB ", $1, $2/1024}' "/proc/$DAEMON_PID/smaps_rollup"))"
     fi
 }
 

@@ -22,26 +22,6 @@ use crate::remote::LazyLayers;
 #[derive(Debug)]
 pub struct Daemon;
 
-/// Fixes glibc's mmap threshold at 128 KiB, before any thread starts.
-///
-/// The daemon allocates and frees many buffers of 100 KiB to 16 MiB (spans, windows,
-/// inflate passes, FUSE replies) on many threads. glibc's default *dynamic* threshold
-/// rises to the largest such buffer once one is freed, after which they come from the
-/// per-thread heap arenas, which keep the freed memory resident: measured through
-/// containerd with five layer mounts (`bench/cold-start.sh`), 86-128 MB RSS, against
-/// 57-61 MB with the threshold fixed (freed big buffers go back to the kernel at once).
-/// Setting it explicitly also turns the dynamic adjustment off.
-fn keep_big_buffers_out_of_the_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallopt only changes allocator tuning; called before other threads.
-        let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
-        if ok != 1 {
-            tracing::debug!("mallopt(M_MMAP_THRESHOLD) refused; keeping glibc's default");
-        }
-    }
-}
-
 /// Resolves on SIGTERM or SIGINT (poll it inside a tokio runtime). If the handlers
 /// cannot be installed it never resolves (the daemon then stops only when killed).
 pub async fn stop_signal() {
@@ -241,13 +221,15 @@ impl Daemon {
         ready: impl FnOnce(&DaemonInfo),
     ) -> Result<()> {
         config.validate()?;
-        keep_big_buffers_out_of_the_heap();
+        crate::heap::keep_big_buffers_out_of_the_heap();
         let inflated_cache = usize::try_from(config.fuse.inflated_cache).unwrap_or(usize::MAX);
         if !ferry_fs::configure_inflated_spans(inflated_cache) {
             tracing::warn!("the inflated-span cache was in use before the daemon set its size");
         }
         // Give the cache's memory back once a burst of reads is over.
         ferry_fs::release_idle_inflated_spans();
+        // And the heap's free pages, once the burst is over.
+        crate::heap::spawn_heap_trimmer();
         let store_path = config.store_path();
         let control_socket = config.control_socket();
         let runtime = tokio::runtime::Builder::new_multi_thread()

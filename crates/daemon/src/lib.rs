@@ -54,6 +54,7 @@ pub mod cri;
 pub mod daemon;
 pub mod error;
 pub mod fdstore;
+pub mod heap;
 pub mod indexes;
 pub mod memory;
 pub mod metrics;
