@@ -125,15 +125,9 @@ impl HttpRangeSource {
         let max = client.config().max_attempts.max(1);
         let mut attempt = 1;
         loop {
-            let result = if let [rg] = ranges.as_slice() {
-                client
-                    .blob_range(&repo, &digest, rg.clone())
-                    .await
-                    .map(|b| vec![b])
-            } else {
-                client.blob_ranges(&repo, &digest, &ranges).await
-            };
-            match result {
+            // One range or several: the client sends a single range as a plain Range
+            // request, and several in one request where the registry batches them.
+            match client.blob_ranges(&repo, &digest, &ranges).await {
                 Err(e) if e.is_retryable() && attempt < max => {
                     retry::sleep(client.config(), attempt, None).await;
                     attempt += 1;
