@@ -470,17 +470,15 @@ mod tests {
     use super::*;
     use crate::control::ControlClient;
 
-    #[test]
-    fn runs_serves_status_and_metrics_and_stops_cleanly() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("run/daemon.sock");
-        let mut config = DaemonConfig {
-            store_path_flag: Some(dir.path().join("store")),
-            ..DaemonConfig::default()
-        };
-        config.control.socket = Some(socket.clone());
-        config.snapshotter.enabled = false;
-        config.metrics.addr = Some("127.0.0.1:0".parse().unwrap());
+    /// The daemon run on a thread of its own until the sender is used; returns once it
+    /// is ready, with what it reported.
+    fn start(
+        config: DaemonConfig,
+    ) -> (
+        tokio::sync::oneshot::Sender<()>,
+        std::thread::JoinHandle<Result<()>>,
+        DaemonInfo,
+    ) {
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let daemon = std::thread::spawn(move || {
@@ -492,7 +490,21 @@ mod tests {
                 |info| ready_tx.send(info.clone()).unwrap(),
             )
         });
-        let info = ready_rx.recv().unwrap();
+        (stop_tx, daemon, ready_rx.recv().unwrap())
+    }
+
+    #[test]
+    fn runs_serves_status_and_metrics_and_stops_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("run/daemon.sock");
+        let mut config = DaemonConfig {
+            store_path_flag: Some(dir.path().join("store")),
+            ..DaemonConfig::default()
+        };
+        config.control.socket = Some(socket.clone());
+        config.snapshotter.enabled = false;
+        config.metrics.addr = Some("127.0.0.1:0".parse().unwrap());
+        let (stop_tx, daemon, info) = start(config);
         assert_eq!(info.control_socket, socket);
         assert_eq!(info.snapshotter_socket, None);
         let metrics_addr = info.metrics_addr.unwrap();
@@ -540,23 +552,11 @@ mod tests {
 
     #[test]
     fn the_peer_server_speaks_mtls_when_configured_and_a_readable_key_stops_the_start() {
-        use crate::p2p::tls_tests::{Leaf, ca, daemon_files, mtls, set_mode};
+        use crate::p2p::tls_tests::{ca, member, set_mode};
         let dir = tempfile::tempdir().unwrap();
         let cluster = ca("cluster");
-        let ours = mtls(daemon_files(
-            dir.path(),
-            "a",
-            &cluster,
-            &cluster,
-            Leaf::default(),
-        ));
-        let peer = mtls(daemon_files(
-            dir.path(),
-            "b",
-            &cluster,
-            &cluster,
-            Leaf::default(),
-        ));
+        let ours = member(dir.path(), "a", &cluster);
+        let peer = member(dir.path(), "b", &cluster);
         let token = "cluster-secret-0123456789";
         std::fs::write(dir.path().join("token"), token).unwrap();
         let mut config = DaemonConfig {
@@ -583,18 +583,8 @@ mod tests {
         );
         set_mode(&ours.key, 0o600);
 
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let daemon = std::thread::spawn(move || {
-            Daemon::run(
-                config,
-                async {
-                    let _ = stop_rx.await;
-                },
-                |info| ready_tx.send(info.clone()).unwrap(),
-            )
-        });
-        let addr = ready_rx.recv().unwrap().p2p_addr.unwrap();
+        let (stop_tx, daemon, info) = start(config);
+        let addr = info.p2p_addr.unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

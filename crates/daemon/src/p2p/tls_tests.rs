@@ -101,6 +101,11 @@ pub(crate) fn mtls(mut f: TlsFiles) -> TlsFiles {
     f
 }
 
+/// A daemon of the cluster of `ca` with mTLS on and an ordinary certificate.
+pub(crate) fn member(dir: &Path, tag: &str, ca: &Ca) -> TlsFiles {
+    mtls(daemon_files(dir, tag, ca, ca, Leaf::default()))
+}
+
 /// A peer server over TLS with `files` (handshakes bounded by `timeout`).
 async fn tls_server(files: &TlsFiles, timeout: Duration) -> Served {
     let tls = PeerTls::load(files, Some("127.0.0.1")).unwrap();
@@ -149,20 +154,8 @@ fn nothing_reached_http(s: &Served) {
 async fn the_happy_path_serves_a_range_over_mutual_tls() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = ca("cluster");
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
-    let peer = mtls(daemon_files(
-        dir.path(),
-        "b",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
+    let peer = member(dir.path(), "b", &cluster);
     let s = tls_server(&server, Duration::from_secs(5)).await;
     assert!(s.base.starts_with("https://"));
     let got = fetch(&s, &client(Some(&peer))).await.unwrap();
@@ -181,20 +174,8 @@ async fn the_happy_path_serves_a_range_over_mutual_tls() {
 async fn the_cluster_token_is_still_required_over_tls() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = ca("cluster");
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
-    let peer = mtls(daemon_files(
-        dir.path(),
-        "b",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
+    let peer = member(dir.path(), "b", &cluster);
     let s = tls_server(&server, Duration::from_secs(5)).await;
     let tls = PeerTls::load(&peer, None).unwrap().client;
     let wrong = HttpPeers::new(
@@ -212,13 +193,7 @@ async fn a_peer_with_a_certificate_from_another_ca_is_refused_at_the_handshake()
     let dir = tempfile::tempdir().unwrap();
     let (cluster, outsider) = (ca("cluster"), ca("outsider"));
     // A client whose certificate another CA signed (it trusts ours, to get that far).
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
     let s = tls_server(&server, Duration::from_secs(5)).await;
     let stranger = daemon_files(dir.path(), "x", &outsider, &cluster, Leaf::default());
     // (Its own daemon would refuse to start with it: built by hand to get past that.)
@@ -245,13 +220,7 @@ async fn a_peer_with_a_certificate_from_another_ca_is_refused_at_the_handshake()
 async fn a_client_without_a_certificate_is_refused_when_mtls_is_on() {
     let dir = tempfile::tempdir().unwrap();
     let cluster = ca("cluster");
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
     let s = tls_server(&server, Duration::from_secs(5)).await;
     // Trusts the cluster CA, has the token, presents no certificate.
     let mut roots = rustls::RootCertStore::empty();
@@ -295,13 +264,7 @@ async fn an_expired_certificate_is_refused() {
         ..Leaf::default()
     };
     // An expired client certificate, under mTLS.
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
     let s = tls_server(&server, Duration::from_secs(5)).await;
     let old = mtls(daemon_files(dir.path(), "old", &cluster, &cluster, expired));
     // (Loading it is refused too; a client config is built by hand to get past that.)
@@ -385,13 +348,7 @@ async fn a_silent_connection_is_dropped_after_the_handshake_timeout() {
     use tokio::io::AsyncReadExt;
     let dir = tempfile::tempdir().unwrap();
     let cluster = ca("cluster");
-    let server = mtls(daemon_files(
-        dir.path(),
-        "a",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let server = member(dir.path(), "a", &cluster);
     let s = tls_server(&server, Duration::from_millis(200)).await;
     // Connects and says nothing: the server hangs up once the handshake timeout passes.
     let mut silent = tokio::net::TcpStream::connect(s.addr).await.unwrap();
@@ -404,13 +361,7 @@ async fn a_silent_connection_is_dropped_after_the_handshake_timeout() {
     assert_eq!(n, 0);
     assert!(started.elapsed() >= Duration::from_millis(150));
     // Meanwhile (and after) the others are served.
-    let peer = mtls(daemon_files(
-        dir.path(),
-        "b",
-        &cluster,
-        &cluster,
-        Leaf::default(),
-    ));
+    let peer = member(dir.path(), "b", &cluster);
     assert!(fetch(&s, &client(Some(&peer))).await.is_ok());
 }
 
