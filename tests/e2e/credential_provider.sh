@@ -40,21 +40,7 @@ reference_tree "$IMG"
 PW="plugin-pw-$RANDOM$RANDOM-only-in-memory"
 PW_B64=$(printf 'robot:%s' "$PW" | base64 -w0)
 make_htpasswd "$E2E_TMP/htpasswd" pusher pushpw robot "$PW" || e2e_die "no htpasswd"
-cat >"$E2E_TMP/reg.toml" <<EOF
-[auth]
-htpasswd = "$E2E_TMP/htpasswd"
-mode = "token"
-secret_file = "$E2E_TMP/token.secret"
-token_ttl = "2s"
-[[auth.rules]]
-repository = "private/**"
-users = ["pusher"]
-actions = ["*"]
-[[auth.rules]]
-repository = "private/**"
-users = ["robot"]
-actions = ["pull"]
-EOF
+token_auth_toml "$E2E_TMP/reg.toml" 2s "private/** pusher *" "private/** robot pull"
 start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
 REG=$REG_ADDR
 IMAGE=$REG/private/app:v1

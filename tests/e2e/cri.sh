@@ -115,24 +115,7 @@ ROBOT_PW="robot-pw-$RANDOM$RANDOM-only-in-memory"
 printf 'robot:%s' "$ROBOT_PW" >"$E2E_TMP/robot.auth"
 printf 'robot:not-%s' "$ROBOT_PW" >"$E2E_TMP/wrong.auth"
 make_htpasswd "$E2E_TMP/htpasswd" pusher pushpw robot "$ROBOT_PW" || e2e_die "no htpasswd"
-cat >"$E2E_TMP/reg.toml" <<EOF
-[auth]
-htpasswd = "$E2E_TMP/htpasswd"
-mode = "token"
-secret_file = "$E2E_TMP/token.secret"
-[[auth.rules]]
-repository = "**"
-users = ["pusher"]
-actions = ["*"]
-[[auth.rules]]
-repository = "e2e/**"
-users = ["anonymous", "*"]
-actions = ["pull"]
-[[auth.rules]]
-repository = "private/**"
-users = ["robot"]
-actions = ["pull"]
-EOF
+token_auth_toml "$E2E_TMP/reg.toml" "" "** pusher *" "e2e/** anonymous,* pull" "private/** robot pull"
 start_ferry_registry reg "$E2E_TMP/reg.toml" || e2e_die "ferry registry did not start"
 REGISTRY=$REG_ADDR
 APP_IMAGE=$REGISTRY/e2e/small:v1

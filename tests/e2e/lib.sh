@@ -658,6 +658,35 @@ same_as_ref() { cmp -s "$REF/$2" "$1/$2"; }
 #   http_req METHOD URL [CURL_ARGS...]   curl --path-as-is; sets HTTP_CODE (000 on a
 #                            transport error); body in $HTTP_BODY, headers in $HTTP_HDRS
 #   http_header NAME         value of header NAME in the last http_req (case-insensitive)
+#   token_auth_toml FILE TTL RULE...   a registry config with token auth (see below)
+
+# token_auth_toml FILE TTL RULE...: a ferry registry config with token auth over the
+# users of $E2E_TMP/htpasswd (make_htpasswd first), tokens signed with a secret in
+# $E2E_TMP/token.secret, lasting TTL ("" for the default); each RULE is
+# "REPOSITORY USERS ACTIONS", USERS and ACTIONS comma-separated: "private/** robot pull"
+token_auth_toml() {
+    local file=$1 ttl=$2 rule repo users actions
+    shift 2
+    {
+        printf '[auth]\nhtpasswd = "%s"\nmode = "token"\nsecret_file = "%s"\n' \
+            "$E2E_TMP/htpasswd" "$E2E_TMP/token.secret"
+        [[ -z $ttl ]] || printf 'token_ttl = "%s"\n' "$ttl"
+        for rule in "$@"; do
+            read -r repo users actions <<<"$rule"
+            printf '[[auth.rules]]\nrepository = "%s"\nusers = [%s]\nactions = [%s]\n' \
+                "$repo" "$(_toml_strings "$users")" "$(_toml_strings "$actions")"
+        done
+    } >"$file"
+}
+# _toml_strings a,b,c -> "a", "b", "c"
+_toml_strings() {
+    local item items out=()
+    IFS=, read -ra items <<<"$1"
+    for item in "${items[@]}"; do out+=("\"$item\""); done
+    local joined
+    printf -v joined '%s, ' "${out[@]}"
+    printf '%s' "${joined%, }"
+}
 
 make_htpasswd() {
     local f=$1 u p line

@@ -183,25 +183,7 @@ fy "$E2E_TMP/cp.out" "$E2E_TMP/cp.err" copy --plain-http "oci:$IMG:t" "$IMAGE"
 [[ $RC == 0 ]] || { show "$E2E_TMP/cp.err"; e2e_die "ferry copy to $IMAGE failed"; }
 
 make_htpasswd "$E2E_TMP/htpasswd" pusher pushpw robot robotpw other otherpw || e2e_die "no htpasswd"
-cat >"$E2E_TMP/auth.toml" <<EOF
-[auth]
-htpasswd = "$E2E_TMP/htpasswd"
-mode = "token"
-secret_file = "$E2E_TMP/token.secret"
-token_ttl = "5m"
-[[auth.rules]]
-repository = "private/**"
-users = ["pusher"]
-actions = ["*"]
-[[auth.rules]]
-repository = "private/**"
-users = ["robot"]
-actions = ["pull"]
-[[auth.rules]]
-repository = "other/**"
-users = ["other"]
-actions = ["*"]
-EOF
+token_auth_toml "$E2E_TMP/auth.toml" 5m "private/** pusher *" "private/** robot pull" "other/** other *"
 start_ferry_registry auth "$E2E_TMP/auth.toml" "$HOST_IP:$(free_port)" || e2e_die "auth registry did not start"
 AUTH=$REG_ADDR
 PIMAGE=$AUTH/private/app:v1
