@@ -25,9 +25,16 @@ use std::time::Duration;
 /// (`bench/cold-start.sh`), 86-128 MB RSS, against 57-61 MB with the threshold fixed
 /// (freed big buffers go back to the kernel at once). Setting it explicitly also turns
 /// the dynamic adjustment off.
+///
+/// An operator's own `glibc.malloc.mmap_threshold` in `GLIBC_TUNABLES` is left alone.
 pub fn keep_big_buffers_out_of_the_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        if std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc.mmap_threshold"))
+        {
+            tracing::info!("GLIBC_TUNABLES sets the mmap threshold; keeping it");
+            return;
+        }
         // SAFETY: mallopt only changes allocator tuning; called before other threads.
         let ok = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024) };
         if ok != 1 {
