@@ -45,6 +45,8 @@ pub const DEFAULT_MAX_MEMBERS: usize = 10_000;
 const SEED_RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest one datagram may take to send.
 const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+/// Once in, the seeds are asked again every this many `announce_every`s.
+const REANNOUNCE_FACTOR: u32 = 5;
 /// Most datagrams remembered against replays (authenticated ones only).
 const MAX_SEEN: usize = 65_536;
 
@@ -608,8 +610,9 @@ pub struct Driver {
     pub announce_every: Duration,
 }
 
-/// Runs `node` until `stop`: while it knows no member, announces to every seed every
-/// `announce_every`; hands each membership change to the sources. On the way out it
+/// Runs `node` until `stop`: announces to every seed every `announce_every` while it
+/// knows no member, every 5 × `announce_every` once it does (so groups that formed
+/// apart join up); hands each membership change to the sources. On the way out it
 /// tells the members it leaves.
 pub async fn run(mut node: GossipNode, d: Driver, stop: impl Future<Output = ()>) {
     tokio::pin!(stop);
@@ -617,11 +620,21 @@ pub async fn run(mut node: GossipNode, d: Driver, stop: impl Future<Output = ()>
     let mut next_announce = d.clock.now();
     let stats = d.sources.fetcher().stats().clone();
     loop {
-        if node.is_alone() && d.clock.now() >= next_announce {
+        let now = d.clock.now();
+        if now >= next_announce {
+            // While alone, the seeds are asked often; once in, now and then as well: daemons
+            // that start together can each find a different seed first and form groups
+            // that know nothing of each other, which only a seed can join up.
+            let alone = node.is_alone();
             for seed in resolve_seeds(&d.seeds, d.resolver.as_ref()).await {
                 node.announce(seed);
             }
-            next_announce = d.clock.now() + d.announce_every;
+            next_announce = d.clock.now()
+                + if alone {
+                    d.announce_every
+                } else {
+                    d.announce_every * REANNOUNCE_FACTOR
+                };
         }
         flush(&mut node, d.socket.as_ref()).await;
         if node.take_changed() {
@@ -632,12 +645,9 @@ pub async fn run(mut node: GossipNode, d: Driver, stop: impl Future<Output = ()>
                 .store(members.len() as u64, Ordering::Relaxed);
             d.sources.set_gossip(members);
         }
-        let mut wake = d.clock.now() + d.announce_every;
+        let mut wake = next_announce;
         if let Some(t) = node.next_timer() {
             wake = wake.min(t);
-        }
-        if node.is_alone() {
-            wake = wake.min(next_announce);
         }
         tokio::select! {
             _ = &mut stop => {

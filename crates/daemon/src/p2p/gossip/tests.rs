@@ -672,4 +672,84 @@ mod driven {
             let _ = s.send(());
         }
     }
+
+    #[tokio::test]
+    async fn groups_that_formed_apart_join_up_through_a_seed() {
+        // Nodes 2 and 3 start first; node 3's seeds are node 2 and node 0, which is not
+        // up yet. Then 0 and 1 start, each other's only seed. Two groups, {2, 3} and
+        // {0, 1}: only node 3 asking its seed 0 again (once in) joins them up.
+        let net = Arc::new(MemNet::default());
+        let manual = Arc::new(ManualClock::new(EPOCH_MS));
+        let clock: Arc<dyn Clock> = manual.clone();
+        let seeds: [Vec<usize>; 4] = [vec![1], vec![0], vec![3], vec![2, 0]];
+        let mut fetchers = Vec::new();
+        let mut stops = Vec::new();
+        let spawn = |i: usize| {
+            let f = fetcher(i, &[]);
+            let node = GossipNode::new(
+                config(i),
+                key(),
+                clock.clone(),
+                i as u64 + 1,
+                f.stats().clone(),
+            );
+            let driver = Driver {
+                socket: Arc::new(net.socket(gossip_addr(i))),
+                seeds: seeds[i]
+                    .iter()
+                    .map(|&j| gossip_addr(j).to_string())
+                    .collect(),
+                resolver: Arc::new(Nobody),
+                clock: clock.clone(),
+                sources: Arc::new(MemberSources::new(f.clone(), &[])),
+                announce_every: Duration::from_secs(2),
+            };
+            let (tx, rx) = oneshot::channel::<()>();
+            tokio::spawn(run(node, driver, async {
+                let _ = rx.await;
+            }));
+            (f, tx)
+        };
+        let listed = |f: &PeerFetcher, want: &[usize]| {
+            let mut w: Vec<String> = want.iter().map(|&i| peer_name(i)).collect();
+            w.sort();
+            names(f) == w
+        };
+        for i in [2, 3] {
+            let (f, tx) = spawn(i);
+            fetchers.push((i, f));
+            stops.push(tx);
+        }
+        for _ in 0..300 {
+            step(&manual).await;
+        }
+        for i in [0, 1] {
+            let (f, tx) = spawn(i);
+            fetchers.push((i, f));
+            stops.push(tx);
+        }
+        for _ in 0..300 {
+            step(&manual).await;
+        }
+        assert!(
+            fetchers.iter().any(|(i, f)| *i == 0 && listed(f, &[0, 1])),
+            "the two groups formed apart first"
+        );
+        let mut merged = false;
+        for _ in 0..6000 {
+            if fetchers.iter().all(|(_, f)| listed(f, &[0, 1, 2, 3])) {
+                merged = true;
+                break;
+            }
+            step(&manual).await;
+        }
+        assert!(
+            merged,
+            "the groups never joined: {:?}",
+            fetchers.iter().map(|(_, f)| names(f)).collect::<Vec<_>>()
+        );
+        for s in stops {
+            let _ = s.send(());
+        }
+    }
 }
