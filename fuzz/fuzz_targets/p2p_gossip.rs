@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ferry_daemon::p2p::P2pStats;
 use ferry_daemon::p2p::gossip::{
-    Dropped, GossipConfig, GossipId, GossipKey, GossipNode, ManualClock, wire,
+    Clock, Dropped, GossipConfig, GossipId, GossipKey, GossipNode, ManualClock, wire,
 };
 use libfuzzer_sys::fuzz_target;
 
