@@ -301,6 +301,33 @@ pub struct P2pSection {
     /// How often `peers_dns` is resolved again.
     #[serde(with = "duration_text")]
     pub peers_dns_refresh: Duration,
+    /// Membership by gossip (SWIM over UDP, datagrams authenticated with a key derived
+    /// from the cluster token), merged with `peers` and `peers_dns`.
+    pub gossip: bool,
+    /// UDP address the gossip listens on.
+    pub gossip_listen: SocketAddr,
+    /// The address the other daemons send gossip to (an IP and port); `None`:
+    /// `gossip_listen` when it is not a wildcard, else the IP of `self_name` at
+    /// `gossip_listen`'s port.
+    pub gossip_advertise: Option<SocketAddr>,
+    /// Gossip addresses (`host:port`) of daemons to join through; asked again while
+    /// no member is known.
+    pub gossip_seeds: Vec<String>,
+    /// How often a random member is probed (its answer awaited for a third of it).
+    #[serde(with = "duration_text")]
+    pub gossip_probe_period: Duration,
+    /// How often updates go to three random members besides the probes.
+    #[serde(with = "duration_text")]
+    pub gossip_interval: Duration,
+    /// How long a suspected member has to answer before it is removed.
+    #[serde(with = "duration_text")]
+    pub gossip_suspect_after: Duration,
+    /// Most members gossip knows; datagrams that would add more are dropped.
+    pub gossip_max_members: usize,
+    /// Datagrams stamped further than this from this daemon's clock are dropped
+    /// (so is any datagram seen before).
+    #[serde(with = "duration_text")]
+    pub gossip_max_skew: Duration,
 }
 
 impl Default for P2pSection {
@@ -328,6 +355,15 @@ impl Default for P2pSection {
             tls_server_name: None,
             peers_dns: None,
             peers_dns_refresh: Duration::from_secs(30),
+            gossip: false,
+            gossip_listen: SocketAddr::from(([0, 0, 0, 0], 7946)),
+            gossip_advertise: None,
+            gossip_seeds: Vec::new(),
+            gossip_probe_period: Duration::from_secs(1),
+            gossip_interval: Duration::from_millis(200),
+            gossip_suspect_after: Duration::from_secs(5),
+            gossip_max_members: crate::p2p::gossip::DEFAULT_MAX_MEMBERS,
+            gossip_max_skew: Duration::from_secs(30),
         }
     }
 }
@@ -423,7 +459,62 @@ impl P2pSection {
         {
             return bad("peers_dns_refresh must be between 1s and 1h".into());
         }
+        if self.gossip {
+            for seed in &self.gossip_seeds {
+                if !is_host_port(seed) {
+                    return bad(format!("gossip_seeds: {seed:?} is not host:port"));
+                }
+            }
+            if self.gossip_seeds.len() > 1024 {
+                return bad("gossip_seeds: more than 1024".into());
+            }
+            if self.gossip_advertise().is_none() {
+                return bad(
+                    "gossip_advertise: gossip_listen is a wildcard and self_name is not an \
+                     IP address; give the address other daemons send gossip to"
+                        .into(),
+                );
+            }
+            let ms = Duration::from_millis;
+            if self.gossip_probe_period < ms(100) || self.gossip_probe_period > ms(60_000) {
+                return bad("gossip_probe_period must be between 100ms and 60s".into());
+            }
+            if self.gossip_interval < ms(10) || self.gossip_interval > ms(60_000) {
+                return bad("gossip_interval must be between 10ms and 60s".into());
+            }
+            if self.gossip_suspect_after < self.gossip_probe_period
+                || self.gossip_suspect_after > ms(600_000)
+            {
+                return bad(
+                    "gossip_suspect_after must be between gossip_probe_period and 10m".into(),
+                );
+            }
+            if !(1..=100_000).contains(&self.gossip_max_members) {
+                return bad("gossip_max_members must be between 1 and 100000".into());
+            }
+            if self.gossip_max_skew < ms(1000) || self.gossip_max_skew > ms(600_000) {
+                return bad("gossip_max_skew must be between 1s and 10m".into());
+            }
+        }
         Ok(())
+    }
+
+    /// The address other daemons send this one's gossip to (see `gossip_advertise`).
+    pub fn gossip_advertise(&self) -> Option<SocketAddr> {
+        if let Some(a) = self.gossip_advertise {
+            return Some(a);
+        }
+        if !self.gossip_listen.ip().is_unspecified() {
+            return Some(self.gossip_listen);
+        }
+        let name = self.self_name();
+        let (host, _) = name.rsplit_once(':')?;
+        let ip: std::net::IpAddr = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .ok()?;
+        (!ip.is_unspecified()).then(|| SocketAddr::new(ip, self.gossip_listen.port()))
     }
 
     /// The TLS files, when peers talk TLS (all three given; checked by `validate`).
@@ -1014,6 +1105,61 @@ mod tests {
             (
                 "peers_dns = \"x:1\"\npeers_dns_refresh = \"100ms\"",
                 "peers_dns_refresh",
+            ),
+        ] {
+            let err = DaemonConfig::from_toml(&format!("{on}{bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn p2p_gossip_settings_are_off_by_default_read_and_checked() {
+        let c = DaemonConfig::from_toml("").unwrap();
+        assert!(!c.p2p.gossip);
+        assert_eq!(c.p2p.gossip_max_members, 10_000);
+        let on = "[p2p]\nenabled = true\ntoken_file = \"t\"\ngossip = true\n";
+        let c = DaemonConfig::from_toml(&format!(
+            "{on}self_name = \"10.0.0.5:7050\"\ngossip_seeds = [\"10.0.0.6:7946\", \"seed.svc:7946\"]\n\
+             gossip_interval = \"100ms\"\ngossip_suspect_after = \"3s\"\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            c.p2p.gossip_advertise(),
+            Some("10.0.0.5:7946".parse().unwrap()),
+            "self_name's IP at the gossip port"
+        );
+        assert_eq!(c.p2p.gossip_interval, Duration::from_millis(100));
+        assert_eq!(
+            DaemonConfig::from_toml(&c.to_toml().unwrap()).unwrap(),
+            c,
+            "round trip"
+        );
+        let c =
+            DaemonConfig::from_toml(&format!("{on}gossip_listen = \"10.0.0.7:9000\"\n")).unwrap();
+        assert_eq!(
+            c.p2p.gossip_advertise(),
+            Some("10.0.0.7:9000".parse().unwrap())
+        );
+        for (bad, needle) in [
+            ("", "gossip_advertise"),
+            ("self_name = \"node-1:7050\"", "gossip_advertise"),
+            (
+                "gossip_advertise = \"10.0.0.5:7946\"\ngossip_seeds = [\"x\"]",
+                "gossip_seeds",
+            ),
+            (
+                "gossip_advertise = \"10.0.0.5:7946\"\ngossip_suspect_after = \"100ms\"",
+                "gossip_suspect_after",
+            ),
+            (
+                "gossip_advertise = \"10.0.0.5:7946\"\ngossip_max_members = 0",
+                "gossip_max_members",
+            ),
+            (
+                "gossip_advertise = \"10.0.0.5:7946\"\ngossip_max_skew = \"10ms\"",
+                "gossip_max_skew",
             ),
         ] {
             let err = DaemonConfig::from_toml(&format!("{on}{bad}\n"))

@@ -88,6 +88,14 @@ struct PeerParts {
     wiring: crate::mounts::PeerWiring,
     /// The DNS membership, resolved once already, to refresh while serving.
     dns: Option<crate::p2p::dns::DnsMembership>,
+    /// Every membership source's part, handed to the fetcher on each change.
+    sources: Arc<crate::p2p::gossip::MemberSources>,
+    /// The gossip node and its socket, bound already.
+    gossip: Option<(
+        crate::p2p::gossip::GossipNode,
+        tokio::net::UdpSocket,
+        Arc<dyn crate::p2p::gossip::Clock>,
+    )>,
 }
 
 /// The name peers dial this daemon by, when it is known before DNS says: the host of
@@ -123,6 +131,7 @@ async fn p2p_parts(
         .ok_or_else(|| Error::Config("p2p.token_file is required".into()))?;
     let token =
         auth::ClusterToken::load(token_file).map_err(|e| Error::Config(format!("p2p: {e}")))?;
+    let gossip_key = token.gossip_key();
     let stats = Arc::new(crate::p2p::P2pStats::default());
     let catalog = Arc::new(crate::p2p::BlobCatalog::new(PEER_CATALOG_ENTRIES));
     let tls = match p.tls_files() {
@@ -180,6 +189,10 @@ async fn p2p_parts(
         .await
         .map_err(|e| Error::io(format!("p2p: listening on {}", p.listen), e))?;
     let fetcher = Arc::new(fetcher);
+    let sources = Arc::new(crate::p2p::gossip::MemberSources::new(
+        fetcher.clone(),
+        &p.peers,
+    ));
     let dns = match &p.peers_dns {
         Some(target) => {
             use crate::p2p::dns;
@@ -194,11 +207,53 @@ async fn p2p_parts(
             // Once before serving, so the first reads already have peers; a failure is
             // a warning (DNS may come up after the daemon), retried on the refresh.
             if members.refresh().await == dns::Refresh::Changed {
-                dns::apply(&fetcher, &p.peers, &members);
+                dns::apply(&sources, &members);
             }
             Some(members)
         }
         None => None,
+    };
+    let gossip = if p.gossip {
+        use crate::p2p::gossip;
+        let advertise = p
+            .gossip_advertise()
+            .ok_or_else(|| Error::Config("p2p.gossip_advertise is required".into()))?;
+        let socket = tokio::net::UdpSocket::bind(p.gossip_listen)
+            .await
+            .map_err(|e| Error::io(format!("p2p: gossip on {}", p.gossip_listen), e))?;
+        let clock: Arc<dyn gossip::Clock> = Arc::new(gossip::SystemClock::default());
+        let me = gossip::GossipId {
+            // The name the scheduling ranks this daemon by (DNS's, when it named it).
+            peer: fetcher.me().0,
+            gossip: advertise,
+            // A restart comes back as a newer generation of the same member.
+            generation: clock.unix_ms(),
+        };
+        if !gossip::wire::valid_peer_name(&me.peer) {
+            return Err(Error::Config(format!(
+                "p2p.gossip: this daemon's name {:?} is not host:port",
+                me.peer
+            )));
+        }
+        let node = gossip::GossipNode::new(
+            gossip::GossipConfig {
+                me,
+                probe_period: p.gossip_probe_period,
+                probe_rtt: p.gossip_probe_period / 3,
+                suspect_after: p.gossip_suspect_after,
+                gossip_interval: p.gossip_interval,
+                max_members: p.gossip_max_members,
+                max_skew: p.gossip_max_skew,
+            },
+            gossip_key,
+            clock.clone(),
+            rand_seed(),
+            fetcher.stats().clone(),
+        );
+        tracing::info!(listen = %p.gossip_listen, %advertise, seeds = ?p.gossip_seeds, "p2p gossip");
+        Some((node, socket, clock))
+    } else {
+        None
     };
     Ok(PeerParts {
         listener,
@@ -206,7 +261,23 @@ async fn p2p_parts(
         server: Arc::new(server),
         wiring: crate::mounts::PeerWiring { catalog, fetcher },
         dns,
+        sources,
+        gossip,
     })
+}
+
+/// A seed for the gossip's randomness, different on every start.
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 impl Daemon {
@@ -405,12 +476,31 @@ impl Daemon {
                 ));
                 if let Some(dns) = parts.dns {
                     let rx = stop_rx.clone();
-                    let fetcher = parts.wiring.fetcher.clone();
-                    let (peers, every) = (config.p2p.peers.clone(), config.p2p.peers_dns_refresh);
+                    let sources = parts.sources.clone();
+                    let every = config.p2p.peers_dns_refresh;
                     tasks.push((
                         "peer DNS",
                         tokio::spawn(async move {
-                            crate::p2p::dns::run(dns, peers, fetcher, every, stopped(rx)).await;
+                            crate::p2p::dns::run(dns, sources, every, stopped(rx)).await;
+                            Ok(())
+                        }),
+                    ));
+                }
+                if let Some((node, socket, clock)) = parts.gossip {
+                    use crate::p2p::{dns, gossip};
+                    let rx = stop_rx.clone();
+                    let driver = gossip::Driver {
+                        socket: Arc::new(socket),
+                        seeds: config.p2p.gossip_seeds.clone(),
+                        resolver: Arc::new(dns::SystemResolver),
+                        clock,
+                        sources: parts.sources.clone(),
+                        announce_every: std::time::Duration::from_secs(2),
+                    };
+                    tasks.push((
+                        "peer gossip",
+                        tokio::spawn(async move {
+                            gossip::run(node, driver, stopped(rx)).await;
                             Ok(())
                         }),
                     ));

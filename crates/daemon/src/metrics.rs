@@ -218,6 +218,59 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
             c.inc_by(value);
             registry.register(name, help, c);
         }
+        let members = Gauge::<i64>::default();
+        members.set(gauge_value(p.members.len() as u64));
+        registry.register(
+            "p2p_members",
+            "Members the next read is scheduled with (this daemon included), from every source",
+            members,
+        );
+        let g = &p.gossip;
+        let gossip_members = Gauge::<i64>::default();
+        gossip_members.set(gauge_value(g.members));
+        registry.register(
+            "p2p_gossip_members",
+            "Live members known through gossip (this daemon not counted)",
+            gossip_members,
+        );
+        let gossip: [(&str, &str, u64); 4] = [
+            (
+                "p2p_gossip_datagrams_in",
+                "Gossip datagrams received",
+                g.datagrams_in,
+            ),
+            (
+                "p2p_gossip_datagrams_out",
+                "Gossip datagrams sent",
+                g.datagrams_out,
+            ),
+            ("p2p_gossip_in_bytes", "Gossip bytes received", g.bytes_in),
+            ("p2p_gossip_out_bytes", "Gossip bytes sent", g.bytes_out),
+        ];
+        for (name, help, value) in gossip {
+            let c = Counter::<u64>::default();
+            c.inc_by(value);
+            registry.register(name, help, c);
+        }
+        let dropped = Family::<Vec<(String, String)>, Counter<u64>>::default();
+        for (reason, n) in [
+            ("oversized", g.dropped_oversized),
+            ("unauthenticated", g.dropped_unauthenticated),
+            ("stale", g.dropped_stale),
+            ("replayed", g.dropped_replayed),
+            ("malformed", g.dropped_malformed),
+            ("member_cap", g.dropped_member_cap),
+            ("refused", g.dropped_refused),
+        ] {
+            dropped
+                .get_or_create(&vec![("reason".to_owned(), reason.to_owned())])
+                .inc_by(n);
+        }
+        registry.register(
+            "p2p_gossip_dropped",
+            "Gossip datagrams dropped, by reason",
+            dropped,
+        );
     }
     if let Some(store) = backend.store_status() {
         let bytes = Gauge::<i64>::default();

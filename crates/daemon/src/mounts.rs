@@ -1348,7 +1348,11 @@ impl MountBackend for MountManager {
     }
 
     fn p2p_status(&self) -> Option<crate::p2p::P2pSnapshot> {
-        self.p2p.as_ref().map(|p| p.fetcher.stats().snapshot())
+        self.p2p.as_ref().map(|p| {
+            let mut s = p.fetcher.stats().snapshot();
+            s.members = p.fetcher.members().into_iter().map(|m| m.0).collect();
+            s
+        })
     }
 
     fn store_status(&self) -> Option<StoreStatus> {

@@ -92,6 +92,11 @@ impl ClusterToken {
         format!("Bearer {}", self.token)
     }
 
+    /// The key gossip datagrams are authenticated with (derived from the token).
+    pub fn gossip_key(&self) -> super::gossip::GossipKey {
+        super::gossip::GossipKey::from_secret(self.token.as_bytes())
+    }
+
     /// Whether an `Authorization` value carries this token.
     pub fn admits(&self, authorization: Option<&str>) -> bool {
         let Some(presented) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else {

@@ -24,7 +24,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use ferry_p2p::PeerId;
 
-use super::fetch::PeerFetcher;
+use super::gossip::MemberSources;
 
 /// Most members taken from DNS; more are dropped (with a warning).
 pub const MAX_DNS_MEMBERS: usize = 4096;
@@ -222,22 +222,15 @@ impl DnsMembership {
     }
 }
 
-/// The membership `fetcher` should use: `static_peers` and the DNS members.
-pub fn apply(fetcher: &PeerFetcher, static_peers: &[String], dns: &DnsMembership) {
-    fetcher.set_members(
-        static_peers
-            .iter()
-            .map(|p| PeerId(p.clone()))
-            .chain(dns.members().iter().cloned()),
-        dns.me().cloned(),
-    );
+/// Hands the DNS members (and this daemon's name as DNS gives it) to `sources`.
+pub fn apply(sources: &MemberSources, dns: &DnsMembership) {
+    sources.set_dns(dns.members(), dns.me().cloned());
 }
 
-/// Re-resolves every `every` until `stop` resolves, handing each change to `fetcher`.
+/// Re-resolves every `every` until `stop` resolves, handing each change to `sources`.
 pub async fn run(
     mut dns: DnsMembership,
-    static_peers: Vec<String>,
-    fetcher: Arc<PeerFetcher>,
+    sources: Arc<MemberSources>,
     every: Duration,
     stop: impl Future<Output = ()>,
 ) {
@@ -248,7 +241,7 @@ pub async fn run(
             _ = tokio::time::sleep(every) => {}
         }
         if dns.refresh().await == Refresh::Changed {
-            apply(&fetcher, &static_peers, &dns);
+            apply(&sources, &dns);
         }
     }
 }
@@ -457,7 +450,7 @@ mod tests {
     async fn the_fetcher_takes_static_and_dns_members_with_itself_once() {
         use crate::p2p::P2pStats;
         use crate::p2p::fetch::{
-            FetcherConfig, OriginCredentials, PeerError, PeerRequest, PeerTransport,
+            FetcherConfig, OriginCredentials, PeerError, PeerFetcher, PeerRequest, PeerTransport,
         };
         use ferry_registry_client::Repo;
 
@@ -496,9 +489,10 @@ mod tests {
         r.then(Ok(vec!["10.0.0.5:7050", "10.0.0.6:7050"]))
             .then(Ok(vec!["10.0.0.5:7050"]));
         let mut d = dns(&r, None, &["10.0.0.5"]);
-        let statics = vec!["static-1:7050".to_owned()];
+        let fetcher = Arc::new(fetcher);
+        let sources = MemberSources::new(fetcher.clone(), &["static-1:7050".to_owned()]);
         d.refresh().await;
-        apply(&fetcher, &statics, &d);
+        apply(&sources, &d);
         let names = |f: &PeerFetcher| f.members().into_iter().map(|p| p.0).collect::<Vec<_>>();
         assert_eq!(
             names(&fetcher),
@@ -515,7 +509,15 @@ mod tests {
             "itself once"
         );
         d.refresh().await;
-        apply(&fetcher, &statics, &d);
+        apply(&sources, &d);
+        assert_eq!(names(&fetcher), ["10.0.0.5:7050", "static-1:7050"]);
+        // Gossip members join the union, and leave it, without touching the others.
+        sources.set_gossip(vec![PeerId("10.0.0.9:7050".into())]);
+        assert_eq!(
+            names(&fetcher),
+            ["10.0.0.5:7050", "10.0.0.9:7050", "static-1:7050"]
+        );
+        sources.set_gossip(vec![]);
         assert_eq!(names(&fetcher), ["10.0.0.5:7050", "static-1:7050"]);
     }
 }

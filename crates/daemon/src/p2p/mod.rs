@@ -17,6 +17,8 @@
 //! * [`tls`]: TLS between peers from a cluster CA, optionally mutual; the token is still
 //!   required.
 //! * [`dns`]: membership from DNS (a headless service), re-resolved periodically.
+//! * [`gossip`]: membership by gossip (SWIM through `foca`, authenticated datagrams),
+//!   merged with the static list and DNS ([`gossip::MemberSources`]).
 //!
 //! `docs/p2p.md` has the design, the threat model and the configuration.
 
@@ -24,6 +26,7 @@ pub mod auth;
 pub mod catalog;
 pub mod dns;
 pub mod fetch;
+pub mod gossip;
 pub mod server;
 #[cfg(test)]
 mod tests;
@@ -65,6 +68,8 @@ pub struct P2pStats {
     pub peer_corrupt: AtomicU64,
     /// Reads of non-roots that went to the registry after no peer could serve them.
     pub fallbacks_to_origin: AtomicU64,
+    /// The gossip's counters (zero without gossip).
+    pub gossip: gossip::GossipStats,
 }
 
 impl P2pStats {
@@ -85,6 +90,21 @@ impl P2pStats {
             peer_failures: get(&self.peer_failures),
             peer_corrupt: get(&self.peer_corrupt),
             fallbacks_to_origin: get(&self.fallbacks_to_origin),
+            members: Vec::new(),
+            gossip: GossipSnapshot {
+                members: get(&self.gossip.members),
+                datagrams_in: get(&self.gossip.datagrams_in),
+                datagrams_out: get(&self.gossip.datagrams_out),
+                bytes_in: get(&self.gossip.bytes_in),
+                bytes_out: get(&self.gossip.bytes_out),
+                dropped_oversized: get(&self.gossip.dropped_oversized),
+                dropped_unauthenticated: get(&self.gossip.dropped_unauthenticated),
+                dropped_stale: get(&self.gossip.dropped_stale),
+                dropped_replayed: get(&self.gossip.dropped_replayed),
+                dropped_malformed: get(&self.gossip.dropped_malformed),
+                dropped_member_cap: get(&self.gossip.dropped_member_cap),
+                dropped_refused: get(&self.gossip.dropped_refused),
+            },
         }
     }
 }
@@ -101,4 +121,31 @@ pub struct P2pSnapshot {
     pub peer_failures: u64,
     pub peer_corrupt: u64,
     pub fallbacks_to_origin: u64,
+    /// The membership the next read is scheduled with (this daemon included), from
+    /// every source; filled in by the daemon, not by [`P2pStats::snapshot`].
+    #[serde(default)]
+    pub members: Vec<String>,
+    /// The gossip's figures (all zero without gossip).
+    #[serde(default)]
+    pub gossip: GossipSnapshot,
+}
+
+/// [`gossip::GossipStats`] at one moment.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GossipSnapshot {
+    /// Live members gossip knows (this daemon not counted).
+    pub members: u64,
+    pub datagrams_in: u64,
+    pub datagrams_out: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    /// Datagrams dropped, by reason.
+    pub dropped_oversized: u64,
+    pub dropped_unauthenticated: u64,
+    pub dropped_stale: u64,
+    pub dropped_replayed: u64,
+    pub dropped_malformed: u64,
+    pub dropped_member_cap: u64,
+    pub dropped_refused: u64,
 }

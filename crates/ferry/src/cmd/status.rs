@@ -141,6 +141,29 @@ fn table(report: &StatusReport) -> String {
             p.peer_corrupt,
             p.fallbacks_to_origin
         ));
+        out.push_str(&format!(
+            "members ({}): {}\n",
+            p.members.len(),
+            p.members.join(" ")
+        ));
+        let g = &p.gossip;
+        if g.datagrams_in + g.datagrams_out > 0 {
+            out.push_str(&format!(
+                "gossip: {} members, {} datagrams in ({}), {} out ({}); dropped: {} oversized, {} unauthenticated, {} stale, {} replayed, {} malformed, {} over the member cap, {} refused\n",
+                g.members,
+                g.datagrams_in,
+                human(g.bytes_in),
+                g.datagrams_out,
+                human(g.bytes_out),
+                g.dropped_oversized,
+                g.dropped_unauthenticated,
+                g.dropped_stale,
+                g.dropped_replayed,
+                g.dropped_malformed,
+                g.dropped_member_cap,
+                g.dropped_refused
+            ));
+        }
     }
     if report.mounts.is_empty() {
         out.push_str("no mounts\n");
