@@ -333,7 +333,7 @@ mod tests {
         let cells: Vec<&str> = plain.split_whitespace().collect();
         assert_eq!(&cells[..4], ["reg/plain:v1", "2", "no-index", "3s"]);
         // One line of advice per distinct hint.
-        assert_eq!(text.matches("ferry index").count(), 1, "{text}");
+        assert_eq!(text.matches("index it with").count(), 1, "{text}");
         assert!(text.contains("credentials for reg/private"), "{text}");
         assert_eq!(ago(7300, 100), "2h ago");
     }
