@@ -81,6 +81,9 @@ pub struct StatusReport {
     /// Peer counters, when `[p2p]` is on.
     #[serde(default)]
     pub p2p: Option<crate::p2p::P2pSnapshot>,
+    /// Images whose layers the snapshotter did not serve lazily, and why.
+    #[serde(default)]
+    pub not_lazy: Option<crate::fallback::NotLazyStatus>,
 }
 
 /// Body of `GET /v1/health`.
@@ -163,6 +166,7 @@ async fn status(State(state): State<ControlState>) -> Result<axum::Json<StatusRe
         file_cache,
         inflated_cache: Some(ferry_fs::inflated_spans().stats()),
         p2p: state.backend.p2p_status(),
+        not_lazy: state.backend.fallbacks().map(|f| f.status()),
     }))
 }
 
@@ -506,6 +510,31 @@ mod tests {
         client.unmount(Path::new("/mnt/a")).await.unwrap();
         assert_eq!(h.backend.unmounted(), vec![PathBuf::from("/mnt/a")]);
         assert_eq!(client.status().await.unwrap().mounts.len(), 1);
+        h.stop().await;
+    }
+
+    #[tokio::test]
+    async fn status_names_the_images_not_served_lazily() {
+        use ferry_snapshotter::{NotLazy, NotLazyReason};
+
+        let h = start().await;
+        let client = ControlClient::new(&h.socket);
+        let empty = client.status().await.unwrap().not_lazy.unwrap();
+        assert!(empty.images.is_empty());
+        h.backend.fallbacks().unwrap().declined(
+            Some("reg.local/plain:v1"),
+            Some("sha256:m"),
+            Some("sha256:l1"),
+            &NotLazy::new(NotLazyReason::NoIndex, "no index"),
+        );
+        let status = client.status().await.unwrap().not_lazy.unwrap();
+        assert_eq!(status.images.len(), 1);
+        assert_eq!(
+            status.images[0].image.as_deref(),
+            Some("reg.local/plain:v1")
+        );
+        assert_eq!(status.images[0].reason, NotLazyReason::NoIndex);
+        assert_eq!(status.layers_by_reason[&NotLazyReason::NoIndex], 1);
         h.stop().await;
     }
 

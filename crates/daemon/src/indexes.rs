@@ -35,6 +35,7 @@ use ferry_oci::media::ANNOTATION_LAYER_DIGEST;
 use ferry_registry_client::cache::flight::SingleFlight;
 use ferry_registry_client::cache::memory::MemoryCache;
 use ferry_registry_client::{Client, Repo};
+use ferry_snapshotter::NotLazyReason;
 use tokio::sync::Semaphore;
 
 /// How long a resolved image and its fetched indexes are reused (an image's Prepares
@@ -54,9 +55,15 @@ const LAYER_WEIGHT: u64 = 512;
 /// Prepare that waited for the same request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
-    /// The registry failed or answered something unusable.
-    #[error("{0}")]
-    Registry(String),
+    /// The registry failed or answered something unusable; `reason` is what that means
+    /// for a lazy layer (decided from the typed error, see [`crate::fallback`]).
+    #[error("{message}")]
+    Registry {
+        /// Unreachable, refused, not found, invalid…
+        reason: NotLazyReason,
+        /// The error, for a human.
+        message: String,
+    },
     /// The registry did not answer within the fetch timeout.
     #[error("{what}: no answer within {timeout:?}")]
     TimedOut {
@@ -80,7 +87,10 @@ pub enum ResolveError {
 
 impl From<ferry_fs::Error> for ResolveError {
     fn from(e: ferry_fs::Error) -> ResolveError {
-        ResolveError::Registry(e.to_string())
+        ResolveError::Registry {
+            reason: crate::fallback::fs_reason(&e, NotLazyReason::Other),
+            message: e.to_string(),
+        }
     }
 }
 

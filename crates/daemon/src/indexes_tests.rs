@@ -95,7 +95,10 @@ impl IndexRegistry for FakeRegistry {
         self.note(asked_as("manifest", repo));
         pull_right(repo)?;
         if reference != self.manifest_digest && reference != "v1" {
-            return Err(ResolveError::Registry(format!("no manifest {reference}")));
+            return Err(ResolveError::Registry {
+                reason: NotLazyReason::NotFound,
+                message: format!("no manifest {reference}"),
+            });
         }
         Ok((self.manifest_digest.clone(), self.layers.clone()))
     }
@@ -125,7 +128,10 @@ impl IndexRegistry for FakeRegistry {
                 && *left > 0
             {
                 *left -= 1;
-                return Err(ResolveError::Registry("503 from the fake".into()));
+                return Err(ResolveError::Registry {
+                    reason: NotLazyReason::Unreachable,
+                    message: "503 from the fake".into(),
+                });
             }
         }
         let i = self
@@ -167,10 +173,10 @@ fn pull_right(repo: &Repo) -> Result<(), ResolveError> {
     if repo.repository == "app" {
         Ok(())
     } else {
-        Err(ResolveError::Registry(format!(
-            "denied: {}",
-            repo.repository
-        )))
+        Err(ResolveError::Registry {
+            reason: NotLazyReason::Unauthorized,
+            message: format!("denied: {}", repo.repository),
+        })
     }
 }
 
@@ -395,7 +401,16 @@ async fn a_failed_image_lookup_is_retried_by_the_next_prepare() {
         .resolve(&repo(), &digest('x', 0), &layers[0], &[])
         .await
         .unwrap_err();
-    assert!(matches!(err, ResolveError::Registry(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            ResolveError::Registry {
+                reason: NotLazyReason::NotFound,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // …and is not remembered: the right one works, an unknown layer is named.
     let manifest = registry.manifest_digest.clone();
     indexes

@@ -53,6 +53,7 @@ pub mod control;
 pub mod cri;
 pub mod daemon;
 pub mod error;
+pub mod fallback;
 pub mod fdstore;
 pub mod heap;
 pub mod indexes;

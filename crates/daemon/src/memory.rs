@@ -4,11 +4,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use ferry_fs::StatsSnapshot;
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
+use crate::fallback::FallbackLog;
 use crate::mounts::{
     LayerKind, MountBackend, MountInfo, MountOrigin, MountRequest, MountStatus, StoreStatus,
 };
@@ -17,6 +19,17 @@ use crate::mounts::{
 #[derive(Debug, Default)]
 pub struct MemoryBackend {
     state: Mutex<State>,
+    fallbacks: FallbackLog,
+}
+
+/// Makes the error a failing call returns (errors are not `Clone`).
+#[derive(Clone)]
+struct Failure(Arc<dyn Fn() -> Error + Send + Sync>);
+
+impl std::fmt::Debug for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Failure")
+    }
 }
 
 #[derive(Debug, Default)]
@@ -29,6 +42,10 @@ struct State {
     detached: Vec<PathBuf>,
     /// Every `layer_kind` call: (image, layer, the layers named ahead of it).
     asked: Vec<(String, String, Vec<String>)>,
+    /// Images whose lookups fail, with what.
+    failing_lookups: HashMap<String, Failure>,
+    /// Images whose mounts fail, with what.
+    failing_mounts: HashMap<String, Failure>,
 }
 
 impl MemoryBackend {
@@ -50,6 +67,21 @@ impl MemoryBackend {
                 layers.iter().map(|(d, k)| ((*d).to_owned(), *k)).collect(),
             ),
         );
+    }
+
+    /// Makes every `layer_kind` of `image` fail with what `error` makes (a registry that
+    /// refuses, times out…).
+    pub fn fail_lookups(&self, image: &str, error: impl Fn() -> Error + Send + Sync + 'static) {
+        self.state()
+            .failing_lookups
+            .insert(image.to_owned(), Failure(Arc::new(error)));
+    }
+
+    /// Makes every mount of `image` fail with what `error` makes.
+    pub fn fail_mounts(&self, image: &str, error: impl Fn() -> Error + Send + Sync + 'static) {
+        self.state()
+            .failing_mounts
+            .insert(image.to_owned(), Failure(Arc::new(error)));
     }
 
     /// Sets the counters a mount reports.
@@ -85,6 +117,9 @@ impl MountBackend for MemoryBackend {
             )));
         }
         let mut state = self.state();
+        if let Some(failure) = state.failing_mounts.get(&request.image) {
+            return Err((failure.0)());
+        }
         if state.mounts.contains_key(&request.mountpoint) {
             return Err(Error::AlreadyMounted(request.mountpoint.clone()));
         }
@@ -152,6 +187,9 @@ impl MountBackend for MemoryBackend {
         state
             .asked
             .push((image.to_owned(), layer.to_owned(), ahead.to_vec()));
+        if let Some(failure) = state.failing_lookups.get(image) {
+            return Err((failure.0)());
+        }
         let (manifest, layers) = state
             .images
             .get(image)
@@ -162,5 +200,9 @@ impl MountBackend for MemoryBackend {
             .map(|(_, k)| *k)
             .ok_or_else(|| Error::InvalidRequest(format!("image {image} has no layer {layer}")))?;
         Ok((kind, manifest.clone()))
+    }
+
+    fn fallbacks(&self) -> Option<&FallbackLog> {
+        Some(&self.fallbacks)
     }
 }

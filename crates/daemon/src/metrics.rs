@@ -30,6 +30,12 @@ struct MountLabels {
     layer: String,
 }
 
+/// Labels of the layers-not-lazy counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
 /// Labels of the per-mount series split by kind of guess ([`ferry_fs::Guess`]).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GuessLabels {
@@ -272,6 +278,23 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
             dropped,
         );
     }
+    if let Some(log) = backend.fallbacks() {
+        let totals = log.totals();
+        let not_lazy = Family::<ReasonLabels, Counter<u64>>::default();
+        // Every reason, zero or not, so a rate over it never starts from a missing series.
+        for reason in ferry_snapshotter::NotLazyReason::ALL {
+            not_lazy
+                .get_or_create(&ReasonLabels {
+                    reason: reason.name(),
+                })
+                .inc_by(totals.get(&reason).copied().unwrap_or(0));
+        }
+        registry.register(
+            "not_lazy_layers",
+            "Layers the snapshotter did not serve lazily (downloaded and unpacked the ordinary way), by reason",
+            not_lazy,
+        );
+    }
     if let Some(store) = backend.store_status() {
         let bytes = Gauge::<i64>::default();
         bytes.set(gauge_value(store.bytes));
@@ -420,5 +443,38 @@ mod tests {
         let text = render(&backend).unwrap();
         assert!(!text.contains("/mnt/x"));
         assert!(text.contains("ferry_mounts 0"));
+    }
+
+    #[test]
+    fn layers_not_served_lazily_are_counted_by_reason() {
+        use ferry_snapshotter::{NotLazy, NotLazyReason};
+
+        let backend = MemoryBackend::new();
+        let text = render(&backend).unwrap();
+        assert!(
+            text.contains(r#"ferry_not_lazy_layers_total{reason="no-index"} 0"#),
+            "{text}"
+        );
+        let log = backend.fallbacks().unwrap();
+        for (image, reason) in [
+            ("r/a:1", NotLazyReason::NoIndex),
+            ("r/b:1", NotLazyReason::NoIndex),
+            ("r/c:1", NotLazyReason::Unauthorized),
+        ] {
+            log.declined(
+                Some(image),
+                None,
+                Some("sha256:l"),
+                &NotLazy::new(reason, "x"),
+            );
+        }
+        let text = render(&backend).unwrap();
+        for line in [
+            r#"ferry_not_lazy_layers_total{reason="no-index"} 2"#,
+            r#"ferry_not_lazy_layers_total{reason="unauthorized"} 1"#,
+            r#"ferry_not_lazy_layers_total{reason="unreachable"} 0"#,
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 }

@@ -28,6 +28,7 @@ use ferry_fs::{
 use ferry_index::ferryidx::LayerIndex;
 use ferry_index::image::LayerWay;
 use ferry_index::source::RangeSource;
+use ferry_oci::media::LayerCompression;
 use ferry_oci::{Descriptor, ImageRef};
 use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::Store;
@@ -40,6 +41,7 @@ use crate::autotrace::{
 };
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
+use crate::fallback::FallbackLog;
 use crate::fdstore::FdHolderClient;
 use crate::indexes::{ClientIndexRegistry, LayerIndexes, ResolvedLayer};
 
@@ -136,14 +138,16 @@ pub enum LayerKind {
     FerryIndex,
     /// The layer is eStargz (TOC digest annotation).
     Estargz,
-    /// Neither: it would have to be fetched whole.
+    /// Neither: it would have to be fetched whole (an index would make it lazy).
     Plain,
+    /// Neither, and its format cannot be indexed (zstd, an unknown media type).
+    Unsupported,
 }
 
 impl LayerKind {
     /// True when reads can start before the layer is downloaded.
     pub fn is_lazy(self) -> bool {
-        !matches!(self, LayerKind::Plain)
+        !matches!(self, LayerKind::Plain | LayerKind::Unsupported)
     }
 }
 
@@ -176,6 +180,10 @@ pub trait MountBackend: Send + Sync {
     /// `layer` of the image with manifest `manifest` was unpacked the ordinary way and
     /// committed: its pull has moved past it ([`crate::settle`]).
     fn layer_unpacked(&self, _manifest: &str, _layer: &str) {}
+    /// The record of layers not served lazily, when this backend keeps one.
+    fn fallbacks(&self) -> Option<&FallbackLog> {
+        None
+    }
 }
 
 /// One layer as last opened: descriptor, ferry index, range source.
@@ -215,7 +223,13 @@ pub fn layer_kind_of(descriptor: &Descriptor, has_index: bool) -> LayerKind {
     match LayerWay::of(descriptor, has_index.then_some(())) {
         LayerWay::Indexed(()) => LayerKind::FerryIndex,
         LayerWay::Estargz { .. } => LayerKind::Estargz,
-        LayerWay::Whole => LayerKind::Plain,
+        // `ferry index` indexes gzip and plain tar layers only.
+        LayerWay::Whole => {
+            match ferry_oci::media::layer_compression(descriptor.media_type().as_ref()) {
+                Some(LayerCompression::Gzip | LayerCompression::None) => LayerKind::Plain,
+                Some(LayerCompression::Zstd) | None => LayerKind::Unsupported,
+            }
+        }
     }
 }
 
@@ -388,6 +402,8 @@ pub struct MountManager {
     holder: Option<FdHolderClient>,
     /// Peers: the blobs served to them and the fetcher lazy layers ask first.
     p2p: Option<PeerWiring>,
+    /// Layers the snapshotter did not serve lazily, per image.
+    fallbacks: FallbackLog,
 }
 
 /// What a lazy layer needs to be served to peers and read from them.
@@ -617,6 +633,7 @@ impl MountManager {
             file_cache,
             holder: None,
             p2p: None,
+            fallbacks: FallbackLog::new(),
         })
     }
 
@@ -1396,6 +1413,10 @@ impl MountBackend for MountManager {
             traces.settle.arrived(layer);
         }
     }
+
+    fn fallbacks(&self) -> Option<&FallbackLog> {
+        Some(&self.fallbacks)
+    }
 }
 
 #[cfg(test)]
@@ -1530,5 +1551,21 @@ mod tests {
         ));
         assert_eq!(layer_kind_of(&esgz, false), LayerKind::Estargz);
         assert!(!LayerKind::Plain.is_lazy() && LayerKind::Estargz.is_lazy());
+        // zstd and unknown media types cannot be indexed; plain tar can.
+        for (media, kind) in [
+            (
+                "application/vnd.oci.image.layer.v1.tar+zstd",
+                LayerKind::Unsupported,
+            ),
+            ("application/vnd.example.unknown", LayerKind::Unsupported),
+            ("application/vnd.oci.image.layer.v1.tar", LayerKind::Plain),
+        ] {
+            let mut d = serde_json::to_value(&plain).unwrap();
+            d["mediaType"] = media.into();
+            let d: Descriptor = serde_json::from_value(d).unwrap();
+            assert_eq!(layer_kind_of(&d, false), kind, "{media}");
+            assert_eq!(layer_kind_of(&d, true), LayerKind::FerryIndex, "{media}");
+        }
+        assert!(!LayerKind::Unsupported.is_lazy());
     }
 }

@@ -6,7 +6,9 @@
 //!
 //! A layer is served lazily when the Prepare labels name the image and the layer
 //! (ferry's `ferry.dev/*` labels, else CRI's) and the layer has a ferry index or an
-//! eStargz TOC. Otherwise `Ok(None)`: containerd (or `ferry pull`) unpacks it the
+//! eStargz TOC. Otherwise a typed [`NotLazy`] says why (no index, registry unreachable,
+//! credentials refused, mount failed…; see [`crate::fallback`]), the backend's record
+//! keeps it for `ferry status`, and containerd (or `ferry pull`) unpacks the layer the
 //! ordinary way. The layers the labels name after this one are handed to the backend
 //! too, so it can start resolving them before their Prepares arrive (see
 //! [`crate::indexes`]).
@@ -16,10 +18,15 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ferry_snapshotter::usage::Usage;
-use ferry_snapshotter::{LayerLabels, RemoteError, RemoteLayers, RemoteMount};
+use ferry_snapshotter::{
+    LayerLabels, NotLazy, NotLazyReason, RemoteError, RemoteLayers, RemoteMount,
+};
 
 use crate::error::Error;
-use crate::mounts::{MountBackend, MountOrigin, MountRequest, canonical_mountpoint, pin_image};
+use crate::fallback::reason_of;
+use crate::mounts::{
+    LayerKind, MountBackend, MountOrigin, MountRequest, canonical_mountpoint, pin_image,
+};
 
 /// The provider name in the snapshots' remote-mount records.
 pub const PROVIDER: &str = "ferry-fs";
@@ -66,31 +73,33 @@ impl LazyLayers {
     }
 }
 
-impl RemoteLayers for LazyLayers {
-    fn layer_committed(&self, labels: &LayerLabels) {
-        if let (Some(manifest), Some(layer)) = (&labels.manifest_digest, &labels.layer_digest) {
-            self.backend.layer_unpacked(manifest, layer);
-        }
-    }
-
-    fn prepare_remote(
+impl LazyLayers {
+    /// The lazy mount of the layer `parsed` names, or why not (with the manifest digest
+    /// when the lookup got that far).
+    fn try_prepare(
         &self,
-        labels: &HashMap<String, String>,
+        parsed: &LayerLabels,
         target_dir: &Path,
-    ) -> Result<Option<RemoteMount>, RemoteError> {
-        let Some(parsed) = LayerLabels::parse(labels) else {
-            return Ok(None);
-        };
+    ) -> Result<RemoteMount, (NotLazy, Option<String>)> {
         let (Some(image_ref), Some(layer)) = (&parsed.image_ref, &parsed.layer_digest) else {
-            tracing::debug!(
-                target = parsed.target,
-                "no image reference or layer digest: not lazy"
-            );
-            return Ok(None);
+            let what = if parsed.image_ref.is_none() {
+                "no image reference"
+            } else {
+                "no layer digest"
+            };
+            return Err((
+                NotLazy::new(
+                    NotLazyReason::NoImageLabels,
+                    format!("the Prepare's labels carry {what}"),
+                ),
+                parsed.manifest_digest.clone(),
+            ));
         };
+        let known = parsed.manifest_digest.clone();
+        let lookup = |e: Error| declined(&e, NotLazyReason::Other, known.clone());
         // With a manifest digest the exact image is known, whatever the tag says now.
         let image = match &parsed.manifest_digest {
-            Some(m) => pin_image(image_ref, m).map_err(failed)?,
+            Some(m) => pin_image(image_ref, m).map_err(lookup)?,
             None => image_ref.clone(),
         };
         // The layers after this one (CRI's image-layers list starts with this one):
@@ -104,16 +113,23 @@ impl RemoteLayers for LazyLayers {
         let (kind, manifest) = self
             .backend
             .layer_kind(&image, layer, &ahead)
-            .map_err(failed)?;
-        if !kind.is_lazy() {
-            tracing::info!(
-                image,
-                layer,
-                "layer has no ferry index or eStargz TOC: unpacked normally"
-            );
-            return Ok(None);
+            .map_err(lookup)?;
+        let not_lazy = match kind {
+            LayerKind::FerryIndex | LayerKind::Estargz => None,
+            LayerKind::Plain => Some(NotLazy::new(
+                NotLazyReason::NoIndex,
+                "no ferry index refers to the image for this layer and it is not eStargz",
+            )),
+            LayerKind::Unsupported => Some(NotLazy::new(
+                NotLazyReason::UnsupportedFormat,
+                "the layer is neither indexed nor eStargz, and its media type cannot be indexed",
+            )),
+        };
+        if let Some(not_lazy) = not_lazy {
+            return Err((not_lazy, Some(manifest)));
         }
-        let mountpoint = canonical_mountpoint(target_dir).map_err(failed)?;
+        let mounting = |e: Error| declined(&e, NotLazyReason::MountFailed, Some(manifest.clone()));
+        let mountpoint = canonical_mountpoint(target_dir).map_err(mounting)?;
         let request = MountRequest {
             image: image.clone(),
             mountpoint,
@@ -121,20 +137,70 @@ impl RemoteLayers for LazyLayers {
         };
         self.backend
             .mount(&request, MountOrigin::Snapshotter)
-            .map_err(failed)?;
+            .map_err(mounting)?;
         let mut state = BTreeMap::new();
         state.insert(
             STATE_IMAGE.to_owned(),
-            pin_image(image_ref, &manifest).map_err(failed)?,
+            pin_image(image_ref, &manifest).map_err(mounting)?,
         );
         state.insert(STATE_LAYER.to_owned(), layer.clone());
         state.insert(STATE_MANIFEST.to_owned(), manifest);
-        Ok(Some(RemoteMount {
+        Ok(RemoteMount {
             provider: PROVIDER.to_owned(),
             state,
             // The layer's bytes live in the shared chunk store, not in the snapshot.
             usage: Usage::default(),
-        }))
+        })
+    }
+}
+
+/// `e` as a declined layer: its reason from its type (`otherwise` for errors that say
+/// nothing about the registry or the index).
+fn declined(
+    e: &Error,
+    otherwise: NotLazyReason,
+    manifest: Option<String>,
+) -> (NotLazy, Option<String>) {
+    (
+        NotLazy::new(reason_of(e, otherwise), e.to_string()),
+        manifest,
+    )
+}
+
+impl RemoteLayers for LazyLayers {
+    fn layer_committed(&self, labels: &LayerLabels) {
+        if let (Some(manifest), Some(layer)) = (&labels.manifest_digest, &labels.layer_digest) {
+            self.backend.layer_unpacked(manifest, layer);
+        }
+        if let (Some(log), Some(layer)) = (self.backend.fallbacks(), &labels.layer_digest) {
+            log.unpacked(labels.image_ref.as_deref(), layer);
+        }
+    }
+
+    fn prepare_remote(
+        &self,
+        labels: &HashMap<String, String>,
+        target_dir: &Path,
+    ) -> Result<RemoteMount, NotLazy> {
+        let Some(parsed) = LayerLabels::parse(labels) else {
+            return Err(NotLazy::new(
+                NotLazyReason::NoImageLabels,
+                "the Prepare names no target snapshot: not an unpack",
+            ));
+        };
+        self.try_prepare(&parsed, target_dir)
+            .map_err(|(not_lazy, manifest)| {
+                // The snapshotter logs it; the daemon keeps it for `ferry status`.
+                if let Some(log) = self.backend.fallbacks() {
+                    log.declined(
+                        parsed.image_ref.as_deref(),
+                        manifest.as_deref(),
+                        parsed.layer_digest.as_deref(),
+                        &not_lazy,
+                    );
+                }
+                not_lazy
+            })
     }
 
     fn restore(&self, mount: &RemoteMount, target_dir: &Path) -> Result<(), RemoteError> {
@@ -176,7 +242,6 @@ mod tests {
 
     use super::*;
     use crate::memory::MemoryBackend;
-    use crate::mounts::LayerKind;
 
     fn digest(c: char) -> String {
         format!("sha256:{}", c.to_string().repeat(64))
@@ -229,7 +294,7 @@ mod tests {
                     (LABEL_CRI_LAYER_DIGEST, &layer),
                 ])
             };
-            let mount = lazy.prepare_remote(&l, &target).unwrap().unwrap();
+            let mount = lazy.prepare_remote(&l, &target).unwrap();
             assert_eq!(mount.provider, PROVIDER);
             assert_eq!(
                 mount.state[STATE_IMAGE],
@@ -244,37 +309,211 @@ mod tests {
         assert_eq!(list[0].info.layer.as_deref(), Some(digest('a').as_str()));
     }
 
+    /// The reason `lazy` gives for `labels`.
+    fn reason(lazy: &LazyLayers, labels: &HashMap<String, String>, dir: &Path) -> NotLazyReason {
+        lazy.prepare_remote(labels, &dir.join("t"))
+            .unwrap_err()
+            .reason
+    }
+
     #[test]
-    fn layers_without_index_or_labels_are_declined() {
+    fn layers_without_index_or_labels_are_declined_with_their_reason() {
         let (backend, lazy, dir) = setup();
-        let t = dir.path().join("t");
+        let d = dir.path();
         // A plain layer: containerd unpacks it.
         let plain = labels(&[
             (LABEL_TARGET, "chain"),
             (LABEL_FERRY_IMAGE_REF, "reg.local/app:v1"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('c')),
         ]);
-        assert!(lazy.prepare_remote(&plain, &t).unwrap().is_none());
+        assert_eq!(reason(&lazy, &plain, d), NotLazyReason::NoIndex);
         // No target: not an unpack.
         let no_target = labels(&[
             (LABEL_FERRY_IMAGE_REF, "reg.local/app:v1"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
         ]);
-        assert!(lazy.prepare_remote(&no_target, &t).unwrap().is_none());
-        // No image reference.
+        assert_eq!(reason(&lazy, &no_target, d), NotLazyReason::NoImageLabels);
+        // No image reference (containerd not told to pass it).
         let no_image = labels(&[
             (LABEL_TARGET, "c"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
         ]);
-        assert!(lazy.prepare_remote(&no_image, &t).unwrap().is_none());
+        assert_eq!(reason(&lazy, &no_image, d), NotLazyReason::NoImageLabels);
         assert!(backend.list().is_empty());
-        // An unknown image is an error (the snapshotter logs it and falls back).
+        // An image the backend cannot look up (its error says nothing about why).
         let unknown = labels(&[
             (LABEL_TARGET, "c"),
             (LABEL_FERRY_IMAGE_REF, "reg.local/other:v1"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
         ]);
-        assert!(lazy.prepare_remote(&unknown, &t).is_err());
+        assert_eq!(reason(&lazy, &unknown, d), NotLazyReason::Other);
+        // Recorded per image, the plain layer with the manifest its lookup found.
+        let status = backend.fallbacks().unwrap().status();
+        let names: Vec<Option<&str>> = status.images.iter().map(|i| i.image.as_deref()).collect();
+        assert_eq!(
+            names,
+            [Some("reg.local/other:v1"), None, Some("reg.local/app:v1")]
+        );
+        let app = &status.images[2];
+        assert_eq!(app.reason, NotLazyReason::NoIndex);
+        assert_eq!(app.manifest_digest.as_deref(), Some(digest('e').as_str()));
+        assert_eq!(app.layers, 1);
+        assert!(app.hint.contains("ferry index"), "{}", app.hint);
+    }
+
+    #[test]
+    fn an_unsupported_format_is_its_own_reason() {
+        let (backend, lazy, dir) = setup();
+        backend.add_image(
+            "reg.local/zstd:v1",
+            &digest('f'),
+            &[(&digest('z'), LayerKind::Unsupported)],
+        );
+        let l = labels(&[
+            (LABEL_TARGET, "chain"),
+            (LABEL_FERRY_IMAGE_REF, "reg.local/zstd:v1"),
+            (LABEL_FERRY_LAYER_DIGEST, &digest('z')),
+        ]);
+        assert_eq!(
+            reason(&lazy, &l, dir.path()),
+            NotLazyReason::UnsupportedFormat
+        );
+    }
+
+    #[test]
+    fn registry_and_mount_failures_are_declined_by_their_type() {
+        use ferry_registry_client::ClientError;
+
+        let (backend, lazy, dir) = setup();
+        let cases: [(&str, NotLazyReason, Box<dyn Fn() -> Error + Send + Sync>); 5] = [
+            (
+                "reg.local/private:v1",
+                NotLazyReason::Unauthorized,
+                Box::new(|| {
+                    Error::Registry(ClientError::Unauthorized {
+                        registry: "reg.local".into(),
+                        message: "authentication required".into(),
+                    })
+                }),
+            ),
+            (
+                "reg.local/down:v1",
+                NotLazyReason::Unreachable,
+                Box::new(|| {
+                    Error::Fs(ferry_fs::Error::Registry(ClientError::Transport {
+                        registry: "reg.local".into(),
+                        message: "connection refused".into(),
+                    }))
+                }),
+            ),
+            (
+                "reg.local/slow:v1",
+                NotLazyReason::Unreachable,
+                Box::new(|| {
+                    Error::Resolve(crate::indexes::ResolveError::TimedOut {
+                        what: "resolving reg.local/slow:v1".into(),
+                        timeout: std::time::Duration::from_secs(30),
+                    })
+                }),
+            ),
+            (
+                "reg.local/gone:v1",
+                NotLazyReason::NotFound,
+                Box::new(|| {
+                    Error::Registry(ClientError::NotFound {
+                        what: "manifest v1".into(),
+                    })
+                }),
+            ),
+            (
+                "reg.local/bad:v1",
+                NotLazyReason::Invalid,
+                Box::new(|| {
+                    Error::Registry(ClientError::DigestMismatch {
+                        expected: "sha256:a".into(),
+                        actual: "sha256:b".into(),
+                    })
+                }),
+            ),
+        ];
+        for (image, want, error) in cases {
+            backend.fail_lookups(image, error);
+            let l = labels(&[
+                (LABEL_TARGET, "chain"),
+                (LABEL_CRI_IMAGE_REF, image),
+                (LABEL_CRI_LAYER_DIGEST, &digest('a')),
+            ]);
+            let not_lazy = lazy.prepare_remote(&l, &dir.path().join("t")).unwrap_err();
+            assert_eq!(not_lazy.reason, want, "{image}: {}", not_lazy.detail);
+        }
+        // A lookup that works and a mount that does not.
+        backend.fail_mounts("reg.local/app:v1", || {
+            Error::Fs(ferry_fs::Error::io(
+                "opening /dev/fuse",
+                std::io::Error::from(std::io::ErrorKind::NotFound),
+            ))
+        });
+        let l = labels(&[
+            (LABEL_TARGET, "chain"),
+            (LABEL_CRI_IMAGE_REF, "reg.local/app:v1"),
+            (LABEL_CRI_LAYER_DIGEST, &digest('a')),
+        ]);
+        assert_eq!(reason(&lazy, &l, dir.path()), NotLazyReason::MountFailed);
+        let status = backend.fallbacks().unwrap().status();
+        assert_eq!(status.images.len(), 6);
+        let private = status
+            .images
+            .iter()
+            .find(|i| i.image.as_deref() == Some("reg.local/private:v1"))
+            .unwrap();
+        assert_eq!(private.reason, NotLazyReason::Unauthorized);
+        assert!(
+            private.hint.contains("credentials for reg.local/private"),
+            "{}",
+            private.hint
+        );
+        assert!(private.detail.contains("authentication required"));
+        assert_eq!(status.layers_by_reason[&NotLazyReason::Unreachable], 2);
+    }
+
+    #[test]
+    fn only_the_image_that_cannot_be_lazy_falls_back() {
+        let (backend, lazy, dir) = setup();
+        backend.fail_lookups("reg.local/private:v1", || {
+            Error::Registry(ferry_registry_client::ClientError::Denied {
+                registry: "reg.local".into(),
+                message: "no pull rights".into(),
+            })
+        });
+        let private = labels(&[
+            (LABEL_TARGET, "p"),
+            (LABEL_FERRY_IMAGE_REF, "reg.local/private:v1"),
+            (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
+        ]);
+        assert_eq!(
+            reason(&lazy, &private, dir.path()),
+            NotLazyReason::Unauthorized
+        );
+        // The other image, same layer digest, in the same run: mounted lazily.
+        let app = labels(&[
+            (LABEL_TARGET, "a"),
+            (LABEL_FERRY_IMAGE_REF, "reg.local/app:v1"),
+            (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
+        ]);
+        lazy.prepare_remote(&app, &dir.path().join("a")).unwrap();
+        assert_eq!(backend.list().len(), 1);
+        let status = backend.fallbacks().unwrap().status();
+        assert_eq!(status.images.len(), 1);
+        assert_eq!(
+            status.images[0].image.as_deref(),
+            Some("reg.local/private:v1")
+        );
+        // Its unpacked layer is counted once; the lazy image's commits are not news.
+        let parsed = LayerLabels::parse(&private).unwrap();
+        lazy.layer_committed(&parsed);
+        lazy.layer_committed(&LayerLabels::parse(&app).unwrap());
+        let status = backend.fallbacks().unwrap().status();
+        assert_eq!((status.images.len(), status.images[0].layers), (1, 1));
     }
 
     #[test]
@@ -287,9 +526,7 @@ mod tests {
             (LABEL_CRI_LAYER_DIGEST, &digest('a')),
             (LABEL_CRI_IMAGE_LAYERS, &following),
         ]);
-        lazy.prepare_remote(&l, &dir.path().join("a"))
-            .unwrap()
-            .unwrap();
+        lazy.prepare_remote(&l, &dir.path().join("a")).unwrap();
         assert_eq!(
             backend.asked(),
             vec![(
@@ -309,9 +546,7 @@ mod tests {
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
             (LABEL_FERRY_MANIFEST_DIGEST, &digest('e')),
         ]);
-        lazy.prepare_remote(&l, &dir.path().join("p"))
-            .unwrap()
-            .unwrap();
+        lazy.prepare_remote(&l, &dir.path().join("p")).unwrap();
         assert_eq!(
             backend.list()[0].info.image,
             format!("reg.local/app:v1@{}", digest('e'))
@@ -327,7 +562,7 @@ mod tests {
             (LABEL_FERRY_IMAGE_REF, "reg.local/app:v1"),
             (LABEL_FERRY_LAYER_DIGEST, &digest('a')),
         ]);
-        let mount = lazy.prepare_remote(&l, &target).unwrap().unwrap();
+        let mount = lazy.prepare_remote(&l, &target).unwrap();
         // Already mounted in this process: restore is a no-op.
         lazy.restore(&mount, &target).unwrap();
         lazy.release(&mount, &target).unwrap();

@@ -19,6 +19,7 @@ use containerd_client::services::v1::{
     leases_client::LeasesClient,
 };
 use containerd_client::types::Descriptor as PbDescriptor;
+use ferry_snapshotter::remote::LABEL_FERRY_REMOTE;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
@@ -263,6 +264,26 @@ impl Containerd {
             .await;
         match result {
             Ok(_) => Ok(true),
+            Err(s) if s.code() == Code::NotFound => Ok(false),
+            Err(s) => Err(rpc(&format!("stat snapshot {key}"))(s)),
+        }
+    }
+
+    /// Whether snapshot `key` in `snapshotter` was committed from a lazy mount: ferry's
+    /// snapshotter labels those [`LABEL_FERRY_REMOTE`], and containerd's Stat passes the
+    /// snapshotter's labels on. `false` when there is no such snapshot.
+    pub async fn snapshot_is_lazy(&self, snapshotter: &str, key: &str) -> Result<bool, PullError> {
+        let result = SnapshotsClient::new(self.channel.clone())
+            .stat(self.request(StatSnapshotRequest {
+                snapshotter: snapshotter.to_owned(),
+                key: key.to_owned(),
+            }))
+            .await;
+        match result {
+            Ok(info) => Ok(info
+                .into_inner()
+                .info
+                .is_some_and(|i| i.labels.contains_key(LABEL_FERRY_REMOTE))),
             Err(s) if s.code() == Code::NotFound => Ok(false),
             Err(s) => Err(rpc(&format!("stat snapshot {key}"))(s)),
         }

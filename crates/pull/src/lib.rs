@@ -6,7 +6,9 @@
 //! lease, with the GC labels that keep the chosen manifest, its config and the layers'
 //! snapshots alive; an image record named as `ctr` names it; and every layer prepared
 //! through ferry's snapshotter in chain order. A layer the snapshotter mounts lazily
-//! answers AlreadyExists and costs nothing more. From the first layer it cannot serve
+//! answers AlreadyExists and costs nothing more (the report counts it lazy only when its
+//! snapshot says it was committed from a lazy mount: AlreadyExists also answers a layer
+//! another pull put there meanwhile). From the first layer it cannot serve
 //! lazily on, the layers take the fast path: each streamed (parallel Range requests
 //! feeding an unpacker as the in-order bytes arrive, memory bounded; see [`stream`]) into
 //! the snapshotter's staging directory, largest first, as many at once as unpack slots
@@ -461,8 +463,15 @@ async fn prepare_layers(
             .prepare(sn, &key, &parent_of(i), image::layer_labels(ctx, i))
             .await?
         {
-            progress.layer(i, LayerEvent::Lazy);
-            counts.lazy += 1;
+            // AlreadyExists also answers a layer another pull committed meanwhile, maybe
+            // downloaded: only a snapshot committed from a lazy mount counts as lazy.
+            if cd.snapshot_is_lazy(sn, &ctx.chain_ids[i]).await? {
+                progress.layer(i, LayerEvent::Lazy);
+                counts.lazy += 1;
+            } else {
+                progress.layer(i, LayerEvent::Present);
+                counts.present += 1;
+            }
         } else {
             cd.remove_snapshot(sn, &key).await?;
             first_fast = i;

@@ -25,7 +25,9 @@ pub mod snapshotter;
 pub mod usage;
 
 pub use error::{Error, Result};
-pub use remote::{LayerLabels, NoRemoteLayers, RemoteError, RemoteLayers, RemoteMount};
+pub use remote::{
+    LayerLabels, NoRemoteLayers, NotLazy, NotLazyReason, RemoteError, RemoteLayers, RemoteMount,
+};
 pub use snapshotter::{Info, Mount, Snapshotter};
 
 /// Code generated from the hand-written service description in `build.rs`: the server

@@ -84,17 +84,173 @@ pub enum RemoteError {
     Failed(String),
 }
 
+/// Why a layer was not served lazily, so containerd (or `ferry pull`) downloads and
+/// unpacks it instead. Decided by the [`RemoteLayers`] implementation where the fact is
+/// known, logged by the snapshotter with [`NotLazyReason::hint`], and counted by the
+/// daemon per image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NotLazyReason {
+    /// No ferry index refers to the image for this layer, and it is not eStargz.
+    NoIndex,
+    /// The layer's format cannot be read lazily (zstd, an unknown media type).
+    UnsupportedFormat,
+    /// The Prepare's labels name no image or no layer (containerd passes none).
+    NoImageLabels,
+    /// The registry could not be reached, answered 429/5xx, or not in time.
+    Unreachable,
+    /// The registry refused the credentials (401/403).
+    Unauthorized,
+    /// The image, its manifest or the layer is not where the lazy path looks (404).
+    NotFound,
+    /// The registry's answer or the index was unusable (did not parse or verify).
+    Invalid,
+    /// The layer could not be mounted on this node (FUSE, mount point).
+    MountFailed,
+    /// This snapshotter serves no layer lazily.
+    Disabled,
+    /// Anything else (see the detail).
+    Other,
+}
+
+impl NotLazyReason {
+    /// Every reason, for metrics that list each one.
+    pub const ALL: [NotLazyReason; 10] = [
+        NotLazyReason::NoIndex,
+        NotLazyReason::UnsupportedFormat,
+        NotLazyReason::NoImageLabels,
+        NotLazyReason::Unreachable,
+        NotLazyReason::Unauthorized,
+        NotLazyReason::NotFound,
+        NotLazyReason::Invalid,
+        NotLazyReason::MountFailed,
+        NotLazyReason::Disabled,
+        NotLazyReason::Other,
+    ];
+
+    /// The name in logs, status and metrics (as serialized).
+    pub fn name(self) -> &'static str {
+        match self {
+            NotLazyReason::NoIndex => "no-index",
+            NotLazyReason::UnsupportedFormat => "unsupported-format",
+            NotLazyReason::NoImageLabels => "no-image-labels",
+            NotLazyReason::Unreachable => "unreachable",
+            NotLazyReason::Unauthorized => "unauthorized",
+            NotLazyReason::NotFound => "not-found",
+            NotLazyReason::Invalid => "invalid",
+            NotLazyReason::MountFailed => "mount-failed",
+            NotLazyReason::Disabled => "disabled",
+            NotLazyReason::Other => "other",
+        }
+    }
+
+    /// False for what an image simply is (no index, a format, missing labels), true for
+    /// a failure worth a warning (the registry, credentials, the mount).
+    pub fn is_failure(self) -> bool {
+        !matches!(
+            self,
+            NotLazyReason::NoIndex
+                | NotLazyReason::UnsupportedFormat
+                | NotLazyReason::NoImageLabels
+                | NotLazyReason::Disabled
+        )
+    }
+
+    /// What the user can do so `image` (as containerd named it, if it did) is served
+    /// lazily next time.
+    pub fn hint(self, image: Option<&str>) -> String {
+        let repo = image.map(repository_of);
+        let registry = repo
+            .as_deref()
+            .map(|r| r.split_once('/').map_or(r, |(host, _)| host).to_owned());
+        let or = |v: Option<String>, what: &str| v.unwrap_or_else(|| what.to_owned());
+        match self {
+            NotLazyReason::NoIndex => "index it with `ferry index` and push the index with the \
+                image (`ferry copy`), or convert it with `ferry convert --estargz`"
+                .to_owned(),
+            NotLazyReason::UnsupportedFormat => "ferry reads gzip and plain tar layers lazily: \
+                rewrite the image with `ferry convert --estargz`"
+                .to_owned(),
+            NotLazyReason::NoImageLabels => "containerd passed no image reference or layer \
+                digest: set `disable_snapshot_annotations = false` for CRI (on containerd 2.x \
+                also `enable_remote_snapshot_annotations` on the proxy plugin), or pull with \
+                `ferry pull`"
+                .to_owned(),
+            NotLazyReason::Unreachable => format!(
+                "check that this node reaches {} (network, proxy, hosts.toml mirrors) and the \
+                 daemon's `[fetch] timeout`",
+                or(registry, "the registry")
+            ),
+            NotLazyReason::Unauthorized => format!(
+                "check credentials for {} (docker config, pull secrets through ferry's CRI \
+                 proxy, a credential provider)",
+                or(repo, "the repository")
+            ),
+            NotLazyReason::NotFound => format!(
+                "check that ferry finds {} where containerd pulled it from (hosts.toml, \
+                 `[registry] config_path`)",
+                or(image.map(str::to_owned), "the image")
+            ),
+            NotLazyReason::Invalid => "the index or the registry's answer did not parse or \
+                verify: index the image again (`ferry index`) and push it"
+                .to_owned(),
+            NotLazyReason::MountFailed => {
+                "check /dev/fuse and the daemon's log for the mount error".to_owned()
+            }
+            NotLazyReason::Disabled => {
+                "run the snapshotter in `ferry daemon` to serve layers lazily".to_owned()
+            }
+            NotLazyReason::Other => "see the snapshotter's log for the error".to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Display for NotLazyReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `host/repo:tag@digest` → `host/repo` (the tag is the last `:` after the last `/`).
+fn repository_of(image: &str) -> String {
+    let name = image.split_once('@').map_or(image, |(n, _)| n);
+    match name.rfind(':') {
+        Some(colon) if colon > name.rfind('/').unwrap_or(0) => name[..colon].to_owned(),
+        _ => name.to_owned(),
+    }
+}
+
+/// A layer not served lazily: why, and the error or fact behind it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}: {detail}")]
+pub struct NotLazy {
+    /// Why.
+    pub reason: NotLazyReason,
+    /// The error or fact, for a human.
+    pub detail: String,
+}
+
+impl NotLazy {
+    /// A [`NotLazy`] for `reason`.
+    pub fn new(reason: NotLazyReason, detail: impl Into<String>) -> NotLazy {
+        NotLazy {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
 /// Mounts image layers lazily. Called from blocking threads, never from the async runtime.
 pub trait RemoteLayers: Send + Sync {
-    /// Mount the layer described by `labels` (see [`LayerLabels`]) at `target_dir`, an
-    /// empty directory the snapshotter created. `Ok(None)` means "not a layer I can serve
-    /// lazily": containerd then downloads and unpacks it the ordinary way. An error is
-    /// logged and treated the same way (the pull must not fail because lazy loading did).
+    /// Mount the layer described by `labels` (see [`LayerLabels`]; the snapshotter calls
+    /// only when they name a target) at `target_dir`, an empty directory the snapshotter
+    /// created. [`NotLazy`] says why not: containerd then downloads and unpacks the layer
+    /// the ordinary way (the pull must not fail because lazy loading did).
     fn prepare_remote(
         &self,
         labels: &HashMap<String, String>,
         target_dir: &Path,
-    ) -> Result<Option<RemoteMount>, RemoteError>;
+    ) -> Result<RemoteMount, NotLazy>;
 
     /// Mount again, after a restart, a layer this implementation mounted before.
     fn restore(&self, _mount: &RemoteMount, _target_dir: &Path) -> Result<(), RemoteError> {
@@ -178,8 +334,11 @@ impl RemoteLayers for NoRemoteLayers {
         &self,
         _labels: &HashMap<String, String>,
         _target_dir: &Path,
-    ) -> Result<Option<RemoteMount>, RemoteError> {
-        Ok(None)
+    ) -> Result<RemoteMount, NotLazy> {
+        Err(NotLazy::new(
+            NotLazyReason::Disabled,
+            "no lazy layer provider",
+        ))
     }
 }
 
@@ -194,7 +353,7 @@ pub struct MemoryRemoteLayers {
 #[derive(Debug, Default)]
 struct MemoryState {
     layers: HashMap<String, Vec<(PathBuf, Vec<u8>)>>,
-    failing: HashMap<String, String>,
+    failing: HashMap<String, NotLazy>,
     prepared: Vec<LayerLabels>,
     restored: Vec<String>,
     released: Vec<String>,
@@ -220,11 +379,11 @@ impl MemoryRemoteLayers {
         self.state().layers.insert(digest.to_owned(), files);
     }
 
-    /// Make preparing `digest` fail with `message` (to test the fallback).
-    pub fn fail_layer(&self, digest: &str, message: &str) {
+    /// Make preparing `digest` fail for `reason` with `message` (to test the fallback).
+    pub fn fail_layer(&self, digest: &str, reason: NotLazyReason, message: &str) {
         self.state()
             .failing
-            .insert(digest.to_owned(), message.to_owned());
+            .insert(digest.to_owned(), NotLazy::new(reason, message));
     }
 
     /// Every Prepare that reached this implementation, in order.
@@ -253,38 +412,39 @@ impl RemoteLayers for MemoryRemoteLayers {
         &self,
         labels: &HashMap<String, String>,
         target_dir: &Path,
-    ) -> Result<Option<RemoteMount>, RemoteError> {
-        let Some(parsed) = LayerLabels::parse(labels) else {
-            return Ok(None);
-        };
+    ) -> Result<RemoteMount, NotLazy> {
+        let no_labels = || NotLazy::new(NotLazyReason::NoImageLabels, "no target or layer digest");
+        let parsed = LayerLabels::parse(labels).ok_or_else(no_labels)?;
         let mut state = self.state();
         state.prepared.push(parsed.clone());
-        let Some(digest) = parsed.layer_digest else {
-            return Ok(None);
-        };
-        if let Some(message) = state.failing.get(&digest) {
-            return Err(RemoteError::Failed(message.clone()));
+        let digest = parsed.layer_digest.ok_or_else(no_labels)?;
+        if let Some(not_lazy) = state.failing.get(&digest) {
+            return Err(not_lazy.clone());
         }
         let Some(files) = state.layers.get(&digest) else {
-            return Ok(None);
+            return Err(NotLazy::new(
+                NotLazyReason::NoIndex,
+                format!("layer {digest} is not known in memory"),
+            ));
         };
+        let mount_failed = |e: io::Error| NotLazy::new(NotLazyReason::MountFailed, e.to_string());
         let mut usage = Usage::default();
         for (rel, content) in files {
             let path = target_dir.join(rel);
             if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent)?;
+                std::fs::create_dir_all(parent).map_err(mount_failed)?;
             }
-            std::fs::write(&path, content)?;
+            std::fs::write(&path, content).map_err(mount_failed)?;
             usage.size += content.len() as u64;
             usage.inodes += 1;
         }
         let mut mount_state = BTreeMap::new();
         mount_state.insert("layer-digest".to_owned(), digest);
-        Ok(Some(RemoteMount {
+        Ok(RemoteMount {
             provider: MEMORY_PROVIDER.to_owned(),
             state: mount_state,
             usage,
-        }))
+        })
     }
 
     fn restore(&self, mount: &RemoteMount, _target_dir: &Path) -> Result<(), RemoteError> {
@@ -355,11 +515,65 @@ mod tests {
     fn no_remote_layers_declines() {
         let dir = tempfile::tempdir().unwrap();
         let labels = map(&[(LABEL_TARGET, "t"), (LABEL_CRI_LAYER_DIGEST, "sha256:a")]);
-        assert!(
-            NoRemoteLayers
-                .prepare_remote(&labels, dir.path())
-                .unwrap()
-                .is_none()
+        let not_lazy = NoRemoteLayers
+            .prepare_remote(&labels, dir.path())
+            .unwrap_err();
+        assert_eq!(not_lazy.reason, NotLazyReason::Disabled);
+    }
+
+    #[test]
+    fn the_memory_implementation_says_why_it_declines() {
+        let dir = tempfile::tempdir().unwrap();
+        let remote = MemoryRemoteLayers::new();
+        remote.fail_layer(
+            "sha256:down",
+            NotLazyReason::Unreachable,
+            "connection refused",
         );
+        let prepare = |pairs: &[(&str, &str)]| {
+            remote
+                .prepare_remote(&map(pairs), dir.path())
+                .unwrap_err()
+                .reason
+        };
+        assert_eq!(
+            prepare(&[(LABEL_TARGET, "t")]),
+            NotLazyReason::NoImageLabels
+        );
+        assert_eq!(
+            prepare(&[(LABEL_TARGET, "t"), (LABEL_CRI_LAYER_DIGEST, "sha256:x")]),
+            NotLazyReason::NoIndex
+        );
+        assert_eq!(
+            prepare(&[(LABEL_TARGET, "t"), (LABEL_CRI_LAYER_DIGEST, "sha256:down")]),
+            NotLazyReason::Unreachable
+        );
+    }
+
+    #[test]
+    fn reasons_have_stable_names_and_hints_that_name_the_repository() {
+        for reason in NotLazyReason::ALL {
+            // The serialized name is the one logs and metrics use.
+            let json = serde_json::to_string(&reason).unwrap();
+            assert_eq!(json, format!("\"{}\"", reason.name()));
+            let back: NotLazyReason = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, reason);
+            assert!(!reason.hint(None).is_empty());
+        }
+        let image = Some("reg.local:5000/team/app:v1@sha256:abc");
+        assert!(
+            NotLazyReason::Unauthorized
+                .hint(image)
+                .contains("reg.local:5000/team/app ")
+        );
+        assert!(
+            NotLazyReason::Unreachable
+                .hint(image)
+                .contains("reaches reg.local:5000 ")
+        );
+        assert!(NotLazyReason::NoIndex.hint(image).contains("ferry index"));
+        assert_eq!(repository_of("reg.local:5000/app"), "reg.local:5000/app");
+        assert_eq!(repository_of("app:v1"), "app");
+        assert!(!NotLazyReason::NoIndex.is_failure() && NotLazyReason::Unauthorized.is_failure());
     }
 }

@@ -22,8 +22,8 @@ use crate::error::{Error, Result};
 use crate::filter::{Fields, FilterSet};
 use crate::meta::{Kind, Metadata, Record, Stamp};
 use crate::remote::{
-    LABEL_FERRY_REMOTE, LABEL_FERRY_STAGED_DIR, LABEL_STAGED_DIR, LayerLabels, RemoteLayers,
-    RemoteMount,
+    LABEL_FERRY_REMOTE, LABEL_FERRY_STAGED_DIR, LABEL_STAGED_DIR, LayerLabels, NotLazy,
+    RemoteLayers, RemoteMount,
 };
 use crate::usage::{Usage, disk_usage};
 
@@ -239,8 +239,7 @@ impl Snapshotter {
         };
         let dir = self.fs_dir(id);
         match self.remote.prepare_remote(&labels, &dir) {
-            Ok(None) => Ok(mounts),
-            Ok(Some(mount)) => {
+            Ok(mount) => {
                 tracing::info!(
                     ns,
                     key,
@@ -261,8 +260,8 @@ impl Snapshotter {
                     }
                 }
             }
-            Err(e) => {
-                tracing::warn!(ns, key, target = layer.target, error = %e, "remote layer failed; containerd will download it");
+            Err(not_lazy) => {
+                log_not_lazy(ns, key, &layer, &not_lazy);
                 // The directory is the upper dir of an ordinary unpack: it must be empty.
                 empty_dir(&dir)?;
                 Ok(mounts)
@@ -917,6 +916,43 @@ fn check_labels(labels: &HashMap<String, String>) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The one line that says a layer takes the ordinary path: image, layer, why, and what
+/// to do about it. A failure (registry, credentials, mount) is a warning; an image that
+/// simply has no index is not.
+fn log_not_lazy(ns: &str, key: &str, layer: &LayerLabels, not_lazy: &NotLazy) {
+    let image = layer.image_ref.as_deref().unwrap_or("-");
+    let digest = layer.layer_digest.as_deref().unwrap_or("-");
+    let reason = not_lazy.reason.name();
+    let hint = not_lazy.reason.hint(layer.image_ref.as_deref());
+    let detail = not_lazy.detail.as_str();
+    let target = layer.target.as_str();
+    if not_lazy.reason.is_failure() {
+        tracing::warn!(
+            ns,
+            key,
+            target,
+            image,
+            layer = digest,
+            reason,
+            detail,
+            hint,
+            "layer not served lazily: it is downloaded and unpacked the ordinary way"
+        );
+    } else {
+        tracing::info!(
+            ns,
+            key,
+            target,
+            image,
+            layer = digest,
+            reason,
+            detail,
+            hint,
+            "layer not served lazily: it is downloaded and unpacked the ordinary way"
+        );
+    }
 }
 
 /// Removes everything in `dir` (used when a remote attempt left files behind).

@@ -647,7 +647,11 @@ async fn remote_layer_already_exists_protocol() {
         "sha256:lazy",
         vec![(PathBuf::from("bin/app"), b"#!/bin/true\n".to_vec())],
     );
-    remote.fail_layer("sha256:broken", "registry unreachable");
+    remote.fail_layer(
+        "sha256:broken",
+        ferry_snapshotter::NotLazyReason::Unreachable,
+        "registry unreachable",
+    );
     let svc = open(root, remote.clone());
 
     // The lazy layer: committed under the target, answered with AlreadyExists.

@@ -165,9 +165,97 @@ fn table(report: &StatusReport) -> String {
             ));
         }
     }
+    mounts_table(report, &mut out);
+    if let Some(not_lazy) = &report.not_lazy {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        out.push_str(&not_lazy_section(not_lazy, now));
+    }
+    out
+}
+
+/// Columns padded to their widest cell, the last one unpadded.
+fn aligned<const N: usize>(rows: Vec<[String; N]>, out: &mut String) {
+    let widths: Vec<usize> = (0..N)
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        out.push_str(line.join("  ").trim_end());
+        out.push('\n');
+    }
+}
+
+/// How long ago `then` was, coarsely.
+fn ago(now: u64, then: u64) -> String {
+    let s = now.saturating_sub(then);
+    match s {
+        0..=119 => format!("{s}s ago"),
+        120..=7199 => format!("{}m ago", s / 60),
+        _ => format!("{}h ago", s / 3600),
+    }
+}
+
+/// The images whose layers took containerd's ordinary path, with why and what to do.
+fn not_lazy_section(status: &ferry_daemon::fallback::NotLazyStatus, now: u64) -> String {
+    let mut out = String::new();
+    if status.images.is_empty() {
+        out.push_str("not lazy: none (every layer prepared through the snapshotter was lazy)\n");
+        return out;
+    }
+    out.push_str(&format!(
+        "not lazy: {} image(s) whose layers were downloaded and unpacked the ordinary way, newest first{}\n",
+        status.images.len(),
+        if status.images_dropped > 0 {
+            format!(" ({} older ones dropped)", status.images_dropped)
+        } else {
+            String::new()
+        }
+    ));
+    let mut rows: Vec<[String; 5]> =
+        vec![["IMAGE", "LAYERS", "REASON", "LAST", "DETAIL"].map(str::to_owned)];
+    for image in &status.images {
+        let name = image
+            .image
+            .as_deref()
+            .map_or_else(|| "(not named in the labels)".to_owned(), short_image);
+        let others = image.reasons.keys().filter(|r| **r != image.reason).count();
+        let reason = if others > 0 {
+            format!("{} (+{others} more)", image.reason)
+        } else {
+            image.reason.to_string()
+        };
+        rows.push([
+            name,
+            image.layers.to_string(),
+            reason,
+            ago(now, image.last_seen),
+            image.detail.clone(),
+        ]);
+    }
+    aligned(rows, &mut out);
+    // The advice once per distinct hint, not once per image.
+    let mut hints: Vec<(String, &str)> = Vec::new();
+    for image in &status.images {
+        if !hints.iter().any(|(_, h)| *h == image.hint) {
+            hints.push((image.reason.to_string(), &image.hint));
+        }
+    }
+    for (reason, hint) in hints {
+        out.push_str(&format!("  {reason}: {hint}\n"));
+    }
+    out
+}
+
+fn mounts_table(report: &StatusReport, out: &mut String) {
     if report.mounts.is_empty() {
         out.push_str("no mounts\n");
-        return out;
+        return;
     }
     let header = [
         "MOUNTPOINT",
@@ -207,19 +295,7 @@ fn table(report: &StatusReport) -> String {
             trace_cell(m),
         ]);
     }
-    let widths: Vec<usize> = (0..9)
-        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
-        .collect();
-    for row in rows {
-        let line: Vec<String> = row
-            .iter()
-            .zip(&widths)
-            .map(|(cell, w)| format!("{cell:<w$}"))
-            .collect();
-        out.push_str(line.join("  ").trim_end());
-        out.push('\n');
-    }
-    out
+    aligned(rows, out);
 }
 
 /// The TRACE column: where the mount's startup trace came from, and whether it records.
@@ -254,5 +330,34 @@ mod tests {
         assert_eq!(short_image("reg/app:v1"), "reg/app:v1");
         assert_eq!(human(512), "512 B");
         assert_eq!(human(1536), "1.5 KiB");
+    }
+
+    #[test]
+    fn the_not_lazy_section_names_image_reason_and_advice() {
+        use ferry_daemon::fallback::FallbackLog;
+        use ferry_snapshotter::{NotLazy, NotLazyReason};
+
+        let log = FallbackLog::new();
+        assert!(not_lazy_section(&log.status(), 0).starts_with("not lazy: none"));
+        let no_index = NotLazy::new(NotLazyReason::NoIndex, "no ferry index");
+        log.declined(Some("reg/plain:v1"), None, Some("sha256:a"), &no_index);
+        log.declined(Some("reg/plain:v1"), None, Some("sha256:b"), &no_index);
+        log.declined(Some("reg/other:v1"), None, Some("sha256:c"), &no_index);
+        let refused = NotLazy::new(NotLazyReason::Unauthorized, "401");
+        log.declined(Some("reg/private:v1"), None, Some("sha256:d"), &refused);
+        let status = log.status();
+        let now = status.images[0].last_seen + 3;
+        let text = not_lazy_section(&status, now);
+        assert!(text.contains("not lazy: 3 image(s)"), "{text}");
+        let plain = text
+            .lines()
+            .find(|l| l.starts_with("reg/plain:v1"))
+            .unwrap();
+        let cells: Vec<&str> = plain.split_whitespace().collect();
+        assert_eq!(&cells[..4], ["reg/plain:v1", "2", "no-index", "3s"]);
+        // One line of advice per distinct hint.
+        assert_eq!(text.matches("index it with").count(), 1, "{text}");
+        assert!(text.contains("credentials for reg/private"), "{text}");
+        assert_eq!(ago(7300, 100), "2h ago");
     }
 }
