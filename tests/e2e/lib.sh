@@ -659,6 +659,52 @@ same_as_ref() { cmp -s "$REF/$2" "$1/$2"; }
 #                            transport error); body in $HTTP_BODY, headers in $HTTP_HDRS
 #   http_header NAME         value of header NAME in the last http_req (case-insensitive)
 #   token_auth_toml FILE TTL RULE...   a registry config with token auth (see below)
+#   netns_fleet PREFIX COUNT a bridge and COUNT network namespaces (see below)
+
+# netns_fleet PREFIX COUNT: a bridge with HOST_IP=10.NET.0.1/24 on the host and COUNT
+# network namespaces wired to it, node i at $(node_ip i) in namespace $(ns i) (names
+# PREFIX<random>…, NET random, so two scripts' fleets do not collide); torn down (its
+# processes killed) at cleanup. Then: node_ip I, ns I, in_ns I CMD... (CMD in node I's
+# network namespace).
+netns_fleet() {
+    local prefix=$1 i
+    FLEET_SIZE=$2
+    NET=$((100 + RANDOM % 100))
+    TAG=$prefix$((RANDOM % 10000))
+    BR=${TAG}br
+    HOST_IP=10.$NET.0.1
+    e2e_defer _netns_fleet_down
+    ip link add "$BR" type bridge || e2e_die "cannot create a bridge"
+    ip addr add "$HOST_IP/24" dev "$BR"
+    ip link set "$BR" up
+    for ((i = 1; i <= FLEET_SIZE; i++)); do
+        ip netns add "$(ns "$i")"
+        ip link add "${TAG}h$i" type veth peer name "${TAG}p$i"
+        ip link set "${TAG}p$i" netns "$(ns "$i")"
+        ip link set "${TAG}h$i" master "$BR" up
+        ip -n "$(ns "$i")" link set lo up
+        ip -n "$(ns "$i")" addr add "$(node_ip "$i")/24" dev "${TAG}p$i"
+        ip -n "$(ns "$i")" link set "${TAG}p$i" up
+    done
+    e2e_log "bridge $BR $HOST_IP/24, $FLEET_SIZE namespaces"
+}
+node_ip() { echo "10.$NET.0.$((10 + $1))"; }
+ns() { echo "${TAG}n$1"; }
+in_ns() {
+    local i=$1
+    shift
+    nsenter --net="/run/netns/$(ns "$i")" -- "$@"
+}
+_netns_fleet_down() {
+    local i
+    for ((i = 1; i <= FLEET_SIZE; i++)); do
+        ip netns pids "$(ns "$i")" 2>/dev/null | xargs -r kill -9 2>/dev/null
+        ip netns del "$(ns "$i")" 2>/dev/null
+        ip link del "${TAG}h$i" 2>/dev/null
+    done
+    ip link del "$BR" 2>/dev/null
+    true
+}
 
 # token_auth_toml FILE TTL RULE...: a ferry registry config with token auth over the
 # users of $E2E_TMP/htpasswd (make_htpasswd first), tokens signed with a secret in

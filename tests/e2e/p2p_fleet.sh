@@ -77,43 +77,7 @@ require_ferry daemon
 T0=$SECONDS
 
 # ---------------------------------------------------------------- network
-NET=$((100 + RANDOM % 100))
-TAG=fy$((RANDOM % 10000))
-BR=${TAG}br
-HOST_IP=10.$NET.0.1
-node_ip() { echo "10.$NET.0.$((10 + $1))"; }
-ns() { echo "${TAG}n$1"; }
-
-net_down() {
-    local i
-    for ((i = 1; i <= N; i++)); do
-        ip netns pids "$(ns "$i")" 2>/dev/null | xargs -r kill -9 2>/dev/null
-        ip netns del "$(ns "$i")" 2>/dev/null
-        ip link del "${TAG}h$i" 2>/dev/null
-    done
-    ip link del "$BR" 2>/dev/null
-    true
-}
-e2e_defer net_down
-
-ip link add "$BR" type bridge || e2e_die "cannot create a bridge"
-ip addr add "$HOST_IP/24" dev "$BR"
-ip link set "$BR" up
-for ((i = 1; i <= N; i++)); do
-    ip netns add "$(ns "$i")"
-    ip link add "${TAG}h$i" type veth peer name "${TAG}p$i"
-    ip link set "${TAG}p$i" netns "$(ns "$i")"
-    ip link set "${TAG}h$i" master "$BR" up
-    ip -n "$(ns "$i")" link set lo up
-    ip -n "$(ns "$i")" addr add "$(node_ip "$i")/24" dev "${TAG}p$i"
-    ip -n "$(ns "$i")" link set "${TAG}p$i" up
-done
-in_ns() {
-    local i=$1
-    shift
-    nsenter --net="/run/netns/$(ns "$i")" -- "$@"
-}
-e2e_log "bridge $BR $HOST_IP/24, $N namespaces"
+netns_fleet fy "$N"
 
 # ---------------------------------------------------------------- images
 # layout DIR LAYERDIR...: an OCI layout (tag "t") with one tar+gzip layer per LAYERDIR
