@@ -384,8 +384,10 @@ mod tests {
     fn registry_and_mount_failures_are_declined_by_their_type() {
         use ferry_registry_client::ClientError;
 
+        /// Makes the error a mount of that image fails with.
+        type MakeError = Box<dyn Fn() -> Error + Send + Sync>;
         let (backend, lazy, dir) = setup();
-        let cases: [(&str, NotLazyReason, Box<dyn Fn() -> Error + Send + Sync>); 5] = [
+        let cases: [(&str, NotLazyReason, MakeError); 5] = [
             (
                 "reg.local/private:v1",
                 NotLazyReason::Unauthorized,
