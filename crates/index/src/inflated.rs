@@ -15,11 +15,17 @@
 //! (raw: no deflate, no digest, it derives from verified bytes) and the next read along
 //! the stream starts from it without a request.
 //!
+//! A span is inflated only as far as reads have asked (and a little beyond): the entry
+//! keeps the span's verified compressed bytes and the inflater, and the next read past
+//! what is inflated continues from there. The part of a span no read reaches — often
+//! most of it, when one small file is wanted from a span of neighbours — is never
+//! inflated.
+//!
 //! What it must not do: hold memory for long. It is a start-up accelerator, bounded by
 //! `max_bytes` (least recently used spans go first), and [`InflatedSpans::release_idle`]
 //! drops what was not used since its previous call, so a caller ticking it every few
 //! seconds gives the memory back once the burst is over. It holds only bytes a reader
-//! has already verified and inflated; it never fetches.
+//! has already verified (inflated, or compressed waiting to be); it never fetches.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,13 +33,80 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use crate::error::{Error, Result};
+use crate::zran::{Extraction, WINDOW_SIZE};
+
 /// Identifies one reader's spans in the cache; see [`InflatedSpans::new_key`].
 pub type LayerKey = u64;
 
 #[derive(Debug)]
 struct Entry {
-    data: Arc<Vec<u8>>,
+    data: Held,
+    /// Bytes the entry counts against its bound.
+    size: usize,
     last_use: u64,
+}
+
+#[derive(Debug, Clone)]
+enum Held {
+    Span(Arc<Span>),
+    Window(Arc<Vec<u8>>),
+}
+
+/// Least inflated at a time when a read continues a span, so that a run of small
+/// neighbouring files does not wake the inflater once per file.
+const MIN_STEP: usize = 64 << 10;
+
+/// A span in the cache: its inflated bytes so far, and, until it is whole, what
+/// continues them.
+#[derive(Debug)]
+pub struct Span {
+    state: Mutex<SpanState>,
+}
+
+#[derive(Debug)]
+struct SpanState {
+    /// Inflated bytes from the span's start (all `len` once whole).
+    bytes: Vec<u8>,
+    /// The span's uncompressed length.
+    len: usize,
+    rest: Option<Continuation>,
+}
+
+#[derive(Debug)]
+struct Continuation {
+    extraction: Extraction,
+    /// The span's compressed bytes, verified.
+    compressed: Vec<u8>,
+    /// Keep the inflate history at the span's end as the next checkpoint's window.
+    window_at_end: bool,
+}
+
+impl Span {
+    fn whole(bytes: Vec<u8>) -> Arc<Span> {
+        Arc::new(Span {
+            state: Mutex::new(SpanState {
+                len: bytes.len(),
+                bytes,
+                rest: None,
+            }),
+        })
+    }
+
+    /// Bytes inflated so far.
+    pub fn inflated(&self) -> usize {
+        self.state.lock().bytes.len()
+    }
+
+    /// The span's uncompressed length.
+    pub fn len(&self) -> usize {
+        self.state.lock().len
+    }
+
+    /// True for an empty span (never admitted to the cache).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// What an entry holds of its layer: a span's inflated bytes, or the raw inflate window
@@ -141,31 +214,157 @@ impl InflatedSpans {
         len > 0 && len <= (self.max_bytes / 4) as u64
     }
 
-    /// Span `span` of `layer`, if cached.
-    pub fn get(&self, layer: &LayerKey, span: usize) -> Option<Arc<Vec<u8>>> {
-        let got = self.get_piece(layer, Piece::Span(span));
-        if got.is_some() {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-        }
-        got
+    /// Span `span` of `layer`, if cached (whole or in part: [`Self::read`] reads it).
+    pub fn get(&self, layer: &LayerKey, span: usize) -> Option<Arc<Span>> {
+        let got = match self.get_piece(layer, Piece::Span(span))? {
+            Held::Span(s) => s,
+            Held::Window(_) => return None,
+        };
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(got)
     }
 
     /// Keeps span `span` of `layer` (its whole inflated bytes), evicting the least
     /// recently used entries to stay within the bound. Spans [`Self::admits`] refuses
     /// are ignored.
-    pub fn insert(&self, layer: &LayerKey, span: usize, data: Arc<Vec<u8>>) {
-        if self.insert_piece(layer, Piece::Span(span), data) {
+    pub fn insert(&self, layer: &LayerKey, span: usize, data: Vec<u8>) {
+        let size = data.len();
+        if self.insert_piece(
+            layer,
+            Piece::Span(span),
+            Held::Span(Span::whole(data)),
+            size,
+        ) {
             self.inserts.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Span `span` of `layer` (`len` bytes once inflated), to be inflated on demand by
+    /// `extraction` (started at the span's checkpoint) from `compressed`, the span's
+    /// verified compressed bytes. Kept (counting `len` and the compressed bytes until
+    /// it is whole) when [`Self::admits`] its length; returned either way, for the
+    /// caller's read. `window_at_end`: keep the history at the span's end as the raw
+    /// window of checkpoint `span + 1` (see [`Self::insert_window`]).
+    pub fn insert_partial(
+        &self,
+        layer: &LayerKey,
+        span: usize,
+        len: usize,
+        extraction: Extraction,
+        compressed: Vec<u8>,
+        window_at_end: bool,
+    ) -> Arc<Span> {
+        let size = len + compressed.len();
+        let cell = Arc::new(Span {
+            state: Mutex::new(SpanState {
+                bytes: Vec::with_capacity(len),
+                len,
+                rest: Some(Continuation {
+                    extraction,
+                    compressed,
+                    window_at_end,
+                }),
+            }),
+        });
+        if self.admits(len as u64)
+            && self.insert_piece(layer, Piece::Span(span), Held::Span(cell.clone()), size)
+        {
+            self.inserts.fetch_add(1, Ordering::Relaxed);
+        }
+        cell
+    }
+
+    /// Copies bytes `[from, from + out.len())` of span `k` of `layer` (`span`, from
+    /// [`Self::get`] or [`Self::insert_partial`]) into `out`, inflating it further first
+    /// when they are not inflated yet (to their end, and at least [`MIN_STEP`] on).
+    pub fn read(
+        &self,
+        layer: &LayerKey,
+        k: usize,
+        span: &Arc<Span>,
+        from: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let mut guard = span.state.lock();
+        let st = &mut *guard;
+        let need = from + out.len();
+        if need > st.len {
+            return Err(Error::Index(format!(
+                "read to byte {need} of a span of {} bytes",
+                st.len
+            )));
+        }
+        if need > st.bytes.len() {
+            let Some(rest) = st.rest.as_mut() else {
+                return Err(Error::Index(
+                    "a span's inflation failed earlier; read it again".into(),
+                ));
+            };
+            let old = st.bytes.len();
+            let target = need.max(old + MIN_STEP).min(st.len);
+            st.bytes.resize(target, 0);
+            let filled = rest.extraction.fill(
+                &rest.compressed,
+                &mut st.bytes[old..target],
+                &[],
+                &mut |_, _| {},
+            );
+            if let Err(e) = filled {
+                st.bytes.truncate(old);
+                st.rest = None;
+                self.forget(layer, k, span);
+                return Err(e);
+            }
+            self.note_inflated((target - old) as u64);
+            if target == st.len {
+                if rest.window_at_end {
+                    let mut buf = Box::new([0u8; WINDOW_SIZE]);
+                    if let Ok(n) = rest.extraction.window(&mut buf) {
+                        self.insert_window(layer, k + 1, &buf[..n]);
+                    }
+                }
+                let freed = rest.compressed.len();
+                st.rest = None;
+                self.shrink(layer, k, span, freed);
+            }
+        }
+        out.copy_from_slice(&st.bytes[from..need]);
+        Ok(())
+    }
+
+    /// `span`, now whole, no longer holds `freed` compressed bytes.
+    fn shrink(&self, layer: &LayerKey, k: usize, span: &Arc<Span>, freed: usize) {
+        let mut inner = self.inner.lock();
+        let Some(e) = inner.map.get_mut(&(*layer, Piece::Span(k))) else {
+            return;
+        };
+        if !matches!(&e.data, Held::Span(s) if Arc::ptr_eq(s, span)) {
+            return;
+        }
+        let by = freed.min(e.size);
+        e.size -= by;
+        inner.bytes -= by;
+    }
+
+    /// Drops `span` from the cache (its inflation failed).
+    fn forget(&self, layer: &LayerKey, k: usize, span: &Arc<Span>) {
+        let mut inner = self.inner.lock();
+        let key = (*layer, Piece::Span(k));
+        if matches!(inner.map.get(&key), Some(Entry { data: Held::Span(s), .. }) if Arc::ptr_eq(s, span))
+            && let Some(e) = inner.map.remove(&key)
+        {
+            inner.bytes -= e.size;
         }
     }
 
     /// The raw inflate window at checkpoint `k` of `layer`, if kept.
     pub fn get_window(&self, layer: &LayerKey, k: usize) -> Option<Arc<Vec<u8>>> {
-        let got = self.get_piece(layer, Piece::Window(k));
-        if got.is_some() {
-            self.window_hits.fetch_add(1, Ordering::Relaxed);
-        }
-        got
+        let got = match self.get_piece(layer, Piece::Window(k))? {
+            Held::Window(w) => w,
+            Held::Span(_) => return None,
+        };
+        self.window_hits.fetch_add(1, Ordering::Relaxed);
+        Some(got)
     }
 
     /// True when the window at checkpoint `k` of `layer` is kept (not counted as a use).
@@ -181,12 +380,13 @@ impl InflatedSpans {
     /// window, so they need no digest of their own. Windows have a quarter of the bound,
     /// on top of the spans' (see `Inner::window_bytes`).
     pub fn insert_window(&self, layer: &LayerKey, k: usize, raw: &[u8]) {
-        if self.insert_piece(layer, Piece::Window(k), Arc::new(raw.to_vec())) {
+        let held = Held::Window(Arc::new(raw.to_vec()));
+        if self.insert_piece(layer, Piece::Window(k), held, raw.len()) {
             self.windows_kept.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    fn get_piece(&self, layer: &LayerKey, piece: Piece) -> Option<Arc<Vec<u8>>> {
+    fn get_piece(&self, layer: &LayerKey, piece: Piece) -> Option<Held> {
         let mut inner = self.inner.lock();
         inner.tick += 1;
         let tick = inner.tick;
@@ -195,9 +395,13 @@ impl InflatedSpans {
         Some(entry.data.clone())
     }
 
-    fn insert_piece(&self, layer: &LayerKey, piece: Piece, data: Arc<Vec<u8>>) -> bool {
-        let len = data.len();
-        if !self.admits(len as u64) {
+    fn insert_piece(&self, layer: &LayerKey, piece: Piece, data: Held, len: usize) -> bool {
+        if len == 0 || (piece.is_window() && !self.admits(len as u64)) {
+            return false;
+        }
+        if let Held::Span(s) = &data
+            && !self.admits(s.len() as u64)
+        {
             return false;
         }
         let mut inner = self.inner.lock();
@@ -207,10 +411,11 @@ impl InflatedSpans {
             (*layer, piece),
             Entry {
                 data,
+                size: len,
                 last_use: tick,
             },
         ) {
-            *inner.bytes_of(piece) -= old.data.len();
+            *inner.bytes_of(piece) -= old.size;
         }
         *inner.bytes_of(piece) += len;
         let bound = if piece.is_window() {
@@ -231,7 +436,7 @@ impl InflatedSpans {
                 break;
             };
             if let Some(e) = inner.map.remove(&oldest) {
-                *inner.bytes_of(piece) -= e.data.len();
+                *inner.bytes_of(piece) -= e.size;
             }
         }
         true
@@ -248,8 +453,8 @@ impl InflatedSpans {
             let keep = e.last_use >= before;
             if !keep {
                 match piece {
-                    Piece::Span(_) => spans += e.data.len(),
-                    Piece::Window(_) => windows += e.data.len(),
+                    Piece::Span(_) => spans += e.size,
+                    Piece::Window(_) => windows += e.size,
                 }
             }
             keep
@@ -286,8 +491,16 @@ impl InflatedSpans {
 mod tests {
     use super::*;
 
-    fn span(n: usize, fill: u8) -> Arc<Vec<u8>> {
-        Arc::new(vec![fill; n])
+    fn span(n: usize, fill: u8) -> Vec<u8> {
+        vec![fill; n]
+    }
+
+    /// The whole bytes of a cached span.
+    fn bytes(cache: &InflatedSpans, layer: LayerKey, k: usize) -> Option<Vec<u8>> {
+        let s = cache.get(&layer, k)?;
+        let mut out = vec![0u8; s.len()];
+        cache.read(&layer, k, &s, 0, &mut out).ok()?;
+        Some(out)
     }
 
     #[test]
@@ -306,8 +519,8 @@ mod tests {
         cache.insert(&a, 0, span(100, 1));
         cache.insert(&b, 0, span(100, 2));
         cache.insert(&a, 1, span(100, 3));
-        assert_eq!(cache.get(&a, 0).as_deref(), Some(&vec![1u8; 100]));
-        assert_eq!(cache.get(&b, 0).as_deref(), Some(&vec![2u8; 100]));
+        assert_eq!(bytes(&cache, a, 0), Some(vec![1u8; 100]));
+        assert_eq!(bytes(&cache, b, 0), Some(vec![2u8; 100]));
         assert!(cache.get(&b, 1).is_none());
         // Full at 400: a fifth span evicts the least recently used, (a, 1).
         cache.insert(&b, 1, span(100, 4));
@@ -326,7 +539,7 @@ mod tests {
         cache.insert_window(&1, 3, &[7u8; 50]);
         assert!(cache.has_window(&1, 3));
         assert!(!cache.has_window(&1, 4) && !cache.has_window(&2, 3));
-        assert_eq!(cache.get(&1, 3).as_deref(), Some(&vec![1u8; 100]));
+        assert_eq!(bytes(&cache, 1, 3), Some(vec![1u8; 100]));
         assert_eq!(cache.get_window(&1, 3).as_deref(), Some(&vec![7u8; 50]));
         let stats = cache.stats();
         assert_eq!(
@@ -368,7 +581,7 @@ mod tests {
         cache.insert(&0, 0, span(50, 0));
         cache.insert(&0, 0, span(80, 1));
         assert_eq!(cache.stats().bytes, 80);
-        assert_eq!(cache.get(&0, 0).map(|d| d[0]), Some(1));
+        assert_eq!(bytes(&cache, 0, 0).map(|d| d[0]), Some(1));
     }
 
     #[test]

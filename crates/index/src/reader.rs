@@ -352,16 +352,14 @@ fn cached_pass(
     dst: &mut [u8],
 ) -> Result<Option<usize>> {
     let span_start = index.checkpoints[k].out_offset;
-    if let Some(bytes) = cache.get(key, k) {
-        let from = (pos - span_start) as usize;
-        let take = (want_end.min(span_out_end(index, k)) - pos) as usize;
-        let src = bytes
-            .get(from..from + take)
-            .ok_or_else(|| Error::Index("cached span shorter than its index entry".into()))?;
-        dst.get_mut(..take)
-            .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?
-            .copy_from_slice(src);
-        return Ok(Some(take));
+    let from = (pos - span_start) as usize;
+    let in_span = (want_end.min(span_out_end(index, k)) - pos) as usize;
+    if let Some(span) = cache.get(key, k) {
+        let out = dst
+            .get_mut(..in_span)
+            .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?;
+        cache.read(key, k, &span, from, out)?;
+        return Ok(Some(in_span));
     }
     let mut last = k;
     while index
@@ -375,6 +373,27 @@ fn cached_pass(
         return Ok(None);
     }
     let first = local_start(index, windows, Some((cache, key)), k, pos);
+    if first == k && last == k {
+        // The read is inside one span: inflate it only as far as the read goes, and
+        // keep the inflater for the reads after it.
+        let (data, window) = fetch_verified(index, source, windows, Some((cache, key)), k, k)?;
+        let cp = &index.checkpoints[k];
+        let extraction = crate::zran::Extraction::start(cp, window.as_window(cp), &data)?;
+        let window_at_end = windows.is_some_and(|w| {
+            index.checkpoints.get(k + 1).is_some_and(|next| {
+                next.window
+                    .as_ref()
+                    .is_some_and(|at| !w.is_local(k + 1, at) && !cache.has_window(key, k + 1))
+            })
+        });
+        let len = (span_out_end(index, k) - span_start) as usize;
+        let span = cache.insert_partial(key, k, len, extraction, data, window_at_end);
+        let out = dst
+            .get_mut(..in_span)
+            .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?;
+        cache.read(key, k, &span, from, out)?;
+        return Ok(Some(in_span));
+    }
     let from = index.checkpoints[first].out_offset;
     let end = span_out_end(index, last);
     // At most MAX_WALK_BACK + CACHED_READ_MAX + one admitted span.
@@ -395,17 +414,13 @@ fn cached_pass(
     dst.get_mut(..take)
         .ok_or_else(|| Error::Index("read pass beyond its buffer".into()))?
         .copy_from_slice(&all[at..at + take]);
-    if first == k && k == last {
-        cache.insert(key, k, Arc::new(all));
-    } else {
-        // Spans walked back over were inflated too: keep them, a reader moving around
-        // the stream may come back to them.
-        for j in first..=last {
-            let a = (index.checkpoints[j].out_offset - from) as usize;
-            let b = (span_out_end(index, j) - from) as usize;
-            if cache.admits((b - a) as u64) {
-                cache.insert(key, j, Arc::new(all[a..b].to_vec()));
-            }
+    // Spans walked back over were inflated too: keep them, a reader moving around the
+    // stream may come back to them.
+    for j in first..=last {
+        let a = (index.checkpoints[j].out_offset - from) as usize;
+        let b = (span_out_end(index, j) - from) as usize;
+        if cache.admits((b - a) as u64) {
+            cache.insert(key, j, all[a..b].to_vec());
         }
     }
     Ok(Some(take))
@@ -427,27 +442,11 @@ fn inflate_spans(
     pos: u64,
     dst: &mut [u8],
 ) -> Result<()> {
-    let range = spans_range(index, first, last)
-        .ok_or_else(|| Error::Index("span outside the index".into()))?;
     let cp = &index.checkpoints[first];
-    let kept_window = match (&cp.window, kept) {
-        (Some(_), Some((c, key))) => c.get_window(key, first),
-        _ => None,
-    };
-    let (data, fetched_window) = match &kept_window {
-        Some(_) => (source.read_range(range.clone())?, None),
-        None => fetch_span_and_window(source, windows, range.clone(), first, cp)?,
-    };
-    if !source.verifies_spans() {
-        verify_spans(index, first, last, range.start, &data)?;
-    }
+    let (data, window) = fetch_verified(index, source, windows, kept, first, last)?;
     match index.compression {
         Compression::Gzip => {
-            let window = match (&kept_window, &fetched_window) {
-                (Some(raw), _) => crate::zran::Window::Raw(raw),
-                (None, Some(deflated)) => crate::zran::Window::Deflated(deflated),
-                (None, None) => crate::zran::Window::Deflated(&cp.window_deflate),
-            };
+            let window = window.as_window(cp);
             // The last checkpoint the pass reaches: where a reader moving on starts next
             // (the ones before it are inside spans the pass leaves in the span cache).
             let end = pos + dst.len() as u64;
@@ -488,6 +487,56 @@ fn inflate_spans(
             Ok(())
         }
     }
+}
+
+/// The window a pass starts its inflater with.
+enum StartWindow {
+    /// Raw, kept by an earlier read that inflated through the checkpoint.
+    Kept(Arc<Vec<u8>>),
+    /// Deflated, fetched from the windows blob (and verified).
+    Fetched(Vec<u8>),
+    /// The one in the index (or none needed).
+    InIndex,
+}
+
+impl StartWindow {
+    fn as_window<'a>(&'a self, cp: &'a crate::ferryidx::Checkpoint) -> crate::zran::Window<'a> {
+        match self {
+            StartWindow::Kept(raw) => crate::zran::Window::Raw(raw),
+            StartWindow::Fetched(deflated) => crate::zran::Window::Deflated(deflated),
+            StartWindow::InIndex => crate::zran::Window::Deflated(&cp.window_deflate),
+        }
+    }
+}
+
+/// Fetches spans `first..=last` and, unless `kept` has it, the first one's window;
+/// verifies the spans.
+fn fetch_verified(
+    index: &LayerIndex,
+    source: &dyn RangeSource,
+    windows: Option<&dyn WindowSource>,
+    kept: Option<(&InflatedSpans, &LayerKey)>,
+    first: usize,
+    last: usize,
+) -> Result<(Vec<u8>, StartWindow)> {
+    let range = spans_range(index, first, last)
+        .ok_or_else(|| Error::Index("span outside the index".into()))?;
+    let cp = &index.checkpoints[first];
+    let kept_window = match (&cp.window, kept) {
+        (Some(_), Some((c, key))) => c.get_window(key, first),
+        _ => None,
+    };
+    let (data, window) = match kept_window {
+        Some(raw) => (source.read_range(range.clone())?, StartWindow::Kept(raw)),
+        None => match fetch_span_and_window(source, windows, range.clone(), first, cp)? {
+            (data, Some(deflated)) => (data, StartWindow::Fetched(deflated)),
+            (data, None) => (data, StartWindow::InIndex),
+        },
+    };
+    if !source.verifies_spans() {
+        verify_spans(index, first, last, range.start, &data)?;
+    }
+    Ok((data, window))
 }
 
 /// Where a pass reading from `pos` (in span `k`) should start inflating. Normally `k`.

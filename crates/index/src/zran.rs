@@ -986,124 +986,203 @@ pub fn extract_capturing(
     if out.is_empty() {
         return Ok(());
     }
-    let end = skip + out.len() as u64;
-    let mut next_capture = capture.iter().position(|&c| c > 0).unwrap_or(capture.len());
-    let mut history: Option<Box<[u8; WINDOW_SIZE]>> = None;
-    let mut inf = Inflater::new()?;
-    let mut pos = 0usize;
-    let mut in_member = false;
-    if !cp.member_start {
-        if cp.bits > 7 {
-            return Err(gzip_err(format!(
-                "checkpoint has invalid bit count {}",
-                cp.bits
-            )));
-        }
-        if cp.bits > 0 {
-            let &b = compressed
-                .first()
-                .ok_or_else(|| gzip_err("compressed input too short for the checkpoint"))?;
-            inf.prime(cp.bits, b >> (8 - cp.bits))?;
-            pos = 1;
-        }
-        match window {
-            Window::Deflated([]) => {}
-            Window::Deflated(d) => {
-                let mut raw = vec![0u8; WINDOW_SIZE];
-                let n = libdeflater::Decompressor::new()
-                    .deflate_decompress(d, &mut raw)
-                    .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?;
-                inf.set_dictionary(&raw[..n])?;
-            }
-            Window::Raw(r) if r.len() > WINDOW_SIZE => {
-                return Err(gzip_err(format!("a window of {} bytes", r.len())));
-            }
-            Window::Raw(r) => inf.set_dictionary(r)?,
-        }
-        in_member = true;
-    }
+    let mut x = Extraction::start(cp, window, compressed)?;
+    x.skip(compressed, skip, capture, take)?;
+    x.fill(compressed, out, capture, take)
+}
 
-    let mut to_skip = skip;
-    let mut written = 0usize;
-    let mut scratch: Vec<u8> = Vec::new();
-    let short = || gzip_err("compressed input too short for the requested range");
-    while written < out.len() {
-        if !in_member {
-            let rest = &compressed[pos..];
-            if rest.is_empty() {
-                return Err(short());
+/// An extraction from a checkpoint that can be continued: the inflater, its history and
+/// its place in the compressed bytes survive between calls, so a reader that wants the
+/// first part of a span now and the next part later inflates each byte once, and never
+/// inflates the part of a span nobody asks for.
+///
+/// Every call gets the same `compressed` (the blob's bytes from the checkpoint's
+/// `start_byte()` on, as [`extract`] takes them).
+pub struct Extraction {
+    inf: Inflater,
+    /// Next compressed byte to give the inflater.
+    pos: usize,
+    /// Inside a member's deflate stream (else at a member header, or at the end).
+    in_member: bool,
+    /// Uncompressed bytes produced since the checkpoint.
+    produced: u64,
+    /// The checkpoint's compressed offset, for errors.
+    start_byte: u64,
+}
+
+impl std::fmt::Debug for Extraction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Extraction")
+            .field("pos", &self.pos)
+            .field("produced", &self.produced)
+            .finish()
+    }
+}
+
+impl Extraction {
+    /// Starts inflating at `cp` with its `window` (primes the pending bits from
+    /// `compressed`'s first byte).
+    pub fn start(cp: &Checkpoint, window: Window<'_>, compressed: &[u8]) -> Result<Self> {
+        let mut inf = Inflater::new()?;
+        let mut pos = 0usize;
+        let mut in_member = false;
+        if !cp.member_start {
+            if cp.bits > 7 {
+                return Err(gzip_err(format!(
+                    "checkpoint has invalid bit count {}",
+                    cp.bits
+                )));
             }
-            if rest[0] == 0 {
-                return Err(gzip_err(
-                    "requested range reaches past the end of the gzip stream",
-                ));
+            if cp.bits > 0 {
+                let &b = compressed
+                    .first()
+                    .ok_or_else(|| gzip_err("compressed input too short for the checkpoint"))?;
+                inf.prime(cp.bits, b >> (8 - cp.bits))?;
+                pos = 1;
             }
-            match parse_member_header(rest)? {
-                HeaderParse::Complete(len) => pos += len,
-                HeaderParse::Incomplete => return Err(short()),
+            match window {
+                Window::Deflated([]) => {}
+                Window::Deflated(d) => {
+                    let mut raw = vec![0u8; WINDOW_SIZE];
+                    let n = libdeflater::Decompressor::new()
+                        .deflate_decompress(d, &mut raw)
+                        .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?;
+                    inf.set_dictionary(&raw[..n])?;
+                }
+                Window::Raw(r) if r.len() > WINDOW_SIZE => {
+                    return Err(gzip_err(format!("a window of {} bytes", r.len())));
+                }
+                Window::Raw(r) => inf.set_dictionary(r)?,
             }
-            inf.reset()?;
             in_member = true;
         }
-        // Stop at the next capture point, so the history can be taken there.
-        let produced_so_far = skip - to_skip + written as u64;
-        while capture
-            .get(next_capture)
-            .is_some_and(|&c| c < produced_so_far)
-        {
-            next_capture += 1;
-        }
-        let room = match capture.get(next_capture) {
-            Some(&c) if c <= end => c - produced_so_far,
-            _ => u64::MAX,
-        };
-        let dest: &mut [u8] = if to_skip > 0 {
+        Ok(Extraction {
+            inf,
+            pos,
+            in_member,
+            produced: 0,
+            start_byte: cp.start_byte(),
+        })
+    }
+
+    /// Uncompressed bytes produced (or skipped) since the checkpoint.
+    pub fn produced(&self) -> u64 {
+        self.produced
+    }
+
+    /// The inflate history now (the raw window a read starting here would need).
+    pub fn window(&self, buf: &mut [u8; WINDOW_SIZE]) -> Result<usize> {
+        self.inf.window(buf)
+    }
+
+    /// Inflates and drops the next `n` bytes (captures on the way as [`Self::fill`]).
+    pub fn skip(
+        &mut self,
+        compressed: &[u8],
+        mut n: u64,
+        capture: &[u64],
+        take: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        let mut scratch = Vec::new();
+        while n > 0 {
             if scratch.is_empty() {
-                scratch.resize(OUT_BUF_SIZE, 0);
+                scratch.resize(OUT_BUF_SIZE.min(n as usize), 0);
             }
-            let n = to_skip.min(scratch.len() as u64).min(room) as usize;
-            &mut scratch[..n]
-        } else {
-            let n = ((out.len() - written) as u64).min(room) as usize;
-            &mut out[written..written + n]
-        };
-        let step = inf.inflate(&compressed[pos..], dest, zsys::Z_NO_FLUSH);
-        pos += step.consumed;
-        if to_skip > 0 {
-            to_skip -= step.produced as u64;
-        } else {
-            written += step.produced;
+            let k = n.min(scratch.len() as u64) as usize;
+            self.fill(compressed, &mut scratch[..k], capture, take)?;
+            n -= k as u64;
         }
-        while let Some(&c) = capture.get(next_capture) {
-            if c != skip - to_skip + written as u64 {
-                break;
-            }
-            let buf = history.get_or_insert_with(|| Box::new([0u8; WINDOW_SIZE]));
-            let len = inf.window(buf)?;
-            take(next_capture, &buf[..len]);
-            next_capture += 1;
-        }
-        match step.code {
-            zsys::Z_OK => {}
-            zsys::Z_STREAM_END => {
-                let back = (step.unused_bits() / 8) as usize;
-                pos = pos
-                    .checked_sub(back)
-                    .ok_or_else(|| gzip_err("internal: inflate over-read"))?;
-                if compressed.len() - pos < 8 {
-                    if written == out.len() {
-                        break;
-                    }
+        Ok(())
+    }
+
+    /// Produces the next `out.len()` bytes, crossing member boundaries (skipping
+    /// trailers, parsing the next header). `take(i, window)` receives the raw history at
+    /// each output offset `capture[i]` (relative to the checkpoint, ascending) this call
+    /// passes or ends at. Member CRCs are not checked (a range rarely covers a whole
+    /// member): the span digests vouch for the compressed bytes. Errors, never panics,
+    /// when the input is too short, corrupt, or the range reaches past the end of the
+    /// stream.
+    pub fn fill(
+        &mut self,
+        compressed: &[u8],
+        out: &mut [u8],
+        capture: &[u64],
+        take: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<()> {
+        let end = self.produced + out.len() as u64;
+        let mut next_capture = capture
+            .iter()
+            .position(|&c| c > self.produced)
+            .unwrap_or(capture.len());
+        let mut history: Option<Box<[u8; WINDOW_SIZE]>> = None;
+        let mut written = 0usize;
+        let short = || gzip_err("compressed input too short for the requested range");
+        while written < out.len() {
+            if !self.in_member {
+                let rest = compressed.get(self.pos..).unwrap_or_default();
+                if rest.is_empty() {
                     return Err(short());
                 }
-                pos += 8;
-                in_member = false;
+                if rest[0] == 0 {
+                    return Err(gzip_err(
+                        "requested range reaches past the end of the gzip stream",
+                    ));
+                }
+                match parse_member_header(rest)? {
+                    HeaderParse::Complete(len) => self.pos += len,
+                    HeaderParse::Incomplete => return Err(short()),
+                }
+                self.inf.reset()?;
+                self.in_member = true;
             }
-            zsys::Z_BUF_ERROR => return Err(short()),
-            _ => return Err(inflate_error(&step, cp.start_byte() + pos as u64)),
+            // Stop at the next capture point, so the history can be taken there.
+            let room = match capture.get(next_capture) {
+                Some(&c) if c <= end => c - self.produced,
+                _ => u64::MAX,
+            };
+            let n = ((out.len() - written) as u64).min(room) as usize;
+            let input = compressed.get(self.pos..).unwrap_or_default();
+            let step = self
+                .inf
+                .inflate(input, &mut out[written..written + n], zsys::Z_NO_FLUSH);
+            self.pos += step.consumed;
+            written += step.produced;
+            self.produced += step.produced as u64;
+            while let Some(&c) = capture.get(next_capture) {
+                if c != self.produced {
+                    break;
+                }
+                let buf = history.get_or_insert_with(|| Box::new([0u8; WINDOW_SIZE]));
+                let len = self.inf.window(buf)?;
+                take(next_capture, &buf[..len]);
+                next_capture += 1;
+            }
+            match step.code {
+                zsys::Z_OK => {}
+                zsys::Z_STREAM_END => {
+                    let back = (step.unused_bits() / 8) as usize;
+                    self.pos = self
+                        .pos
+                        .checked_sub(back)
+                        .ok_or_else(|| gzip_err("internal: inflate over-read"))?;
+                    self.in_member = false;
+                    if compressed.len() - self.pos < 8 {
+                        if written == out.len() {
+                            // The member's trailer is past the bytes given: whatever
+                            // follows is too.
+                            self.pos = compressed.len();
+                            break;
+                        }
+                        return Err(short());
+                    }
+                    self.pos += 8;
+                }
+                zsys::Z_BUF_ERROR => return Err(short()),
+                _ => return Err(inflate_error(&step, self.start_byte + self.pos as u64)),
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------

@@ -400,6 +400,70 @@ fn reads_inside_a_recently_inflated_span_copy_from_the_cache() {
     assert!(cache.stats().bytes <= 8 << 20);
 }
 
+/// A read inside one span inflates it only as far as the read goes (and a step
+/// beyond), not the whole span: later reads further in continue the same inflater with
+/// no fetch, earlier ones copy, and a span read to its end is kept whole.
+#[test]
+fn a_span_is_inflated_only_as_far_as_reads_go() {
+    let (data, gz, _, _) = split_layer();
+    let index = index_gzip(&gz[..], 1 << 20, None).expect("index");
+    assert_eq!(index.checkpoints.len(), 1, "one span holds the whole file");
+    let cache = InflatedSpans::new(16 << 20);
+    let src = Arc::new(CountingSource::new(MemSource(gz)));
+    let reader = LayerReader::new(
+        LayerFormat::Indexed(Arc::new(index)),
+        src.clone() as Arc<dyn RangeSource>,
+    )
+    .with_inflated_cache(cache.clone());
+    let read = |off: usize, len: usize| {
+        let mut buf = vec![0u8; len];
+        let n = reader.read_at(0, off as u64, &mut buf).expect("read");
+        assert_eq!(&buf[..n], &data[off..off + n], "bytes at {off}");
+    };
+    // The file starts 512 bytes into the layer, after its tar header.
+    read(10_000, 4096);
+    let first = cache.stats().inflated_bytes;
+    assert!(
+        (512 + 14_096..=512 + 14_096 + (64 << 10)).contains(&first),
+        "inflated {first} bytes for a read ending at byte {}",
+        512 + 14_096
+    );
+    let (fetched, requests) = (src.bytes_read(), src.requests());
+    read(300_000, 4096);
+    let second = cache.stats().inflated_bytes;
+    assert!(
+        second <= 512 + 304_096 + (64 << 10),
+        "continued to {second} bytes"
+    );
+    read(100, 100);
+    read(299_000, 5000);
+    assert_eq!(cache.stats().inflated_bytes, second, "earlier bytes copy");
+    assert_eq!((src.bytes_read(), src.requests()), (fetched, requests));
+    // To the end, in pieces of every size, then the whole file once more.
+    let mut off = 0;
+    for (i, len) in [1, 4095, 70_000, 3, 200_000, 12_345]
+        .iter()
+        .cycle()
+        .enumerate()
+    {
+        if off >= data.len() {
+            break;
+        }
+        let len = (*len).min(data.len() - off);
+        read(off, len);
+        off += len + i % 7;
+    }
+    read(0, data.len());
+    let whole = 512 + data.len() as u64;
+    let total = cache.stats().inflated_bytes;
+    // Once, to the end of the tar (its padding and end blocks follow the file).
+    assert!(
+        total >= data.len() as u64 && total <= whole + 4096,
+        "{total}"
+    );
+    assert_eq!((src.bytes_read(), src.requests()), (fetched, requests));
+}
+
 /// Layers without an index (zstd, gzip, plain tar) are read whole and serve the same
 /// bytes, with whiteouts applied across them.
 #[test]
