@@ -292,7 +292,7 @@ impl Daemon {
         ready: impl FnOnce(&DaemonInfo),
     ) -> Result<()> {
         config.validate()?;
-        crate::heap::keep_big_buffers_out_of_the_heap();
+        crate::heap::tune_allocator();
         let inflated_cache = usize::try_from(config.fuse.inflated_cache).unwrap_or(usize::MAX);
         if !ferry_fs::configure_inflated_spans(inflated_cache) {
             tracing::warn!("the inflated-span cache was in use before the daemon set its size");

@@ -6,8 +6,8 @@
 //! opens hundreds of `.py`/`.so` files that sit next to each other in the tar), so
 //! without this each of them inflates the same span prefix again: a profile of a
 //! container start through FUSE spent most of the daemon's CPU in inflate, about five
-//! times the bytes served. With it, the first read of a span inflates the whole span
-//! once and the neighbours copy.
+//! times the bytes served. With it, the first read of a span inflates it once, as far
+//! as that read goes, and the neighbours copy or continue from there.
 //!
 //! The windows: a read starting at a checkpoint of a version-2 index needs that
 //! checkpoint's 32 KiB window, a request to the windows blob. A read that inflated
@@ -158,7 +158,7 @@ pub struct InflatedStats {
     pub hits: u64,
     /// Spans inflated and put in the cache.
     pub inserts: u64,
-    /// Bytes inflated to fill the cache (whole spans, and any walk back to a local
+    /// Bytes inflated to fill the cache (spans as far as reads went, and any walk back to a local
     /// checkpoint before them).
     #[serde(default)]
     pub inflated_bytes: u64,

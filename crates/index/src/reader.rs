@@ -258,8 +258,9 @@ pub fn read_indexed(
 const CACHED_READ_MAX: u64 = 1 << 20;
 
 /// [`read_indexed`], with spans kept inflated in `cache` (gzip layers, reads up to
-/// [`CACHED_READ_MAX`]): a read inside a cached span copies, and a miss inflates whole
-/// spans (to the end of the last one the read touches) and keeps them.
+/// [`CACHED_READ_MAX`]): a read inside a cached span copies (inflating it further when
+/// the span is not inflated that far yet); a miss inside one span starts it and inflates
+/// only as far as the read goes; a miss across spans inflates them whole and keeps them.
 fn read_indexed_with(
     index: &LayerIndex,
     source: &dyn RangeSource,
@@ -336,10 +337,12 @@ fn plain_pass(
     Ok(take)
 }
 
-/// One pass through the cache: copies from span `k` when it is cached; otherwise
-/// inflates spans `k..=last` whole (the last one the read touches; from an earlier local
-/// start if [`local_start`] says so), keeps them and copies. `None` when a span is too
-/// large to keep (the caller reads without the cache).
+/// One pass through the cache: copies from span `k` when it is cached (inflated as far
+/// as the read needs); otherwise, for a read inside span `k` that starts at its own
+/// checkpoint, keeps the span with its inflater and inflates it only as far as the
+/// read goes; else inflates spans `k..=last` whole (the last one the read touches; from
+/// an earlier local start if [`local_start`] says so), keeps them and copies. `None`
+/// when a span is too large to keep (the caller reads without the cache).
 #[allow(clippy::too_many_arguments)]
 fn cached_pass(
     index: &LayerIndex,
