@@ -124,6 +124,25 @@ else
     fail "the plugin's request: $(head -1 "$PLUG/requests" 2>/dev/null)"
 fi
 
+# 2b. --platform resolves the image through the same client: with the plugin's credentials
+mount_image 6 "${KUBELET[@]}" --platform "linux/$(dpkg --print-architecture)"
+if [[ $RC == 0 ]] && mountpoint -q "$E2E_TMP/mnt6" && same_as_ref "$E2E_TMP/mnt6" "$FIRST"; then
+    pass "--platform with the credential provider: the private image resolves, mounts and reads back"
+else
+    fail "mount --platform with the credential provider: exit $RC"
+    show "$E2E_TMP/m6.err"
+fi
+umount_image 6
+# ferry trace asks the registry with the plugin's credentials too (the image has no trace)
+fy "$E2E_TMP/t.out" "$E2E_TMP/t.err" trace show "$IMAGE" --registry-config-path "$E2E_TMP/no-certs.d" \
+    "${KUBELET[@]}" --platform "linux/$(dpkg --print-architecture)"
+if grep -qi "no .*trace" "$E2E_TMP/t.out" "$E2E_TMP/t.err" && ! grep -qi "unauthorized\|credentials" "$E2E_TMP/t.err"; then
+    pass "ferry trace show with the credential provider reaches the private repository ($(grep -hi "trace" "$E2E_TMP/t.out" "$E2E_TMP/t.err" | head -1))"
+else
+    fail "ferry trace show with the credential provider: exit $RC"
+    show "$E2E_TMP/t.err"
+fi
+
 # 3. expiry mid-run: the answer (3 s) and the token (2 s) expire; a cold file still reads
 before=$(runs)
 sleep 5

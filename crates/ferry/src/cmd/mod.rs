@@ -66,12 +66,12 @@ pub fn layout_platform_ref(
 /// The image `--platform` names: the platform's manifest by digest (`oci:DIR@sha256:…`,
 /// `HOST/REPO@sha256:…`), chosen from an image index by ferry-oci's one chooser, so that
 /// the lazy filesystem and the daemon open exactly it; an image that is not an index is
-/// itself.
+/// itself. A registry is asked with `cfg`, the command's own client configuration (its
+/// credentials, hosts.toml and credential providers), as every later request is.
 pub fn platform_image(
     image: &str,
     platform: &ferry_oci::Platform,
-    plain_http: bool,
-    config_path: Option<PathBuf>,
+    cfg: ClientConfig,
 ) -> Result<String> {
     use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
     let parsed = ferry_oci::ImageRef::parse(image)?;
@@ -88,13 +88,6 @@ pub fn platform_image(
             repository,
             ..
         } => {
-            let mut cfg = ClientConfig {
-                config_path,
-                ..ClientConfig::default()
-            };
-            if plain_http {
-                cfg.registry.entry(registry.clone()).or_default().plain_http = true;
-            }
             let client = Client::new(cfg)?;
             let repo = ferry_registry_client::Repo::new(registry.clone(), repository.clone());
             let doc = current_thread_runtime()?

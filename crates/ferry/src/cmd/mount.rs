@@ -96,15 +96,26 @@ pub struct UmountArgs {
     config: Option<PathBuf>,
 }
 
+/// The registry client's configuration the flags make (a foreground mount's, and the
+/// one `--platform` resolves the image with).
+fn client_config(args: &Args) -> Result<ClientConfig> {
+    let mut cfg = ClientConfig::default();
+    if args.plain_http
+        && let ferry_oci::ImageRef::Registry { registry, .. } =
+            ferry_oci::ImageRef::parse(&args.image)?
+    {
+        cfg.registry.entry(registry).or_default().plain_http = true;
+    }
+    cfg.max_concurrent_downloads = args.concurrency;
+    cfg.config_path = super::registry_config_path(&args.registry_config_path);
+    args.credential_providers.apply(&mut cfg);
+    Ok(cfg)
+}
+
 /// Runs `ferry mount`.
 pub fn run(mut args: Args) -> Result<()> {
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(
-            &args.image,
-            &platform,
-            args.plain_http,
-            super::registry_config_path(&args.registry_config_path),
-        )?;
+        args.image = super::platform_image(&args.image, &platform, client_config(&args)?)?;
     }
     let mountpoint = args
         .mountpoint
@@ -136,17 +147,7 @@ pub fn run(mut args: Args) -> Result<()> {
             store_path.display()
         )
     })?;
-    let mut cfg = ClientConfig::default();
-    if args.plain_http
-        && let ferry_oci::ImageRef::Registry { registry, .. } =
-            ferry_oci::ImageRef::parse(&args.image)?
-    {
-        cfg.registry.entry(registry).or_default().plain_http = true;
-    }
-    cfg.max_concurrent_downloads = args.concurrency;
-    cfg.config_path = super::registry_config_path(&args.registry_config_path);
-    args.credential_providers.apply(&mut cfg);
-    let client = Client::new(cfg)?;
+    let client = Client::new(client_config(&args)?)?;
     let runtime = RangeRuntime::new()?;
     let source = ImageSource::open(&args.image, &client, &runtime)
         .with_context(|| format!("opening {}", args.image))?;
