@@ -295,6 +295,11 @@ pub struct P2pSection {
     /// The name every peer's certificate is checked for; `None`: the host it is dialled
     /// at (its address in the membership), which its certificate must then carry.
     pub tls_server_name: Option<String>,
+    /// Revocation lists of the cluster CA (PEM): a peer whose certificate is listed is
+    /// refused, as a server and (under mTLS) as a client. The TLS files (this one
+    /// included) are looked at every 30 s and used anew when they change and pass the
+    /// start-up checks: a renewed certificate or a new CRL needs no restart.
+    pub tls_crl: Option<PathBuf>,
     /// `name:port` resolved into members (every A/AAAA record, at that port), merged
     /// with `peers`: a Kubernetes headless service, say.
     pub peers_dns: Option<String>,
@@ -353,6 +358,7 @@ impl Default for P2pSection {
             tls_ca: None,
             tls_client_auth: false,
             tls_server_name: None,
+            tls_crl: None,
             peers_dns: None,
             peers_dns_refresh: Duration::from_secs(30),
             gossip: false,
@@ -434,9 +440,12 @@ impl P2pSection {
                     .into(),
             );
         }
-        if given == 0 && (self.tls_client_auth || self.tls_server_name.is_some()) {
+        if given == 0
+            && (self.tls_client_auth || self.tls_server_name.is_some() || self.tls_crl.is_some())
+        {
             return bad(
-                "tls_client_auth and tls_server_name need tls_cert, tls_key and tls_ca".into(),
+                "tls_client_auth, tls_server_name and tls_crl need tls_cert, tls_key and tls_ca"
+                    .into(),
             );
         }
         if let Some(name) = &self.tls_server_name
@@ -525,6 +534,7 @@ impl P2pSection {
             ca: self.tls_ca.clone()?,
             client_auth: self.tls_client_auth,
             server_name: self.tls_server_name.clone(),
+            crl: self.tls_crl.clone(),
         })
     }
 }
@@ -1076,6 +1086,7 @@ mod tests {
         let c = DaemonConfig::from_toml(&format!(
             "{on}tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\ntls_ca = \"/ca.pem\"\n\
              tls_client_auth = true\ntls_server_name = \"ferry-peer\"\n\
+             tls_crl = \"/ca.crl\"\n\
              peers_dns = \"ferry-peers.kube-system.svc.cluster.local:7050\"\n\
              peers_dns_refresh = \"10s\"\n"
         ))
@@ -1084,6 +1095,7 @@ mod tests {
         assert_eq!(files.key, Path::new("/k.pem"));
         assert!(files.client_auth);
         assert_eq!(files.server_name.as_deref(), Some("ferry-peer"));
+        assert_eq!(files.crl.as_deref(), Some(Path::new("/ca.crl")));
         assert_eq!(c.p2p.peers_dns_refresh, Duration::from_secs(10));
         // The printed config reads back, TLS and DNS settings included.
         assert_eq!(
@@ -1096,6 +1108,7 @@ mod tests {
             ("tls_cert = \"/c\"\ntls_key = \"/k\"", "go together"),
             ("tls_client_auth = true", "need tls_cert"),
             ("tls_server_name = \"x\"", "need tls_cert"),
+            ("tls_crl = \"/crl.pem\"", "need tls_cert"),
             (
                 "tls_cert = \"/c\"\ntls_key = \"/k\"\ntls_ca = \"/a\"\ntls_server_name = \"a b\"",
                 "tls_server_name",

@@ -141,6 +141,9 @@ async fn p2p_parts(
         ),
         None => None,
     };
+    if let Some(t) = &tls {
+        let _ = stats.tls.set(t.counters());
+    }
     let transport = fetch::HttpPeers::new(
         token.clone(),
         p.peer_timeout,
@@ -454,6 +457,17 @@ impl Daemon {
                 ));
             }
             if let Some(parts) = peers {
+                if let Some(t) = parts.tls.clone() {
+                    let rx = stop_rx.clone();
+                    tasks.push((
+                        "peer TLS reload",
+                        tokio::spawn(async move {
+                            let every = crate::p2p::tls::RELOAD_EVERY;
+                            crate::p2p::tls::watch(t, every, stopped(rx)).await;
+                            Ok(())
+                        }),
+                    ));
+                }
                 let rx = stop_rx.clone();
                 let router = crate::p2p::server::router(parts.server);
                 tasks.push((
@@ -464,7 +478,7 @@ impl Daemon {
                             Some(t) => {
                                 let listener = tls::TlsListener::new(
                                     parts.listener,
-                                    t.acceptor(),
+                                    &t,
                                     tls::HANDSHAKE_TIMEOUT,
                                 )
                                 .map_err(|e| Error::io("p2p: TLS listener", e))?;

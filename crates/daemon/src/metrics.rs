@@ -224,6 +224,30 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
             c.inc_by(value);
             registry.register(name, help, c);
         }
+        if let Some(t) = &p.tls {
+            let tls: [(&str, &str, u64); 3] = [
+                (
+                    "p2p_tls_handshake_failures",
+                    "Peer server TLS handshakes that failed or timed out",
+                    t.handshake_failures,
+                ),
+                (
+                    "p2p_tls_reloads",
+                    "Times the peer TLS files changed and were taken into use",
+                    t.reloads,
+                ),
+                (
+                    "p2p_tls_reload_failures",
+                    "Changes of the peer TLS files refused (the files in use stayed)",
+                    t.reload_failures,
+                ),
+            ];
+            for (name, help, value) in tls {
+                let c = Counter::<u64>::default();
+                c.inc_by(value);
+                registry.register(name, help, c);
+            }
+        }
         let members = Gauge::<i64>::default();
         members.set(gauge_value(p.members.len() as u64));
         registry.register(

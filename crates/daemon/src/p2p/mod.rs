@@ -70,6 +70,8 @@ pub struct P2pStats {
     pub fallbacks_to_origin: AtomicU64,
     /// The gossip's counters (zero without gossip).
     pub gossip: gossip::GossipStats,
+    /// The TLS counters, when peers talk TLS.
+    pub tls: std::sync::OnceLock<std::sync::Arc<tls::TlsCounters>>,
 }
 
 impl P2pStats {
@@ -91,6 +93,7 @@ impl P2pStats {
             peer_corrupt: get(&self.peer_corrupt),
             fallbacks_to_origin: get(&self.fallbacks_to_origin),
             members: Vec::new(),
+            tls: self.tls.get().map(|t| t.snapshot()),
             gossip: GossipSnapshot {
                 members: get(&self.gossip.members),
                 datagrams_in: get(&self.gossip.datagrams_in),
@@ -128,6 +131,9 @@ pub struct P2pSnapshot {
     /// The gossip's figures (all zero without gossip).
     #[serde(default)]
     pub gossip: GossipSnapshot,
+    /// TLS reloads and handshake failures, when peers talk TLS.
+    #[serde(default)]
+    pub tls: Option<tls::TlsSnapshot>,
 }
 
 /// [`gossip::GossipStats`] at one moment.

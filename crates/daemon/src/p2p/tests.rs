@@ -147,7 +147,7 @@ pub(super) async fn serve_with(
     let router = super::server::router(Arc::new(server));
     let scheme = match tls {
         Some((tls, timeout)) => {
-            let listener = super::tls::TlsListener::new(listener, tls.acceptor(), timeout).unwrap();
+            let listener = super::tls::TlsListener::new(listener, &tls, timeout).unwrap();
             tokio::spawn(super::server::serve(
                 listener,
                 router,

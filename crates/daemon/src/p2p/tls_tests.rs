@@ -41,6 +41,8 @@ pub(crate) struct Leaf<'a> {
     names: &'a [&'a str],
     expired: bool,
     usages: Vec<ExtendedKeyUsagePurpose>,
+    /// Its serial number (random when `None`), for revoking it.
+    serial: Option<u64>,
 }
 
 impl Default for Leaf<'_> {
@@ -48,6 +50,7 @@ impl Default for Leaf<'_> {
         Leaf {
             names: &["127.0.0.1"],
             expired: false,
+            serial: None,
             usages: vec![
                 ExtendedKeyUsagePurpose::ServerAuth,
                 ExtendedKeyUsagePurpose::ClientAuth,
@@ -69,6 +72,7 @@ pub(crate) fn daemon_files(
     let mut p = CertificateParams::new(names).unwrap();
     p.distinguished_name.push(DnType::CommonName, tag);
     p.extended_key_usages = leaf.usages;
+    p.serial_number = leaf.serial.map(rcgen::SerialNumber::from);
     if leaf.expired {
         p.not_before = rcgen::date_time_ymd(2020, 1, 1);
         p.not_after = rcgen::date_time_ymd(2021, 1, 1);
@@ -88,6 +92,7 @@ pub(crate) fn daemon_files(
         ca: write("ca.pem", &trusts.cert.pem()),
         client_auth: false,
         server_name: None,
+        crl: None,
     }
 }
 
@@ -337,10 +342,7 @@ fn server_config_unchecked(f: &TlsFiles) -> PeerTls {
             super::tls::read_key(&f.key).unwrap(),
         )
         .unwrap();
-    PeerTls {
-        server: std::sync::Arc::new(server),
-        client: client_config_unchecked(f),
-    }
+    PeerTls::unchecked(server, client_config_unchecked(f))
 }
 
 #[tokio::test]
@@ -510,4 +512,204 @@ fn the_tls_files_are_checked_at_start_with_errors_that_say_what_to_do() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("clientAuth"), "{err}");
+}
+
+/// A PEM revocation list of `ca` listing the serial numbers `revoked`.
+fn crl_pem(ca: &Ca, number: u64, revoked: &[u64]) -> String {
+    let params = rcgen::CertificateRevocationListParams {
+        this_update: rcgen::date_time_ymd(2024, 1, 1),
+        next_update: rcgen::date_time_ymd(2099, 1, 1),
+        crl_number: rcgen::SerialNumber::from(number),
+        issuing_distribution_point: None,
+        revoked_certs: revoked
+            .iter()
+            .map(|&n| rcgen::RevokedCertParams {
+                serial_number: rcgen::SerialNumber::from(n),
+                revocation_time: rcgen::date_time_ymd(2024, 6, 1),
+                reason_code: Some(rcgen::RevocationReason::KeyCompromise),
+                invalidity_date: None,
+            })
+            .collect(),
+        key_identifier_method: rcgen::KeyIdMethod::Sha256,
+    };
+    params.signed_by(&ca.cert, &ca.key).unwrap().pem().unwrap()
+}
+
+/// Replaces `to`'s certificate, key and CA files with `from`'s, in place (as a renewal
+/// that writes the files does), keeping the key's mode.
+fn renew_in_place(from: &TlsFiles, to: &TlsFiles) {
+    for (a, b) in [
+        (&from.cert, &to.cert),
+        (&from.key, &to.key),
+        (&from.ca, &to.ca),
+    ] {
+        std::fs::write(b, std::fs::read(a).unwrap()).unwrap();
+    }
+}
+
+/// A peer server over TLS with `files`, and its TLS (to reload it).
+async fn tls_server_live(files: &TlsFiles) -> (Served, PeerTls) {
+    let tls = PeerTls::load(files, Some("127.0.0.1")).unwrap();
+    let s = serve_with(limits(), None, Some((tls.clone(), Duration::from_secs(5)))).await;
+    (s, tls)
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_and_ca_are_used_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let (old_ca, new_ca) = (ca("cluster-2025"), ca("cluster-2026"));
+    let server = daemon_files(dir.path(), "a", &old_ca, &old_ca, Leaf::default());
+    let (s, tls) = tls_server_live(&server).await;
+    let old_peer = daemon_files(dir.path(), "b", &old_ca, &old_ca, Leaf::default());
+    let new_peer = daemon_files(dir.path(), "c", &new_ca, &new_ca, Leaf::default());
+    assert_eq!(
+        fetch(&s, &client(Some(&old_peer))).await.unwrap(),
+        s.bytes[..2000]
+    );
+    assert!(!tls.reload_if_changed().unwrap(), "nothing changed yet");
+
+    // The cluster moves to a new CA: this daemon's files are rewritten in place.
+    let renewed = daemon_files(dir.path(), "a-new", &new_ca, &new_ca, Leaf::default());
+    renew_in_place(&renewed, &server);
+    assert!(tls.reload_if_changed().unwrap(), "the change is taken");
+    assert!(!tls.reload_if_changed().unwrap(), "and only once");
+    // New connections: the server presents the new certificate, so a peer still on the
+    // old CA refuses it, and one on the new CA is served.
+    assert!(matches!(
+        fetch(&s, &client(Some(&old_peer))).await,
+        Err(PeerError::Failed(_))
+    ));
+    assert_eq!(
+        fetch(&s, &client(Some(&new_peer))).await.unwrap(),
+        s.bytes[..2000]
+    );
+    let c = tls.counters().snapshot();
+    assert_eq!((c.reloads, c.reload_failures), (1, 0), "{c:?}");
+    assert!(c.handshake_failures >= 1, "the old peer's handshake: {c:?}");
+
+    // The client side follows too: the old peer's own files renewed, its client (the
+    // same configuration, reloaded) trusts the new CA.
+    let old_peer_tls = PeerTls::load(&old_peer, None).unwrap();
+    let peers = HttpPeers::new(
+        ClusterToken::new(TOKEN).unwrap(),
+        Duration::from_secs(5),
+        Some(old_peer_tls.client.clone()),
+    )
+    .unwrap();
+    assert!(fetch(&s, &peers).await.is_err());
+    let renewed_b = daemon_files(dir.path(), "b-new", &new_ca, &new_ca, Leaf::default());
+    renew_in_place(&renewed_b, &old_peer);
+    assert!(old_peer_tls.reload_if_changed().unwrap());
+    assert_eq!(fetch(&s, &peers).await.unwrap(), s.bytes[..2000]);
+}
+
+#[tokio::test]
+async fn a_renewal_that_fails_the_checks_is_refused_and_the_old_files_stay_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = ca("cluster");
+    let server = member(dir.path(), "a", &cluster);
+    let peer = member(dir.path(), "b", &cluster);
+    let (s, tls) = tls_server_live(&server).await;
+    // Half a renewal: the new certificate is written, its key not yet.
+    let next = member(dir.path(), "a-next", &cluster);
+    std::fs::write(&server.cert, std::fs::read(&next.cert).unwrap()).unwrap();
+    let err = tls.reload_if_changed().unwrap_err();
+    assert!(matches!(err, TlsError::KeyMismatch { .. }), "{err}");
+    // Refused once, not again at every look while the files stay so.
+    assert!(!tls.reload_if_changed().unwrap());
+    assert_eq!(tls.counters().snapshot().reload_failures, 1);
+    // Still serving with what it had.
+    assert_eq!(
+        fetch(&s, &client(Some(&peer))).await.unwrap(),
+        s.bytes[..2000]
+    );
+    // An expired certificate is refused the same way.
+    let expired = daemon_files(
+        dir.path(),
+        "a-old",
+        &cluster,
+        &cluster,
+        Leaf {
+            expired: true,
+            ..Leaf::default()
+        },
+    );
+    renew_in_place(&expired, &server);
+    let err = tls.reload_if_changed().unwrap_err();
+    assert!(matches!(err, TlsError::NotTrusted { .. }), "{err}");
+    // The key arrives: the renewal completes.
+    renew_in_place(&next, &server);
+    assert!(tls.reload_if_changed().unwrap());
+    assert_eq!(
+        fetch(&s, &client(Some(&peer))).await.unwrap(),
+        s.bytes[..2000]
+    );
+    let c = tls.counters().snapshot();
+    assert_eq!((c.reloads, c.reload_failures), (1, 2), "{c:?}");
+}
+
+#[tokio::test]
+async fn a_revoked_peer_is_refused_at_the_handshake_once_the_crl_lists_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = ca("cluster");
+    let mut server = member(dir.path(), "a", &cluster);
+    let crl = dir.path().join("cluster.crl.pem");
+    std::fs::write(&crl, crl_pem(&cluster, 1, &[])).unwrap();
+    server.crl = Some(crl.clone());
+    let stolen = mtls(daemon_files(
+        dir.path(),
+        "b",
+        &cluster,
+        &cluster,
+        Leaf {
+            serial: Some(4242),
+            ..Leaf::default()
+        },
+    ));
+    let honest = member(dir.path(), "c", &cluster);
+    let (s, tls) = tls_server_live(&server).await;
+    assert_eq!(
+        fetch(&s, &client(Some(&stolen))).await.unwrap(),
+        s.bytes[..2000]
+    );
+
+    // b's key leaks; the CA revokes its certificate and the new CRL is published.
+    std::fs::write(&crl, crl_pem(&cluster, 2, &[4242])).unwrap();
+    assert!(tls.reload_if_changed().unwrap());
+    let before = tls.counters().snapshot().handshake_failures;
+    assert!(matches!(
+        fetch(&s, &client(Some(&stolen))).await,
+        Err(PeerError::Failed(_))
+    ));
+    nothing_reached_http_since(&s, 2000);
+    assert!(tls.counters().snapshot().handshake_failures > before);
+    assert_eq!(
+        fetch(&s, &client(Some(&honest))).await.unwrap(),
+        s.bytes[..2000]
+    );
+
+    // A daemon whose own certificate is revoked is told so at start.
+    let mut revoked_self = stolen.clone();
+    revoked_self.crl = Some(crl.clone());
+    let err = PeerTls::load(&revoked_self, None).unwrap_err();
+    assert!(err.to_string().to_lowercase().contains("revoked"), "{err}");
+    // A CRL file that is not one names the setting.
+    std::fs::write(dir.path().join("junk.crl"), "junk").unwrap();
+    server.crl = Some(dir.path().join("junk.crl"));
+    let err = PeerTls::load(&server, None).unwrap_err().to_string();
+    assert!(err.contains("p2p.tls_crl"), "{err}");
+}
+
+/// Only the first fetch's `served` bytes were served: the refused ones reached nothing.
+fn nothing_reached_http_since(s: &Served, served: u64) {
+    let st = s.stats.snapshot();
+    assert_eq!(
+        (
+            st.bytes_served,
+            st.refused_unauthenticated,
+            st.refused_forbidden
+        ),
+        (served, 0, 0),
+        "{st:?}"
+    );
 }

@@ -146,6 +146,12 @@ fn table(report: &StatusReport) -> String {
             p.members.len(),
             p.members.join(" ")
         ));
+        if let Some(t) = &p.tls {
+            out.push_str(&format!(
+                "peer TLS: {} handshakes failed; files reloaded {} times, {} changes refused (see the log)\n",
+                t.handshake_failures, t.reloads, t.reload_failures
+            ));
+        }
         let g = &p.gossip;
         if g.datagrams_in + g.datagrams_out > 0 {
             out.push_str(&format!(
