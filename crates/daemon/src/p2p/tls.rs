@@ -279,40 +279,42 @@ fn invalid(field: &'static str, path: &Path, what: impl Into<String>) -> TlsErro
     }
 }
 
+/// The items `parse` finds in a PEM file (at least one; `what` names the kind).
+fn read_pem<T>(
+    field: &'static str,
+    path: &Path,
+    parse: impl FnOnce(&[u8]) -> Result<Vec<T>, std::io::Error>,
+    what: &str,
+) -> Result<Vec<T>, TlsError> {
+    let pem = read_limited(field, path, open(field, path)?)?;
+    let items = parse(&pem).map_err(|e| invalid(field, path, format!("not PEM: {e}")))?;
+    if items.is_empty() {
+        return Err(invalid(field, path, format!("no PEM {what} in it")));
+    }
+    Ok(items)
+}
+
 /// The certificates of a PEM file (at least one).
 pub fn read_certs(
     field: &'static str,
     path: &Path,
 ) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let pem = read_limited(field, path, open(field, path)?)?;
-    let certs = rustls_pemfile::certs(&mut &pem[..])
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| invalid(field, path, format!("not PEM: {e}")))?;
-    if certs.is_empty() {
-        return Err(invalid(
-            field,
-            path,
-            "no PEM certificate (-----BEGIN CERTIFICATE-----) in it",
-        ));
-    }
-    Ok(certs)
+    read_pem(
+        field,
+        path,
+        |mut pem| rustls_pemfile::certs(&mut pem).collect(),
+        "certificate (-----BEGIN CERTIFICATE-----)",
+    )
 }
 
 /// The certificate revocation lists of a PEM file (at least one).
 pub fn read_crls(path: &Path) -> Result<Vec<CertificateRevocationListDer<'static>>, TlsError> {
-    const FIELD: &str = "tls_crl";
-    let pem = read_limited(FIELD, path, open(FIELD, path)?)?;
-    let crls = rustls_pemfile::crls(&mut &pem[..])
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| invalid(FIELD, path, format!("not PEM: {e}")))?;
-    if crls.is_empty() {
-        return Err(invalid(
-            FIELD,
-            path,
-            "no PEM revocation list (-----BEGIN X509 CRL-----) in it",
-        ));
-    }
-    Ok(crls)
+    read_pem(
+        "tls_crl",
+        path,
+        |mut pem| rustls_pemfile::crls(&mut pem).collect(),
+        "revocation list (-----BEGIN X509 CRL-----)",
+    )
 }
 
 /// The private key of a PEM file, refused when group or others may read or write it.

@@ -48,15 +48,8 @@ struct RecordArgs {
     /// `oci:` layout: a referrer in the layout).
     #[arg(long)]
     publish: bool,
-    /// Speak plain HTTP to the registry (loopback registries get it automatically).
-    #[arg(long)]
-    plain_http: bool,
-    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
-    /// `server`, certificates), as containerd's `config_path`; "" turns it off.
-    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
-    registry_config_path: PathBuf,
     #[command(flatten)]
-    credential_providers: super::CredentialProviderArgs,
+    registry: RegistryFlags,
     /// Chunk store directory (default as for `ferry mount`).
     #[arg(long, value_name = "DIR", conflicts_with = "no_store")]
     store: Option<PathBuf>,
@@ -81,15 +74,8 @@ struct RecordArgs {
 struct ShowArgs {
     /// The image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]`.
     image: String,
-    /// Speak plain HTTP to the registry (loopback registries get it automatically).
-    #[arg(long)]
-    plain_http: bool,
-    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
-    /// `server`, certificates), as containerd's `config_path`; "" turns it off.
-    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
-    registry_config_path: PathBuf,
     #[command(flatten)]
-    credential_providers: super::CredentialProviderArgs,
+    registry: RegistryFlags,
     /// Print the trace JSON instead of a summary.
     #[arg(long)]
     json: bool,
@@ -107,20 +93,33 @@ pub fn run(args: Args) -> Result<()> {
     }
 }
 
-/// The registry client's configuration the flags make, for `image`.
-fn client_config(
-    image: &str,
+/// How the registry is reached: the same flags as `ferry mount`'s.
+#[derive(Debug, clap::Args)]
+struct RegistryFlags {
+    /// Speak plain HTTP to the registry (loopback registries get it automatically).
+    #[arg(long)]
     plain_http: bool,
-    config_path: &std::path::Path,
-    providers: &super::CredentialProviderArgs,
-) -> Result<ClientConfig> {
-    let mut cfg = ClientConfig::default();
-    if plain_http && let ImageRef::Registry { registry, .. } = ImageRef::parse(image)? {
-        cfg.registry.entry(registry).or_default().plain_http = true;
+    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
+    /// `server`, certificates), as containerd's `config_path`; "" turns it off.
+    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
+    registry_config_path: PathBuf,
+    #[command(flatten)]
+    credential_providers: super::CredentialProviderArgs,
+}
+
+impl RegistryFlags {
+    /// The registry client's configuration the flags make, for `image`.
+    fn client_config(&self, image: &str) -> Result<ClientConfig> {
+        let mut cfg = ClientConfig::default();
+        if self.plain_http
+            && let ImageRef::Registry { registry, .. } = ImageRef::parse(image)?
+        {
+            cfg.registry.entry(registry).or_default().plain_http = true;
+        }
+        cfg.config_path = super::registry_config_path(&self.registry_config_path);
+        self.credential_providers.apply(&mut cfg);
+        Ok(cfg)
     }
-    cfg.config_path = super::registry_config_path(config_path);
-    providers.apply(&mut cfg);
-    Ok(cfg)
 }
 
 /// Where an image's manifest lives, for finding and publishing its trace.
@@ -196,18 +195,11 @@ fn record(mut args: RecordArgs) -> Result<()> {
     if !args.publish && args.output.is_none() {
         bail!("nothing to do with the trace: pass --output FILE and/or --publish");
     }
-    let cfg = |image: &str| {
-        client_config(
-            image,
-            args.plain_http,
-            &args.registry_config_path,
-            &args.credential_providers,
-        )
-    };
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(&args.image, &platform, cfg(&args.image)?)?;
+        let cfg = args.registry.client_config(&args.image)?;
+        args.image = super::platform_image(&args.image, &platform, cfg)?;
     }
-    let client = Client::new(cfg(&args.image)?)?;
+    let client = Client::new(args.registry.client_config(&args.image)?)?;
     let runtime = RangeRuntime::new()?;
     let store = open_store(&args)?;
     let source = ImageSource::open(&args.image, &client, &runtime)
@@ -345,18 +337,11 @@ fn run_chrooted(root: &Path, args: &RecordArgs) -> Result<std::process::ExitStat
 }
 
 fn show(mut args: ShowArgs) -> Result<()> {
-    let cfg = |image: &str| {
-        client_config(
-            image,
-            args.plain_http,
-            &args.registry_config_path,
-            &args.credential_providers,
-        )
-    };
     if let Some(platform) = args.platform.take() {
-        args.image = super::platform_image(&args.image, &platform, cfg(&args.image)?)?;
+        let cfg = args.registry.client_config(&args.image)?;
+        args.image = super::platform_image(&args.image, &platform, cfg)?;
     }
-    let client = Client::new(cfg(&args.image)?)?;
+    let client = Client::new(args.registry.client_config(&args.image)?)?;
     let runtime = RangeRuntime::new()?;
     let home = Home::of(&args.image, &client, &runtime)?;
     let trace = match &home {
