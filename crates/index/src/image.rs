@@ -417,6 +417,7 @@ pub fn digest(s: &str) -> Result<ferry_oci::Digest> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
     use ferry_oci::media::LAYER_TAR_GZIP;

@@ -68,6 +68,7 @@ impl RegistryArgs {
 }
 
 /// An image in a registry, as `index`, `inspect`, `cat` and `convert` read it.
+#[derive(Debug)]
 pub struct RemoteImage {
     pub client: Client,
     pub repo: Repo,
@@ -217,6 +218,14 @@ pub struct BlobRead {
     expected: String,
 }
 
+impl std::fmt::Debug for BlobRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobRead")
+            .field("digest", &self.expected)
+            .finish()
+    }
+}
+
 impl BlobRead {
     /// A reader of `body` (tests: a stream made in memory).
     #[cfg(test)]
@@ -272,6 +281,7 @@ impl Read for BlobRead {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
