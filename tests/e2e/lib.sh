@@ -651,7 +651,8 @@ same_as_ref() { cmp -s "$REF/$2" "$1/$2"; }
 #                            --addr ADDR --root $E2E_TMP/NAME/data` (ADDR default
 #                            127.0.0.1:<free port>; pass the old one to restart NAME)
 #   start_docker_registry NAME [HTPASSWD]   a further Debian docker-registry instance
-#                            (optionally with htpasswd auth), for checking the checks
+#                            (optionally with htpasswd auth), for checking the checks;
+#                            REG_ACCESSLOG_OFF=false turns its access log on (REG_LOG)
 #   Both set REG_ADDR (host:port), REG_PID, REG_DATA (storage dir), REG_LOG, return
 #   non-zero (after printing the log tail) if the server does not answer /v2/ within
 #   30 s, and are stopped by the EXIT trap.
@@ -810,7 +811,7 @@ version: 0.1
 log:
   level: warn
   accesslog:
-    disabled: true
+    disabled: ${REG_ACCESSLOG_OFF:-true}
 storage:
   filesystem:
     rootdirectory: $REG_DATA

@@ -264,71 +264,139 @@ pub fn layer_reader(
     }
 }
 
-/// Stores `indexes` (layer descriptor, index) as one artifact referring to the image
-/// manifest `subject`, and records it in the layout's referrers. Each index is written
-/// in version 2: its windows go to a windows blob listed right after its index blob
-/// (an index already split must find its windows blob in the layout). Deterministic: the
-/// same indexes give the same artifact bytes.
-pub fn store_layout_artifact(
-    layout: &OciLayout,
+/// One blob of an index artifact: its descriptor and, where this process has them, its
+/// bytes (`None`: a windows blob of an index that was split before, to be found where
+/// the artifact is stored).
+#[derive(Debug, Clone)]
+pub struct ArtifactBlob {
+    /// The blob's descriptor.
+    pub descriptor: Descriptor,
+    /// Its bytes.
+    pub bytes: Option<Vec<u8>>,
+}
+
+/// An index artifact as bytes, before it is stored anywhere: what
+/// [`store_layout_artifact`] writes into a layout and `ferry index HOST/REPO:TAG` pushes
+/// to a registry, so both store exactly the same artifact.
+#[derive(Debug, Clone)]
+pub struct ArtifactParts {
+    /// The empty config blob (`{}`) first, then per index its index blob and (when it has
+    /// one) its windows blob.
+    pub blobs: Vec<ArtifactBlob>,
+    /// The artifact manifest.
+    pub manifest: Vec<u8>,
+    /// The manifest's descriptor, with its `artifactType` (as listed among referrers).
+    pub descriptor: Descriptor,
+    /// The encoded size of each index, in the order given.
+    pub index_sizes: Vec<u64>,
+    /// The size of each index's windows blob (0: none), in the order given.
+    pub windows_sizes: Vec<u64>,
+}
+
+/// Builds the artifact that stores `indexes` (layer descriptor, index) and refers to the
+/// image manifest `subject`: one manifest, `artifactType` [`FERRY_INDEX_ARTIFACT`], each
+/// index written in version 2 with its windows in a windows blob listed right after its
+/// index blob. Deterministic: the same indexes give the same bytes.
+pub fn build_artifact(
     subject: &Descriptor,
     indexes: &[(Descriptor, LayerIndex)],
-) -> Result<StoredArtifact> {
-    // The empty config blob the artifact manifest names.
-    layout.write_blob(b"{}")?;
-    let mut blobs = Vec::new();
+) -> Result<ArtifactParts> {
+    let empty = b"{}".to_vec();
+    let mut blobs = vec![ArtifactBlob {
+        descriptor: descriptor(
+            ferry_oci::media::OCI_EMPTY,
+            ferry_oci::sha256_digest(&empty),
+            empty.len() as u64,
+            &[],
+        ),
+        bytes: Some(empty),
+    }];
     let mut index_sizes = Vec::with_capacity(indexes.len());
     let mut windows_sizes = Vec::with_capacity(indexes.len());
     for (layer, index) in indexes {
         let mut index = index.clone();
         let windows = index.split_windows();
-        if !windows.is_empty() {
-            layout.write_blob(&windows)?;
-        }
         let bytes = index.encode()?;
         index_sizes.push(bytes.len() as u64);
-        let d = layout.write_blob(&bytes)?;
-        blobs.push(descriptor(
-            FERRY_LAYER_INDEX,
-            d,
-            bytes.len() as u64,
-            &[
-                (ANNOTATION_LAYER_DIGEST, layer.digest().to_string()),
-                (ANNOTATION_SPAN_SIZE, index.span_size.to_string()),
-            ],
-        ));
+        blobs.push(ArtifactBlob {
+            descriptor: descriptor(
+                FERRY_LAYER_INDEX,
+                ferry_oci::sha256_digest(&bytes),
+                bytes.len() as u64,
+                &[
+                    (ANNOTATION_LAYER_DIGEST, layer.digest().to_string()),
+                    (ANNOTATION_SPAN_SIZE, index.span_size.to_string()),
+                ],
+            ),
+            bytes: Some(bytes),
+        });
         match &index.windows {
             Some(w) => {
-                let d = parse_digest(&w.digest)?;
-                let path = layout.blob_path(&d)?;
-                let on_disk = std::fs::metadata(&path).map(|m| m.len()).ok();
-                if on_disk != Some(w.size) {
-                    return Err(Error::NotFound(format!(
-                        "windows blob {} of the index of {} is not in the layout",
-                        w.digest,
-                        layer.digest()
-                    )));
-                }
                 windows_sizes.push(w.size);
-                blobs.push(descriptor(
-                    FERRY_LAYER_WINDOWS,
-                    d,
-                    w.size,
-                    &[(ANNOTATION_LAYER_DIGEST, layer.digest().to_string())],
-                ));
+                blobs.push(ArtifactBlob {
+                    descriptor: descriptor(
+                        FERRY_LAYER_WINDOWS,
+                        parse_digest(&w.digest)?,
+                        w.size,
+                        &[(ANNOTATION_LAYER_DIGEST, layer.digest().to_string())],
+                    ),
+                    bytes: (!windows.is_empty()).then_some(windows),
+                });
             }
             None => windows_sizes.push(0),
         }
     }
-    let bytes = artifact_manifest(FERRY_INDEX_ARTIFACT, &blobs, subject, &[])?;
-    let digest = layout.write_blob(&bytes)?;
-    let mut desc = descriptor(OCI_MANIFEST, digest, bytes.len() as u64, &[]);
+    let layers: Vec<Descriptor> = blobs[1..].iter().map(|b| b.descriptor.clone()).collect();
+    let manifest = artifact_manifest(FERRY_INDEX_ARTIFACT, &layers, subject, &[])?;
+    let mut desc = descriptor(
+        OCI_MANIFEST,
+        ferry_oci::sha256_digest(&manifest),
+        manifest.len() as u64,
+        &[],
+    );
     desc.set_artifact_type(Some(media_type(FERRY_INDEX_ARTIFACT)));
-    layout.add_referrer(subject.digest(), &desc)?;
-    Ok(StoredArtifact {
+    Ok(ArtifactParts {
+        blobs,
+        manifest,
         descriptor: desc,
         index_sizes,
         windows_sizes,
+    })
+}
+
+/// Stores `indexes` (layer descriptor, index) as one artifact referring to the image
+/// manifest `subject` ([`build_artifact`]), and records it in the layout's referrers (an
+/// index already split must find its windows blob in the layout).
+pub fn store_layout_artifact(
+    layout: &OciLayout,
+    subject: &Descriptor,
+    indexes: &[(Descriptor, LayerIndex)],
+) -> Result<StoredArtifact> {
+    let parts = build_artifact(subject, indexes)?;
+    for blob in &parts.blobs {
+        match &blob.bytes {
+            Some(bytes) => {
+                layout.write_blob(bytes)?;
+            }
+            None => {
+                let path = layout.blob_path(blob.descriptor.digest())?;
+                let on_disk = std::fs::metadata(&path).map(|m| m.len()).ok();
+                if on_disk != Some(blob.descriptor.size()) {
+                    return Err(Error::NotFound(format!(
+                        "windows blob {} of an index is not in the layout",
+                        blob.descriptor.digest(),
+                    )));
+                }
+            }
+        }
+    }
+    let digest = layout.write_blob(&parts.manifest)?;
+    debug_assert_eq!(&digest, parts.descriptor.digest());
+    layout.add_referrer(subject.digest(), &parts.descriptor)?;
+    Ok(StoredArtifact {
+        descriptor: parts.descriptor,
+        index_sizes: parts.index_sizes,
+        windows_sizes: parts.windows_sizes,
     })
 }
 
@@ -346,4 +414,60 @@ pub struct StoredArtifact {
 /// Parses a `sha256:` digest string into oci-spec's type.
 pub fn digest(s: &str) -> Result<ferry_oci::Digest> {
     Ok(parse_digest(s)?)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use ferry_oci::media::LAYER_TAR_GZIP;
+
+    /// A one-file gzip layer, its descriptor and its index.
+    fn layer() -> (Descriptor, LayerIndex) {
+        let mut tar = tar::Builder::new(Vec::new());
+        let data = vec![7u8; 300_000];
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        tar.append_data(&mut h, "f", &data[..]).unwrap();
+        let tar = tar.into_inner().unwrap();
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &tar).unwrap();
+        let gz = gz.finish().unwrap();
+        let d = ferry_oci::sha256_digest(&gz);
+        let index = crate::indexer::index_gzip(&gz[..], 64 << 10, Some(d.as_ref())).unwrap();
+        (descriptor(LAYER_TAR_GZIP, d, gz.len() as u64, &[]), index)
+    }
+
+    #[test]
+    fn the_artifact_built_for_a_registry_is_the_one_stored_in_a_layout() {
+        let (l, index) = layer();
+        let subject = descriptor(OCI_MANIFEST, ferry_oci::sha256_digest(b"m"), 1, &[]);
+        let parts = build_artifact(&subject, &[(l.clone(), index.clone())]).unwrap();
+        // config, index, windows: every blob's bytes hash to its descriptor
+        assert_eq!(parts.blobs.len(), 3);
+        for b in &parts.blobs {
+            let bytes = b.bytes.as_ref().expect("fresh indexes carry their windows");
+            assert_eq!(&ferry_oci::sha256_digest(bytes), b.descriptor.digest());
+            assert_eq!(bytes.len() as u64, b.descriptor.size());
+        }
+        assert_eq!(
+            &ferry_oci::sha256_digest(&parts.manifest),
+            parts.descriptor.digest()
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let layout = OciLayout::open_or_create(dir.path()).unwrap();
+        let stored =
+            store_layout_artifact(&layout, &subject, &[(l.clone(), index.clone())]).unwrap();
+        assert_eq!(stored.descriptor, parts.descriptor);
+        assert_eq!(stored.index_sizes, parts.index_sizes);
+        assert_eq!(
+            layout.referrers(subject.digest()).unwrap(),
+            vec![parts.descriptor.clone()]
+        );
+        // deterministic
+        let again = build_artifact(&subject, &[(l, index)]).unwrap();
+        assert_eq!(again.manifest, parts.manifest);
+    }
 }

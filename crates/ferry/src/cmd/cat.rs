@@ -5,10 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use anyhow::{Context, Result};
-use ferry_index::image::open_layout_image;
 use ferry_index::source::{CountingSource, RangeSource};
-
-use super::layout_ref;
 
 /// Arguments of `ferry cat`.
 #[derive(Debug, clap::Args)]
@@ -16,13 +13,16 @@ pub struct Args {
     /// Print `compressed_bytes_read=N` on stderr afterwards.
     #[arg(long)]
     pub stats: bool,
-    /// The image, `oci:DIR[:TAG]`.
+    /// The image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]` (read lazily with
+    /// HTTP Range requests, as a mount reads it).
     pub image: String,
     /// Path inside the image's root filesystem (symlinks are followed).
     pub path: String,
     /// The platform to read from a multi-platform image (default: this machine's).
     #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     pub platform: Option<ferry_oci::Platform>,
+    #[command(flatten)]
+    pub registry: super::remote::RegistryArgs,
 }
 
 /// Returns a wrapper that counts the bytes every wrapped source serves into `total`.
@@ -34,11 +34,13 @@ pub fn counter(total: Arc<AtomicU64>) -> impl Fn(Arc<dyn RangeSource>) -> Arc<dy
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (layout, reference, _) = layout_ref(&args.image)?;
-    let reference = super::layout_platform_ref(&layout, reference, args.platform.as_ref())?;
     let total = Arc::new(AtomicU64::new(0));
-    let (image, _) = open_layout_image(&layout, &reference, &counter(total.clone()))
-        .with_context(|| format!("opening {}", args.image))?;
+    let (image, _, _) = super::open_image(
+        &args.image,
+        &args.registry,
+        args.platform.as_ref(),
+        &counter(total.clone()),
+    )?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
     image

@@ -1,4 +1,7 @@
-//! `ferry convert --estargz SRC DST`
+//! `ferry convert --estargz SRC DST`: SRC and DST each an OCI layout or a registry
+//! image. A registry source's layers are streamed (once per pass of the converter); a
+//! registry destination gets the converted image through `ferry copy`'s push code, from
+//! a temporary layout that is removed afterwards.
 
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -11,8 +14,10 @@ use ferry_oci::media::{
     ANNOTATION_ESTARGZ_TOC, ANNOTATION_ESTARGZ_USIZE, LAYER_TAR_GZIP, LayerCompression,
     layer_compression,
 };
-use ferry_oci::{Descriptor, OciLayout};
+use ferry_oci::{Descriptor, ImageManifest, ImageRef, OciLayout};
+use ferry_registry_client::{CopyOptions, ImageLocation, NoProgress, copy_image};
 
+use super::remote::{RegistryArgs, RemoteImage};
 use super::{human, index::short, layout_platform_ref, layout_ref, output_layout, write_image};
 use crate::progress;
 
@@ -22,9 +27,10 @@ pub struct Args {
     /// Convert to eStargz (the only target format so far).
     #[arg(long, required = true)]
     pub estargz: bool,
-    /// Source image, `oci:DIR[:TAG]`.
+    /// Source image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]`.
     pub src: String,
-    /// Destination image, `oci:DIR:TAG` (may be the same layout with another tag).
+    /// Destination image: `oci:DIR:TAG` (may be the same layout with another tag) or
+    /// `HOST[:PORT]/REPO:TAG` (pushed; needs push rights).
     pub dst: String,
     /// File listing paths (one per line, as in the image) to put first, behind a
     /// `.prefetch.landmark`, in that order.
@@ -39,20 +45,25 @@ pub struct Args {
     /// The platform to convert from a multi-platform image (default: this machine's).
     #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     pub platform: Option<ferry_oci::Platform>,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
 }
 
 /// Opens a layer blob as its uncompressed tar stream.
 pub fn open_layer_tar(layout: &OciLayout, layer: &Descriptor) -> Result<Box<dyn Read + Send>> {
     let path = layout.blob_path(layer.digest())?;
-    let file = BufReader::with_capacity(
-        1 << 20,
-        File::open(&path).with_context(|| format!("opening {}", path.display()))?,
-    );
+    let file = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    decompress(layer, Box::new(file))
+}
+
+/// The uncompressed tar stream of `layer`, whose blob `blob` reads.
+fn decompress(layer: &Descriptor, blob: Box<dyn Read + Send>) -> Result<Box<dyn Read + Send>> {
+    let blob = BufReader::with_capacity(1 << 20, blob);
     let media = layer.media_type().to_string();
     Ok(match layer_compression(&media) {
-        Some(LayerCompression::Gzip) => Box::new(flate2::read::MultiGzDecoder::new(file)),
-        Some(LayerCompression::Zstd) => Box::new(zstd::stream::read::Decoder::with_buffer(file)?),
-        Some(LayerCompression::None) => Box::new(file),
+        Some(LayerCompression::Gzip) => Box::new(flate2::read::MultiGzDecoder::new(blob)),
+        Some(LayerCompression::Zstd) => Box::new(zstd::stream::read::Decoder::with_buffer(blob)?),
+        Some(LayerCompression::None) => Box::new(blob),
         None => bail!(
             "layer {} has media type {media}, which is not a tar layer",
             layer.digest()
@@ -60,11 +71,93 @@ pub fn open_layer_tar(layout: &OciLayout, layer: &Descriptor) -> Result<Box<dyn 
     })
 }
 
+/// Where the source image is read from.
+enum Source {
+    Layout(OciLayout),
+    Registry(RemoteImage),
+}
+
+impl Source {
+    fn config(&self, manifest: &ImageManifest) -> Result<Vec<u8>> {
+        let max = ferry_oci::MAX_MANIFEST_BYTES;
+        match self {
+            Source::Layout(layout) => Ok(layout.read_blob(manifest.config().digest(), max)?),
+            Source::Registry(remote) => remote.read_blob(manifest.config(), max),
+        }
+    }
+
+    fn open_tar(&self, layer: &Descriptor) -> Result<Box<dyn Read + Send>> {
+        match self {
+            Source::Layout(layout) => open_layer_tar(layout, layer),
+            Source::Registry(remote) => {
+                decompress(layer, Box::new(remote.stream_blob(layer, true)?))
+            }
+        }
+    }
+}
+
+/// A directory removed when dropped (the temporary layout a registry destination is
+/// pushed from).
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default();
+        let dir =
+            std::env::temp_dir().join(format!("ferry-convert-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| {
+            format!(
+                "creating {} for the converted image (set TMPDIR to a directory with room)",
+                dir.display()
+            )
+        })?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
-    let (src, reference, _) = layout_ref(&args.src)?;
-    let reference = layout_platform_ref(&src, reference, args.platform.as_ref())?;
-    let (dst, tag) = output_layout(&args.dst)?;
-    let (_, manifest) = src.image_manifest(&reference)?;
+    let src_ref = ImageRef::parse(&args.src)?;
+    let dst_ref = ImageRef::parse(&args.dst)?;
+    let client = args.registry.client(&[&src_ref, &dst_ref])?;
+    let (src, manifest) = match RemoteImage::open(&src_ref, &client)? {
+        Some(remote) => {
+            let (_, manifest) = remote.manifest(args.platform.as_ref())?;
+            (Source::Registry(remote), manifest)
+        }
+        None => {
+            let (layout, reference, _) = layout_ref(&args.src)?;
+            let reference = layout_platform_ref(&layout, reference, args.platform.as_ref())?;
+            let (_, manifest) = layout.image_manifest(&reference)?;
+            (Source::Layout(layout), manifest)
+        }
+    };
+    let (dst, tag, staging) = match &dst_ref {
+        ImageRef::Layout { .. } => {
+            let (dst, tag) = output_layout(&args.dst)?;
+            (dst, tag, None)
+        }
+        ImageRef::Registry { tag: None, .. } => {
+            bail!(
+                "{}: a registry destination needs a tag (HOST/REPO:TAG)",
+                args.dst
+            )
+        }
+        ImageRef::Registry { .. } => {
+            let dir = TempDir::new()?;
+            let layout = OciLayout::open_or_create(&dir.0)
+                .with_context(|| format!("creating {}", dir.0.display()))?;
+            (layout, "converted".to_string(), Some(dir))
+        }
+    };
     let priority: Vec<String> = match &args.priority {
         Some(p) => std::fs::read_to_string(p)
             .with_context(|| format!("reading priority list {}", p.display()))?
@@ -79,10 +172,8 @@ pub fn run(args: Args) -> Result<()> {
         level: args.level,
         priority,
     };
-    let config: serde_json::Value = serde_json::from_slice(
-        &src.read_blob(manifest.config().digest(), ferry_oci::MAX_MANIFEST_BYTES)?,
-    )
-    .context("source image config is not JSON")?;
+    let config: serde_json::Value = serde_json::from_slice(&src.config(&manifest)?)
+        .context("source image config is not JSON")?;
     let multi = progress::multi();
     let start = std::time::Instant::now();
     let mut layers = Vec::new();
@@ -91,7 +182,8 @@ pub fn run(args: Args) -> Result<()> {
         let bar = progress::bytes_bar(&multi, &short(layer.digest().as_ref()), layer.size());
         let mut open = || -> ferry_index::Result<Box<dyn Read + Send>> {
             bar.set_position(0);
-            let r = open_layer_tar(&src, layer)
+            let r = src
+                .open_tar(layer)
                 .map_err(|e| ferry_index::Error::Io(std::io::Error::other(format!("{e:#}"))))?;
             Ok(Box::new(bar.wrap_read(r)) as Box<dyn Read + Send>)
         };
@@ -120,6 +212,10 @@ pub fn run(args: Args) -> Result<()> {
         layers.push((desc, out.diff_id));
     }
     let m = write_image(&dst, &tag, layers, Some(config))?;
+    if staging.is_some() {
+        push(&dst, &tag, &dst_ref, &client)
+            .with_context(|| format!("pushing the converted image to {}", args.dst))?;
+    }
     println!(
         "converted {} layers ({} -> {}) to eStargz in {:.2}s: {} manifest {}",
         manifest.layers().len(),
@@ -129,5 +225,38 @@ pub fn run(args: Args) -> Result<()> {
         args.dst,
         m.digest()
     );
+    Ok(())
+}
+
+/// Pushes image `tag` of `layout` to `dst` with `ferry copy`'s code (blobs the registry
+/// has are skipped).
+fn push(
+    layout: &OciLayout,
+    tag: &str,
+    dst: &ImageRef,
+    client: &ferry_registry_client::Client,
+) -> Result<()> {
+    let from = ImageLocation::Layout {
+        layout: layout.clone(),
+        reference: tag.to_string(),
+    };
+    let to = ImageLocation::from_ref(dst, client, true)?;
+    let opts = CopyOptions {
+        referrer_types: Vec::new(),
+        ..CopyOptions::default()
+    };
+    super::current_thread_runtime()?
+        .block_on(copy_image(
+            &from,
+            &to,
+            &opts,
+            std::sync::Arc::new(NoProgress),
+        ))
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (the push needs push rights: log in with `docker login` or put \
+                 credentials in docker's config; for a registry without TLS pass --plain-http)"
+            )
+        })?;
     Ok(())
 }

@@ -55,6 +55,7 @@ pub fn run(args: Args) -> Result<()> {
         image: image.clone(),
         json: false,
         platform: None,
+        registry: Default::default(),
     })?;
 
     println!("\n== 3. read files lazily through the index (each verified against the source)");

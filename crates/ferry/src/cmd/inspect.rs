@@ -1,14 +1,14 @@
 //! `ferry inspect IMAGE`
 
-use anyhow::{Context, Result};
-use ferry_index::image::open_layout_image;
+use anyhow::Result;
 
-use super::{human, index::short, layout_platform_ref, layout_ref};
+use super::{human, index::short};
 
 /// Arguments of `ferry inspect`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// The image, `oci:DIR[:TAG]`.
+    /// The image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]` (only its manifest,
+    /// index and the layers without one are fetched).
     pub image: String,
     /// Print JSON instead of a table.
     #[arg(long)]
@@ -16,17 +16,16 @@ pub struct Args {
     /// The platform to inspect from a multi-platform image (default: this machine's).
     #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     pub platform: Option<ferry_oci::Platform>,
+    #[command(flatten)]
+    pub registry: super::remote::RegistryArgs,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let (layout, reference, _) = layout_ref(&args.image)?;
-    let reference = layout_platform_ref(&layout, reference, args.platform.as_ref())?;
-    let (mdesc, _) = layout.image_manifest(&reference)?;
-    let (image, layers) = open_layout_image(&layout, &reference, &|s| s)
-        .with_context(|| format!("opening {}", args.image))?;
+    let (image, layers, manifest) =
+        super::open_image(&args.image, &args.registry, args.platform.as_ref(), &|s| s)?;
     if args.json {
         let doc = serde_json::json!({
-            "manifest": mdesc.digest().to_string(),
+            "manifest": manifest,
             "layers": layers.iter().map(|l| serde_json::json!({
                 "digest": l.descriptor.digest().to_string(),
                 "mediaType": l.descriptor.media_type().to_string(),
@@ -39,7 +38,7 @@ pub fn run(args: Args) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
-    println!("image {} manifest {}", args.image, mdesc.digest());
+    println!("image {} manifest {manifest}", args.image);
     println!(
         "{:<20} {:>10} {:<18} {:>8}  media type",
         "layer", "size", "format", "entries"

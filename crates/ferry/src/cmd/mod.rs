@@ -12,6 +12,7 @@ pub mod mount;
 pub mod pack;
 pub mod pull;
 pub mod registry;
+pub mod remote;
 pub mod sim;
 pub mod snapshotter;
 pub mod status;
@@ -24,8 +25,8 @@ use anyhow::{Context, Result, bail};
 use ferry_oci::{ImageRef, OciLayout, Platform};
 use ferry_registry_client::{Client, ClientConfig};
 
-/// Opens the OCI layout an `oci:DIR:TAG` reference names; registries come with the
-/// registry client.
+/// Opens the OCI layout an `oci:DIR:TAG` reference names (registry references are
+/// opened with [`remote::RemoteImage`]; commands that take both check which first).
 pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
     match ImageRef::parse(image)? {
         ImageRef::Layout { dir, reference } => {
@@ -33,7 +34,8 @@ pub fn layout_ref(image: &str) -> Result<(OciLayout, String, PathBuf)> {
             Ok((layout, reference.to_string(), dir))
         }
         ImageRef::Registry { .. } => bail!(
-            "{image} is a registry reference; this build reads OCI layouts only: copy it first with `skopeo copy docker://{image} oci:DIR:TAG`"
+            "{image} is a registry reference, and this command takes an OCI layout (oci:DIR:TAG); \
+             copy the image first with `ferry copy {image} oci:DIR:TAG`"
         ),
     }
 }
@@ -73,7 +75,6 @@ pub fn platform_image(
     platform: &ferry_oci::Platform,
     cfg: ClientConfig,
 ) -> Result<String> {
-    use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
     let parsed = ferry_oci::ImageRef::parse(image)?;
     let reference = parsed.reference().to_owned();
     match parsed {
@@ -90,19 +91,67 @@ pub fn platform_image(
         } => {
             let client = Client::new(cfg)?;
             let repo = ferry_registry_client::Repo::new(registry.clone(), repository.clone());
-            let doc = current_thread_runtime()?
-                .block_on(client.get_manifest(&repo, &reference, &[]))
+            let chosen = current_thread_runtime()?
+                .block_on(registry_platform_ref(&client, &repo, &reference, platform))
                 .with_context(|| format!("resolving {image}"))?;
-            if doc.media_type != OCI_INDEX && doc.media_type != DOCKER_MANIFEST_LIST {
+            if chosen == reference {
                 return Ok(image.to_owned());
             }
-            let index: ferry_oci::ImageIndex = serde_json::from_slice(&doc.bytes)
-                .with_context(|| format!("image index {} of {image}", doc.digest))?;
-            let chosen = ferry_oci::choose_manifest(&index, platform)
-                .with_context(|| format!("{image} (image index {})", doc.digest))?;
-            Ok(format!("{registry}/{repository}@{}", chosen.digest()))
+            Ok(format!("{registry}/{repository}@{chosen}"))
         }
     }
+}
+
+/// The reference of `platform`'s manifest in a registry: for an image index the digest
+/// of its entry for the platform (ferry-oci's one chooser), else `reference` itself.
+pub async fn registry_platform_ref(
+    client: &Client,
+    repo: &ferry_registry_client::Repo,
+    reference: &str,
+    platform: &Platform,
+) -> Result<String> {
+    use ferry_oci::media::{DOCKER_MANIFEST_LIST, OCI_INDEX};
+    let doc = client.get_manifest(repo, reference, &[]).await?;
+    if doc.media_type != OCI_INDEX && doc.media_type != DOCKER_MANIFEST_LIST {
+        return Ok(reference.to_owned());
+    }
+    let index: ferry_oci::ImageIndex = serde_json::from_slice(&doc.bytes)
+        .with_context(|| format!("image index {}", doc.digest))?;
+    let chosen = ferry_oci::choose_manifest(&index, platform)
+        .with_context(|| format!("image index {}", doc.digest))?;
+    Ok(chosen.digest().to_string())
+}
+
+/// Opens `image` (`oci:DIR[:TAG]` or a registry reference) for reading files lazily:
+/// per layer its ferry index, eStargz TOC or whole blob, each layer's source wrapped by
+/// `wrap`; a registry image through ferry-fs's registry backend, as a mount reads it.
+/// Returns the merged image, its layers, and the manifest's digest.
+pub fn open_image(
+    image: &str,
+    registry: &remote::RegistryArgs,
+    platform: Option<&Platform>,
+    wrap: &dyn Fn(
+        std::sync::Arc<dyn ferry_index::source::RangeSource>,
+    ) -> std::sync::Arc<dyn ferry_index::source::RangeSource>,
+) -> Result<(
+    ferry_index::merged::MergedImage,
+    Vec<ferry_index::image::LayerSummary>,
+    String,
+)> {
+    let parsed = ImageRef::parse(image)?;
+    if let ImageRef::Layout { .. } = parsed {
+        let (layout, reference, _) = layout_ref(image)?;
+        let reference = layout_platform_ref(&layout, reference, platform)?;
+        let (mdesc, _) = layout.image_manifest(&reference)?;
+        let (merged, layers) = ferry_index::image::open_layout_image(&layout, &reference, wrap)
+            .with_context(|| format!("opening {image}"))?;
+        return Ok((merged, layers, mdesc.digest().to_string()));
+    }
+    let client = registry.client(&[&parsed])?;
+    let remote = remote::RemoteImage::open(&parsed, &client)?.context("a registry image")?;
+    let (mdesc, _) = remote.manifest(platform)?;
+    let (merged, layers) = remote.open_merged(&mdesc, wrap)?;
+    Ok((merged, layers, mdesc.digest().to_string()))
 }
 
 /// The kubelet's credential provider plugins, with the kubelet's own flag names.
