@@ -51,6 +51,11 @@ impl Default for RegistryArgs {
 impl RegistryArgs {
     /// The client for `images` (the registries among them get `--plain-http`).
     pub fn client(&self, images: &[&ImageRef]) -> Result<Client> {
+        Ok(Client::new(self.client_config(images))?)
+    }
+
+    /// The client configuration for `images` (as [`Self::client`]).
+    pub fn client_config(&self, images: &[&ImageRef]) -> ClientConfig {
         let mut cfg = ClientConfig {
             config_path: super::registry_config_path(&self.registry_config_path),
             ..ClientConfig::default()
@@ -63,7 +68,7 @@ impl RegistryArgs {
             }
         }
         self.credential_providers.apply(&mut cfg);
-        Ok(Client::new(cfg)?)
+        cfg
     }
 }
 

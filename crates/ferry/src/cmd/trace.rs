@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use ferry_fs::trace::{find_layout_trace, publish_registry_trace, store_layout_trace};
 use ferry_fs::{FerryFs, FetchConfig, ImageSource, MountOptions, MountedImage, Trace, View};
 use ferry_oci::{ImageRef, OciLayout};
-use ferry_registry_client::{Client, ClientConfig, RangeRuntime, Repo};
+use ferry_registry_client::{Client, RangeRuntime, Repo};
 use ferry_store::{Store, StoreConfig, StoreOptions};
 
 /// Arguments of `ferry trace`.
@@ -49,7 +49,7 @@ struct RecordArgs {
     #[arg(long)]
     publish: bool,
     #[command(flatten)]
-    registry: RegistryFlags,
+    registry: super::remote::RegistryArgs,
     /// Chunk store directory (default as for `ferry mount`).
     #[arg(long, value_name = "DIR", conflicts_with = "no_store")]
     store: Option<PathBuf>,
@@ -75,7 +75,7 @@ struct ShowArgs {
     /// The image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]`.
     image: String,
     #[command(flatten)]
-    registry: RegistryFlags,
+    registry: super::remote::RegistryArgs,
     /// Print the trace JSON instead of a summary.
     #[arg(long)]
     json: bool,
@@ -90,35 +90,6 @@ pub fn run(args: Args) -> Result<()> {
     match args.command {
         Command::Record(a) => record(a),
         Command::Show(a) => show(a),
-    }
-}
-
-/// How the registry is reached: the same flags as `ferry mount`'s.
-#[derive(Debug, clap::Args)]
-struct RegistryFlags {
-    /// Speak plain HTTP to the registry (loopback registries get it automatically).
-    #[arg(long)]
-    plain_http: bool,
-    /// containerd's registry host directory (`<DIR>/<host[:port]>/hosts.toml`: mirrors,
-    /// `server`, certificates), as containerd's `config_path`; "" turns it off.
-    #[arg(long, value_name = "DIR", env = "FERRY_REGISTRY_CONFIG_PATH", default_value = ferry_registry_client::hosts::DEFAULT_CONFIG_PATH)]
-    registry_config_path: PathBuf,
-    #[command(flatten)]
-    credential_providers: super::CredentialProviderArgs,
-}
-
-impl RegistryFlags {
-    /// The registry client's configuration the flags make, for `image`.
-    fn client_config(&self, image: &str) -> Result<ClientConfig> {
-        let mut cfg = ClientConfig::default();
-        if self.plain_http
-            && let ImageRef::Registry { registry, .. } = ImageRef::parse(image)?
-        {
-            cfg.registry.entry(registry).or_default().plain_http = true;
-        }
-        cfg.config_path = super::registry_config_path(&self.registry_config_path);
-        self.credential_providers.apply(&mut cfg);
-        Ok(cfg)
     }
 }
 
@@ -195,11 +166,12 @@ fn record(mut args: RecordArgs) -> Result<()> {
     if !args.publish && args.output.is_none() {
         bail!("nothing to do with the trace: pass --output FILE and/or --publish");
     }
+    let image = ImageRef::parse(&args.image)?;
     if let Some(platform) = args.platform.take() {
-        let cfg = args.registry.client_config(&args.image)?;
+        let cfg = args.registry.client_config(&[&image]);
         args.image = super::platform_image(&args.image, &platform, cfg)?;
     }
-    let client = Client::new(args.registry.client_config(&args.image)?)?;
+    let client = args.registry.client(&[&image])?;
     let runtime = RangeRuntime::new()?;
     let store = open_store(&args)?;
     let source = ImageSource::open(&args.image, &client, &runtime)
@@ -337,11 +309,12 @@ fn run_chrooted(root: &Path, args: &RecordArgs) -> Result<std::process::ExitStat
 }
 
 fn show(mut args: ShowArgs) -> Result<()> {
+    let image = ImageRef::parse(&args.image)?;
     if let Some(platform) = args.platform.take() {
-        let cfg = args.registry.client_config(&args.image)?;
+        let cfg = args.registry.client_config(&[&image]);
         args.image = super::platform_image(&args.image, &platform, cfg)?;
     }
-    let client = Client::new(args.registry.client_config(&args.image)?)?;
+    let client = args.registry.client(&[&image])?;
     let runtime = RangeRuntime::new()?;
     let home = Home::of(&args.image, &client, &runtime)?;
     let trace = match &home {
