@@ -5,7 +5,9 @@
 //! mode (0660) and directory, nothing more: it must not grow an authentication scheme.
 //!
 //! Routes: `GET /v1/health`, `GET /v1/status`, `POST /v1/mounts` ([`MountRequest`]),
-//! `DELETE /v1/mounts` ([`UnmountRequest`]).
+//! `DELETE /v1/mounts` ([`UnmountRequest`]), `POST /v1/prewarm` ([`PrewarmRequest`];
+//! answered with JSON lines, [`PrewarmEvent`], while it runs; closing the connection
+//! stops it).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -27,7 +29,10 @@ use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::error::{Error, Result};
-use crate::mounts::{MountBackend, MountInfo, MountOrigin, MountRequest, MountStatus, StoreStatus};
+use crate::mounts::{
+    MountBackend, MountInfo, MountOrigin, MountRequest, MountStatus, PrewarmEvent, PrewarmOutcome,
+    PrewarmRequest, StoreStatus,
+};
 
 /// Most bytes of a response body the client accepts.
 const MAX_RESPONSE_BYTES: usize = 16 << 20;
@@ -197,6 +202,80 @@ async fn unmount(State(state): State<ControlState>, body: Bytes) -> Result<Statu
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Sends a prewarm's progress as [`PrewarmEvent`]s; fetched bytes are coalesced while
+/// the connection is slower than the fetches. The prewarm stops once the client is gone.
+struct ChannelProgress {
+    tx: tokio::sync::mpsc::Sender<PrewarmEvent>,
+    pending: std::sync::atomic::AtomicU64,
+}
+
+impl ferry_fs::warm::prewarm::PrewarmProgress for ChannelProgress {
+    fn planned(&self, planned_bytes: u64, present_bytes: u64) {
+        let _ = self.tx.blocking_send(PrewarmEvent::Planned {
+            planned_bytes,
+            present_bytes,
+        });
+    }
+
+    fn fetched(&self, bytes: u64) {
+        use std::sync::atomic::Ordering;
+        let total = self.pending.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        if total == 0 {
+            return;
+        }
+        let taken = self.pending.swap(0, Ordering::Relaxed);
+        if taken > 0
+            && self
+                .tx
+                .try_send(PrewarmEvent::Fetched { bytes: taken })
+                .is_err()
+        {
+            self.pending.fetch_add(taken, Ordering::Relaxed);
+        }
+    }
+
+    fn stop_requested(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+async fn prewarm(State(state): State<ControlState>, body: Bytes) -> Result<Response, ApiError> {
+    let request: PrewarmRequest = parse_body(&body)?;
+    if request.image.trim().is_empty() {
+        return Err(ApiError(Error::InvalidRequest("no image given".into())));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<PrewarmEvent>(64);
+    let backend = state.backend.clone();
+    tokio::task::spawn_blocking(move || {
+        let progress = ChannelProgress {
+            tx: tx.clone(),
+            pending: std::sync::atomic::AtomicU64::new(0),
+        };
+        let last = match backend.prewarm(&request, &progress) {
+            Ok(outcome) => PrewarmEvent::Done { outcome },
+            Err(e) => PrewarmEvent::Error {
+                error: e.to_string(),
+            },
+        };
+        let pending = progress.pending.load(std::sync::atomic::Ordering::Relaxed);
+        if pending > 0 {
+            let _ = tx.blocking_send(PrewarmEvent::Fetched { bytes: pending });
+        }
+        let _ = tx.blocking_send(last);
+    });
+    let lines = futures_util::stream::unfold(rx, |mut rx| async move {
+        let event = rx.recv().await?;
+        let mut line = serde_json::to_vec(&event).unwrap_or_default();
+        line.push(b'\n');
+        Some((Ok::<_, std::convert::Infallible>(Bytes::from(line)), rx))
+    });
+    http::Response::builder()
+        .status(StatusCode::OK)
+        .header(http::header::CONTENT_TYPE, "application/x-ndjson")
+        .body(axum::body::Body::from_stream(lines))
+        .map_err(|e| ApiError(Error::Control(format!("building the answer: {e}"))))
+}
+
 async fn not_found() -> ApiError {
     ApiError(Error::Remote {
         status: 404,
@@ -214,6 +293,7 @@ pub fn router(backend: Arc<dyn MountBackend>, info: DaemonInfo) -> Router {
         .route("/v1/health", get(health))
         .route("/v1/status", get(status))
         .route("/v1/mounts", get(list_mounts).post(mount).delete(unmount))
+        .route("/v1/prewarm", axum::routing::post(prewarm))
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(state)
@@ -394,6 +474,99 @@ impl ControlClient {
             .map_err(|e| Error::Control(format!("encoding the request: {e}")))?;
         self.expect(http::Method::POST, "/v1/mounts", Some(body))
             .await
+    }
+
+    /// `POST /v1/prewarm`: runs the prewarm, calling `on_event` with each progress line,
+    /// and returns its outcome. Waits as long as it runs (at most the client's timeout
+    /// between two lines); dropping the future closes the connection, which stops it.
+    pub async fn prewarm(
+        &self,
+        request: &PrewarmRequest,
+        mut on_event: impl FnMut(&PrewarmEvent),
+    ) -> Result<PrewarmOutcome> {
+        let body = serde_json::to_vec(request)
+            .map_err(|e| Error::Control(format!("encoding the request: {e}")))?;
+        let stream = UnixStream::connect(&self.socket).await.map_err(|e| {
+            Error::Control(format!(
+                "cannot connect to {} ({e}); is `ferry daemon` running?",
+                self.socket.display()
+            ))
+        })?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| Error::Control(format!("HTTP handshake: {e}")))?;
+        let conn = tokio::spawn(conn);
+        let req = http::Request::builder()
+            .method(http::Method::POST)
+            .uri("/v1/prewarm")
+            .header(http::header::HOST, "ferry-daemon")
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| Error::Control(format!("building the request: {e}")))?;
+        let response = tokio::time::timeout(self.timeout, sender.send_request(req))
+            .await
+            .map_err(|_| Error::Control("no answer to /v1/prewarm".into()))?
+            .map_err(|e| Error::Control(format!("request to /v1/prewarm: {e}")))?;
+        let status = response.status();
+        let mut body = response.into_body();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut outcome = None;
+        loop {
+            let frame = tokio::time::timeout(self.timeout, body.frame())
+                .await
+                .map_err(|_| {
+                    Error::Control(format!(
+                        "the daemon sent nothing about the prewarm for {:?}",
+                        self.timeout
+                    ))
+                })?;
+            let Some(frame) = frame else { break };
+            let frame =
+                frame.map_err(|e| Error::Control(format!("reading the prewarm answer: {e}")))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            buf.extend_from_slice(&data);
+            if !status.is_success() {
+                if buf.len() > MAX_RESPONSE_BYTES {
+                    break;
+                }
+                continue;
+            }
+            while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=nl).collect();
+                let event: PrewarmEvent = serde_json::from_slice(&line)
+                    .map_err(|e| Error::Control(format!("bad prewarm progress line: {e}")))?;
+                on_event(&event);
+                match event {
+                    PrewarmEvent::Done { outcome: o } => outcome = Some(o),
+                    PrewarmEvent::Error { error } => {
+                        conn.abort();
+                        return Err(Error::Remote {
+                            status: 500,
+                            message: error,
+                        });
+                    }
+                    _ => {}
+                }
+            }
+            if buf.len() > MAX_RESPONSE_BYTES {
+                return Err(Error::Control("prewarm progress line too long".into()));
+            }
+        }
+        conn.abort();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<ErrorBody>(&buf)
+                .map(|b| b.error)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&buf).into_owned());
+            return Err(Error::Remote {
+                status: status.as_u16(),
+                message,
+            });
+        }
+        outcome.ok_or_else(|| {
+            Error::Control("the daemon ended the prewarm answer without an outcome".into())
+        })
     }
 
     /// `DELETE /v1/mounts`.

@@ -71,6 +71,7 @@ pub use error::{Error, Result};
 pub use memory::MemoryBackend;
 pub use mounts::{
     DeadMount, KeptMount, LayerKind, MountBackend, MountInfo, MountManager, MountOrigin,
-    MountRequest, MountStatus, PeerWiring, ResumeReport, StoreStatus,
+    MountRequest, MountStatus, PeerWiring, PrewarmEvent, PrewarmOutcome, PrewarmRequest,
+    ResumeReport, StoreStatus,
 };
 pub use remote::LazyLayers;

@@ -45,6 +45,10 @@ use crate::fallback::FallbackLog;
 use crate::fdstore::FdHolderClient;
 use crate::indexes::{ClientIndexRegistry, LayerIndexes, ResolvedLayer};
 
+#[path = "prewarm.rs"]
+pub mod prewarm;
+pub use prewarm::{PrewarmEvent, PrewarmOutcome, PrewarmRequest};
+
 /// How long an opened OCI layout image's manifest and indexes are reused for further
 /// mounts of the same reference (the snapshotter mounts an image's layers one Prepare at
 /// a time; registry images are resolved through [`LayerIndexes`] instead).
@@ -183,6 +187,16 @@ pub trait MountBackend: Send + Sync {
     /// The record of layers not served lazily, when this backend keeps one.
     fn fallbacks(&self) -> Option<&FallbackLog> {
         None
+    }
+    /// Makes an image's hot set (or all of it) local ([`MountManager::prewarm`]).
+    fn prewarm(
+        &self,
+        _request: &PrewarmRequest,
+        _progress: &dyn ferry_fs::warm::prewarm::PrewarmProgress,
+    ) -> Result<PrewarmOutcome> {
+        Err(Error::InvalidRequest(
+            "this daemon cannot prewarm images".into(),
+        ))
     }
 }
 
@@ -1305,6 +1319,14 @@ fn finish(
 }
 
 impl MountBackend for MountManager {
+    fn prewarm(
+        &self,
+        request: &PrewarmRequest,
+        progress: &dyn ferry_fs::warm::prewarm::PrewarmProgress,
+    ) -> Result<PrewarmOutcome> {
+        MountManager::prewarm(self, request, progress)
+    }
+
     /// Opens the image (or one layer of it), mounts it at the request's mount point and
     /// starts warming it.
     fn mount(&self, request: &MountRequest, origin: MountOrigin) -> Result<MountInfo> {

@@ -54,8 +54,11 @@ enum Command {
     Mount(cmd::mount::Args),
     /// Unmount a ferry mount.
     Umount(cmd::mount::UmountArgs),
-    /// Inspect and maintain the node's chunk store.
+    /// Inspect and maintain the node's chunk store; export it to a directory, import one.
     Store(cmd::store::Args),
+    /// Fill the node's store with images' hot sets (startup trace, else eStargz
+    /// prioritized files) or, with --full, all of them; through the daemon if one runs.
+    Prewarm(cmd::prewarm::Args),
     /// Serve containerd's Snapshots API (a proxy snapshotter plugin) on a unix socket.
     Snapshotter(cmd::snapshotter::Args),
     /// Run the node daemon: the chunk store, every lazy mount, the containerd
@@ -92,6 +95,7 @@ fn main() -> ExitCode {
         Command::Mount(a) => cmd::mount::run(a),
         Command::Umount(a) => cmd::mount::run_umount(a),
         Command::Store(a) => cmd::store::run(a),
+        Command::Prewarm(a) => cmd::prewarm::run(a),
         Command::Snapshotter(a) => cmd::snapshotter::run(a),
         Command::Daemon(a) => cmd::daemon::run(a),
         Command::Status(a) => cmd::status::run(a),

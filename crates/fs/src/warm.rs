@@ -1094,3 +1094,6 @@ impl MountedImage {
 #[cfg(test)]
 #[path = "warm_tests.rs"]
 mod tests;
+
+#[path = "prewarm.rs"]
+pub mod prewarm;

@@ -69,6 +69,48 @@ pub enum Error {
     /// A string is not a `sha256:<64 lowercase hex>` key.
     #[error("invalid chunk key {0:?}: expected sha256:<64 lowercase hex>")]
     InvalidKey(String),
+    /// An export is of a format version this build does not read.
+    #[error(
+        "{} is a store export of format {found}; this ferry reads format {supported} (import it with the ferry that wrote it, or export again with this one)",
+        path.display()
+    )]
+    ExportFormat {
+        /// The manifest.
+        path: PathBuf,
+        /// The version found.
+        found: u64,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// An export's manifest is missing, malformed or beyond the bounds.
+    #[error("{}: {reason}", path.display())]
+    BadExport {
+        /// The manifest.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An object of an export is missing or does not match its key: nothing was imported.
+    #[error("object {key} of the export ({}) is {reason}; nothing was imported (export the store again)", path.display())]
+    CorruptObject {
+        /// The object's key.
+        key: ChunkKey,
+        /// Its file in the export.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An export cannot be written where asked.
+    #[error("cannot export to {}: {reason}", path.display())]
+    ExportDestination {
+        /// The destination (or the entry being copied).
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// An image record is malformed or beyond the bounds.
+    #[error("invalid image record: {0}")]
+    InvalidRecord(String),
     /// A pin owner name is empty or longer than [`crate::MAX_OWNER_LEN`] bytes.
     #[error("invalid pin owner {0:?}: must be 1..={max} bytes", max = crate::MAX_OWNER_LEN)]
     InvalidOwner(String),

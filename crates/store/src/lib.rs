@@ -29,6 +29,11 @@
 //! Privacy: the store's directories are 0700 and its files 0600 (see [`private_dir`]);
 //! a store made with wider modes is tightened when opened.
 //!
+//! Store images: [`Store::export`] writes every entry and the store's image records
+//! ([`Store::record_image`]: opaque names of what filled it) to a versioned,
+//! self-describing directory, and [`Store::import`] brings one in, every object hashed
+//! in staging before any is renamed into place (see `export.rs`).
+//!
 //! Trust: an entry is hashed on its first read after the store is opened by a process,
 //! and trusted for the rest of that process's life (entries it wrote itself are trusted
 //! from the start). [`Store::verify_all`] re-hashes everything.
@@ -47,6 +52,10 @@ pub use config::{DEFAULT_MAX_BYTES, STORE_ENV, SYSTEM_STORE_PATH, StoreConfig};
 pub use error::{Error, Result};
 pub use key::{ChunkKey, Hashed};
 pub use private::{PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, new_private_file, private_dir, tighten};
+pub use store::export::{
+    EXPORT_FORMAT, ExportManifest, ExportReport, ImageRecord, ImportReport, LayerRecord,
+    MANIFEST_NAME, ObjectRecord,
+};
 pub use store::{
     ChunkFile, EntryInfo, GcReport, OpenReport, OwnerInfo, PutOutcome, Store, StoreOptions,
     StoreStats, VerifyReport,

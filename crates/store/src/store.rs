@@ -1540,6 +1540,9 @@ fn duration_ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+#[path = "export.rs"]
+pub(crate) mod export;
+
 #[cfg(test)]
 #[path = "store_tests.rs"]
 mod tests;

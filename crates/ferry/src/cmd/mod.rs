@@ -10,6 +10,7 @@ pub mod index;
 pub mod inspect;
 pub mod mount;
 pub mod pack;
+pub mod prewarm;
 pub mod pull;
 pub mod registry;
 pub mod remote;

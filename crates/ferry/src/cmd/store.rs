@@ -1,4 +1,5 @@
-//! `ferry store ls|du|gc|verify`: inspect and maintain the node's chunk store offline.
+//! `ferry store ls|du|gc|verify|export|import`: inspect and maintain the node's chunk
+//! store offline, and move it to and from a volume as a verified store image.
 //!
 //! The store itself lives in `ferry_store`; this file only picks its location, opens it
 //! without changing its bound, and prints. The store is opened exclusively, so these
@@ -57,6 +58,24 @@ enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Copy every entry and the records of the images it holds into DEST (a new or empty
+    /// directory) with a versioned manifest (`ferry-store.json`), ready for a volume.
+    Export {
+        /// Destination directory.
+        dest: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Bring a store export into this store: every object is hashed in staging and
+    /// only when all match are they added (a bad one refuses the whole import).
+    Import {
+        /// An export directory (`ferry store export`).
+        src: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs `ferry store`.
@@ -98,8 +117,67 @@ pub fn run(args: Args) -> Result<()> {
             json,
         } => gc(&store, to, release_pins, json)?,
         StoreCommand::Verify { json } => verify(&store, json)?,
+        StoreCommand::Export { dest, json } => export(&store, &dest, json)?,
+        StoreCommand::Import { src, json } => import(&store, &src, json)?,
     }
     store.close().context("closing the chunk store")
+}
+
+fn export(store: &Store, dest: &std::path::Path, json: bool) -> Result<()> {
+    let started = std::time::Instant::now();
+    let r = store
+        .export(dest)
+        .with_context(|| format!("exporting the store to {}", dest.display()))?;
+    let secs = started.elapsed().as_secs_f64();
+    if json {
+        let mut doc = serde_json::to_value(&r)?;
+        doc["seconds"] = serde_json::json!(secs);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!(
+        "exported {} objects ({}) and {} image records to {} in {secs:.1}s ({}/s){}",
+        r.objects,
+        human(r.bytes),
+        r.images,
+        r.dest.display(),
+        human((r.bytes as f64 / secs.max(1e-3)) as u64),
+        if r.skipped > 0 {
+            format!("; {} entries evicted meanwhile were left out", r.skipped)
+        } else {
+            String::new()
+        }
+    );
+    Ok(())
+}
+
+fn import(store: &Store, src: &std::path::Path, json: bool) -> Result<()> {
+    let started = std::time::Instant::now();
+    let r = store
+        .import(src)
+        .with_context(|| format!("importing the store export {}", src.display()))?;
+    let secs = started.elapsed().as_secs_f64();
+    if json {
+        let mut doc = serde_json::to_value(&r)?;
+        doc["seconds"] = serde_json::json!(secs);
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    println!(
+        "imported {} objects ({}) verified, {} ({}) already present, {} image records, in {secs:.1}s",
+        r.imported,
+        human(r.imported_bytes),
+        r.present,
+        human(r.present_bytes),
+        r.images
+    );
+    for image in store.images() {
+        println!(
+            "  {}  {}  ({})",
+            image.reference, image.manifest_digest, image.coverage
+        );
+    }
+    Ok(())
 }
 
 fn ls(store: &Store, json: bool) -> Result<()> {
