@@ -140,7 +140,10 @@ pub fn parse_sha256(s: &str) -> Result<Digest> {
 pub fn parse_stored(s: &str) -> Result<Digest> {
     let d = parse(s)?;
     if !is_stored_algorithm(&d) {
-        return Err(bad_digest(s, "unsupported algorithm (only sha256 and sha512)"));
+        return Err(bad_digest(
+            s,
+            "unsupported algorithm (only sha256 and sha512)",
+        ));
     }
     Ok(d)
 }
@@ -329,7 +332,10 @@ mod tests {
         assert!(parse_stored(s256.as_ref()).is_ok());
         assert!(parse_stored(s512.as_ref()).is_ok());
         assert!(parse_stored(&format!("sha384:{}", "a".repeat(96))).is_err());
-        assert!(parse_stored("multihash+base58:QmRZxt2b1FVZPNqd8hsiykDL3TdBDeTSPX9Kv46HmX4Gx8").is_err());
+        assert!(
+            parse_stored("multihash+base58:QmRZxt2b1FVZPNqd8hsiykDL3TdBDeTSPX9Kv46HmX4Gx8")
+                .is_err()
+        );
         assert_eq!(digest_like(&s512, b"abc"), s512);
         assert_eq!(digest_like(&s256, b"abc"), s256);
         let mut h = ContentHasher::for_digest(&s512).unwrap();

@@ -368,6 +368,8 @@ pub(super) async fn push(
     // still lists, and a tag must never point at an image that cannot be pulled.
     let sparse_ok = st.limits.sparse_manifests;
     let mut created_empty: Option<&Digest> = None;
+    // References a sparse manifest leaves out; everything else must stay there.
+    let mut absent: Vec<Digest> = Vec::new();
     for (i, (blob, declared)) in v.blobs.iter().enumerate() {
         let is_config = i == 0 && v.has_config;
         match st.linked_blob_size_for_manifest(name, blob).await? {
@@ -393,7 +395,7 @@ pub(super) async fn push(
                 created_empty = Some(blob);
             }
             // A sparse image: a layer not (yet) pushed. The config never is optional.
-            None if sparse_ok && !is_config => {}
+            None if sparse_ok && !is_config => absent.push(blob.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestBlobUnknown,
@@ -418,7 +420,7 @@ pub(super) async fn push(
                     .into());
             }
             // A sparse index: a child (a platform, say) not copied.
-            None if sparse_ok => {}
+            None if sparse_ok => absent.push(child.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestUnknown,
@@ -473,7 +475,7 @@ pub(super) async fn push(
     // Committed. A collection that decided to remove something this manifest reaches
     // before the checks above refreshed it may still be about to: tell it, and check
     // again once it cannot (storage::gc, "Collections and manifest pushes agree").
-    if let Some(missing) = settle(st, name, &digest, sparse_ok).await? {
+    if let Some(missing) = settle(st, name, &digest, &absent).await? {
         undo(st, name, tag, &digest, prev_tag).await?;
         return Err(ApiError::new(
             ErrorCode::ManifestBlobUnknown,
@@ -508,15 +510,21 @@ const MAX_SETTLE_MANIFESTS: usize = 4096;
 /// Pins everything manifest `digest` of `repo` reaches (itself, index children, their
 /// configs and layers) against running collections, waits out removals of them in
 /// progress, and then checks in storage that all of it is still there. The first digest
-/// that is not, if any. With `sparse`, what is absent before pinning is a gap the push
-/// was allowed to leave (a sparse manifest, or a child that is one), not a removal: only
-/// what was there is pinned and checked again.
+/// that is not, if any. `absent` are the references validation found missing and a
+/// sparse manifest may leave out; with sparse manifests accepted, what the children
+/// reach and is absent before pinning is likewise a gap they were pushed with (each was
+/// checked when it was pushed), not a removal. Everything else — all the manifest itself
+/// references and found present — is pinned and checked again.
 async fn settle(
     st: &StateInner,
     repo: &RepositoryName,
     digest: &Digest,
-    sparse: bool,
+    absent: &[Digest],
 ) -> Result<Option<Digest>, ApiError> {
+    let sparse = st.limits.sparse_manifests;
+    // What the manifest itself references and validation found present: never a gap.
+    let mut own_blobs: Vec<Digest> = Vec::new();
+    let mut own_children: Vec<Digest> = Vec::new();
     let failure = |e| super::storage_failure("checking a pushed manifest", e);
     let mut manifests = vec![digest.clone()];
     let mut blobs: Vec<Digest> = Vec::new();
@@ -524,7 +532,7 @@ async fn settle(
     while let Some(d) = manifests.get(i).cloned() {
         i += 1;
         let Some(m) = st.storage.manifest_get(repo, &d).await.map_err(failure)? else {
-            if sparse && d != *digest {
+            if d != *digest && (absent.contains(&d) || (sparse && !own_children.contains(&d))) {
                 manifests.retain(|m| *m != d);
                 i -= 1;
                 continue;
@@ -537,11 +545,20 @@ async fn settle(
             continue;
         };
         for (b, _) in v.blobs {
+            if d == *digest {
+                if absent.contains(&b) {
+                    continue;
+                }
+                own_blobs.push(b.clone());
+            }
             if !blobs.contains(&b) {
                 blobs.push(b);
             }
         }
         for (c, _) in v.children {
+            if d == *digest && !absent.contains(&c) {
+                own_children.push(c.clone());
+            }
             if manifests.len() < MAX_SETTLE_MANIFESTS && !manifests.contains(&c) {
                 manifests.push(c);
             }
@@ -550,8 +567,9 @@ async fn settle(
     if sparse {
         let mut present = Vec::with_capacity(blobs.len());
         for b in blobs {
-            if st.storage.blob_linked(repo, &b).await.map_err(failure)?
-                && st.storage.blob_size(&b).await.map_err(failure)?.is_some()
+            if own_blobs.contains(&b)
+                || st.storage.blob_linked(repo, &b).await.map_err(failure)?
+                    && st.storage.blob_size(&b).await.map_err(failure)?.is_some()
             {
                 present.push(b);
             }
@@ -616,7 +634,7 @@ async fn undo(
             match prev.filter(|p| p != digest) {
                 Some(p) => {
                     st.storage.tag_set(repo, tag, &p).await.map_err(failure)?;
-                    if Box::pin(settle(st, repo, &p, st.limits.sparse_manifests)).await?.is_some()
+                    if Box::pin(settle(st, repo, &p, &[])).await?.is_some()
                         && st
                             .storage
                             .tag_get(repo, tag)

@@ -48,17 +48,17 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use parking_lot::{Mutex, MutexGuard};
-use ferry_oci::digest::ContentHasher;
 use tokio::io::AsyncReadExt;
 use tokio::task::JoinHandle;
 use tokio_util::io::ReaderStream;
 
 use super::{
-    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    STORED_ALGORITHMS, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
+    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, STORED_ALGORITHMS, Storage, StorageError,
+    StoredManifest, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
     digest_string, hasher_for, listed_digest, new_upload_id, valid_upload_id,
 };
 
@@ -96,7 +96,13 @@ impl FsStorage {
     /// opens the same root), which must not fail under it.
     pub fn open(root: &Path) -> Result<FsStorage> {
         fs::create_dir_all(root)?;
-        for dir in ["blobs/sha256", "blobs/sha512", "uploads", "repositories", "tmp"] {
+        for dir in [
+            "blobs/sha256",
+            "blobs/sha512",
+            "uploads",
+            "repositories",
+            "tmp",
+        ] {
             create_dirs_durable(&root.join(dir))?;
         }
         let tmp = root.join("tmp");
@@ -381,7 +387,11 @@ fn list_digests_of(
     };
     for entry in entries {
         let entry = entry?;
-        let Some(name) = entry.file_name().to_str().and_then(|n| listed_digest(alg, n)) else {
+        let Some(name) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| listed_digest(alg, n))
+        else {
             continue;
         };
         let modified = if with_times {
@@ -532,35 +542,35 @@ impl Storage for FsStorage {
                 let Some(shards) = optional(fs::read_dir(blobs.join(alg)))? else {
                     continue;
                 };
-            for shard in shards {
-                let shard = shard?;
-                let name = shard.file_name();
-                let Some(prefix) = name.to_str() else {
-                    continue;
-                };
-                if prefix.len() != 2 || !shard.file_type()?.is_dir() {
-                    continue;
-                }
-                for entry in fs::read_dir(shard.path())? {
-                    let entry = entry?;
-                    let name = entry.file_name();
-                    let Some(hex) = name.to_str() else { continue };
-                    let Some(digest) = listed_digest(alg, hex) else {
+                for shard in shards {
+                    let shard = shard?;
+                    let name = shard.file_name();
+                    let Some(prefix) = name.to_str() else {
                         continue;
                     };
-                    if !hex.starts_with(prefix) {
+                    if prefix.len() != 2 || !shard.file_type()?.is_dir() {
                         continue;
                     }
-                    let Some(meta) = optional(entry.metadata())? else {
-                        continue;
-                    };
-                    out.push(BlobInfo {
-                        digest,
-                        size: meta.len(),
-                        modified: meta.modified()?,
-                    });
+                    for entry in fs::read_dir(shard.path())? {
+                        let entry = entry?;
+                        let name = entry.file_name();
+                        let Some(hex) = name.to_str() else { continue };
+                        let Some(digest) = listed_digest(alg, hex) else {
+                            continue;
+                        };
+                        if !hex.starts_with(prefix) {
+                            continue;
+                        }
+                        let Some(meta) = optional(entry.metadata())? else {
+                            continue;
+                        };
+                        out.push(BlobInfo {
+                            digest,
+                            size: meta.len(),
+                            modified: meta.modified()?,
+                        });
+                    }
                 }
-            }
             }
             out.sort_unstable_by(|a, b| a.digest.cmp(&b.digest));
             Ok(out)

@@ -11,10 +11,10 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use parking_lot::{Mutex, MutexGuard};
-use ferry_oci::digest::ContentHasher;
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,

@@ -172,8 +172,8 @@ pub(crate) fn listed_digest(algorithm: &str, name: &str) -> Option<String> {
 
 /// A fresh hasher in the algorithm of `digest` (a stored one, else refused).
 pub(crate) fn hasher_for(digest: &str) -> Result<ferry_oci::digest::ContentHasher> {
-    let typed =
-        ferry_oci::digest::parse_stored(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
+    let typed = ferry_oci::digest::parse_stored(digest)
+        .map_err(|e| StorageError::Invalid(e.to_string()))?;
     ferry_oci::digest::ContentHasher::for_digest(&typed)
         .ok_or_else(|| StorageError::Invalid(format!("digest {digest:?}")))
 }

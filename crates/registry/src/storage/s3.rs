@@ -34,6 +34,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
@@ -41,13 +42,11 @@ use object_store::path::Path;
 use object_store::signer::Signer;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, PutPayload, WriteMultipart};
 use serde::{Deserialize, Serialize};
-use ferry_oci::digest::ContentHasher;
 
 use super::{
-    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    STORED_ALGORITHMS, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
-    digest_string, hasher_for, listed_digest, new_upload_id,
-    valid_upload_id,
+    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, STORED_ALGORITHMS, Storage, StorageError,
+    StoredManifest, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
+    digest_string, hasher_for, listed_digest, new_upload_id, valid_upload_id,
 };
 
 /// Blobs up to this size are buffered and written with one put; larger ones go through a
@@ -936,7 +935,10 @@ impl Storage for S3Storage {
         let subject: &str = subject.as_ref();
         let referrer: &str = referrer.as_ref();
         let (alg, hex) = digest_parts(referrer)?;
-        let key = self.key(&format!("{}/{alg}/{hex}", self.referrers_rel(repo, subject)?));
+        let key = self.key(&format!(
+            "{}/{alg}/{hex}",
+            self.referrers_rel(repo, subject)?
+        ));
         self.store
             .put(&key, PutPayload::default())
             .await
