@@ -525,7 +525,12 @@ async fn blobs_range_500_0_is_ignored() {
         let data = blob(alg, "range", 2048);
         let d = t.push_blob(alg, "repo", &data).await;
         let r = t
-            .send(Method::GET, &format!("/v2/repo/blobs/{d}"), &[("range", "bytes=500-0")], Body::empty())
+            .send(
+                Method::GET,
+                &format!("/v2/repo/blobs/{d}"),
+                &[("range", "bytes=500-0")],
+                Body::empty(),
+            )
             .await;
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(&r.body[..], &data[..]);
