@@ -1,9 +1,11 @@
-//! SHA-256 digests in OCI's `sha256:<hex>` spelling.
+//! Digests in OCI's `algorithm:<hex>` spelling: parsing for every registered algorithm,
+//! hashing for the two content is stored under (sha256, the canonical one, and sha512).
 
 use std::io::{self, Write};
 use std::str::FromStr;
 
-use sha2::{Digest as _, Sha256};
+use oci_spec::image::DigestAlgorithm;
+use sha2::{Digest as _, Sha256, Sha512};
 
 use crate::{Digest, Error, Result};
 
@@ -18,6 +20,86 @@ pub fn from_sha256(raw: [u8; 32]) -> Digest {
     match Digest::from_str(&format!("sha256:{}", hex::encode(raw))) {
         Ok(d) => d,
         Err(_) => unreachable_digest(),
+    }
+}
+
+/// `sha512:<hex>` of `bytes`.
+pub fn sha512_digest(bytes: &[u8]) -> Digest {
+    let mut h = ContentHasher::Sha512(Sha512::new());
+    h.update(bytes);
+    h.finish()
+}
+
+/// Builds a digest from a raw SHA-512 value.
+pub fn from_sha512(raw: [u8; 64]) -> Digest {
+    match Digest::from_str(&format!("sha512:{}", hex::encode(raw))) {
+        Ok(d) => d,
+        Err(_) => unreachable_digest(),
+    }
+}
+
+/// `bytes` hashed with the algorithm of `like` (which must be a [stored
+/// algorithm](is_stored_algorithm); sha256 otherwise, the canonical one): the digest a
+/// document pushed under `like` must have.
+pub fn digest_like(like: &Digest, bytes: &[u8]) -> Digest {
+    let mut h = ContentHasher::for_digest(like).unwrap_or_default();
+    h.update(bytes);
+    h.finish()
+}
+
+/// A running hash in one of the algorithms content is stored under.
+#[derive(Debug, Clone)]
+pub enum ContentHasher {
+    /// SHA-256 (the canonical algorithm).
+    Sha256(Sha256),
+    /// SHA-512.
+    Sha512(Sha512),
+}
+
+impl Default for ContentHasher {
+    fn default() -> Self {
+        ContentHasher::Sha256(Sha256::new())
+    }
+}
+
+impl ContentHasher {
+    /// A fresh hasher for `algorithm`, or `None` if content is not stored under it.
+    pub fn new(algorithm: &DigestAlgorithm) -> Option<ContentHasher> {
+        match algorithm {
+            DigestAlgorithm::Sha256 => Some(ContentHasher::Sha256(Sha256::new())),
+            DigestAlgorithm::Sha512 => Some(ContentHasher::Sha512(Sha512::new())),
+            _ => None,
+        }
+    }
+
+    /// A fresh hasher in the algorithm of `d`, or `None` if content is not stored under
+    /// it.
+    pub fn for_digest(d: &Digest) -> Option<ContentHasher> {
+        ContentHasher::new(d.algorithm())
+    }
+
+    /// The algorithm this hasher computes.
+    pub fn algorithm(&self) -> DigestAlgorithm {
+        match self {
+            ContentHasher::Sha256(_) => DigestAlgorithm::Sha256,
+            ContentHasher::Sha512(_) => DigestAlgorithm::Sha512,
+        }
+    }
+
+    /// Feeds `bytes`.
+    pub fn update(&mut self, bytes: &[u8]) {
+        match self {
+            ContentHasher::Sha256(h) => h.update(bytes),
+            ContentHasher::Sha512(h) => h.update(bytes),
+        }
+    }
+
+    /// The digest of everything fed.
+    pub fn finish(self) -> Digest {
+        match self {
+            ContentHasher::Sha256(h) => from_sha256(h.finalize().into()),
+            ContentHasher::Sha512(h) => from_sha512(h.finalize().into()),
+        }
     }
 }
 
@@ -53,6 +135,28 @@ pub fn parse_sha256(s: &str) -> Result<Digest> {
     Ok(d)
 }
 
+/// [`parse`], restricted to the algorithms content is stored under ([`is_stored_algorithm`]):
+/// what a registry accepts for a blob, a manifest, a mount or a referrers subject.
+pub fn parse_stored(s: &str) -> Result<Digest> {
+    let d = parse(s)?;
+    if !is_stored_algorithm(&d) {
+        return Err(bad_digest(
+            s,
+            "unsupported algorithm (only sha256 and sha512)",
+        ));
+    }
+    Ok(d)
+}
+
+/// Whether content can be stored under `d`: sha256 or sha512, the algorithms the OCI image
+/// spec registers (and so, `d` being parsed, 64 or 128 lowercase hex digits).
+pub fn is_stored_algorithm(d: &Digest) -> bool {
+    matches!(
+        d.algorithm(),
+        DigestAlgorithm::Sha256 | DigestAlgorithm::Sha512
+    )
+}
+
 /// [`parse_sha256`], as the 32 bytes its hex spells (for indexes and stores that keep
 /// digests raw).
 pub fn parse_sha256_bytes(s: &str) -> Result<[u8; 32]> {
@@ -82,7 +186,7 @@ pub fn is_sha256_hex(s: &str) -> bool {
 
 /// Whether `d` is a sha256 digest (and so, being parsed, 64 lowercase hex digits).
 pub fn is_sha256(d: &Digest) -> bool {
-    *d.algorithm() == oci_spec::image::DigestAlgorithm::Sha256
+    *d.algorithm() == DigestAlgorithm::Sha256
 }
 
 fn bad_digest(s: &str, reason: &str) -> Error {
@@ -214,6 +318,32 @@ mod tests {
             parse(&format!("x:{}", "a".repeat(300))).is_err(),
             "length bound"
         );
+    }
+
+    #[test]
+    fn stored_algorithms_are_sha256_and_sha512() {
+        let s256 = sha256_digest(b"abc");
+        let s512 = sha512_digest(b"abc");
+        assert_eq!(
+            s512.to_string(),
+            "sha512:ddaf35a193617abacc417349ae20413112e6fa4e89a97ea20a9eeee64b55d39a\
+             2192992a274fc1a836ba3c23a3feebbd454d4423643ce80e2a9ac94fa54ca49f"
+        );
+        assert!(parse_stored(s256.as_ref()).is_ok());
+        assert!(parse_stored(s512.as_ref()).is_ok());
+        assert!(parse_stored(&format!("sha384:{}", "a".repeat(96))).is_err());
+        assert!(
+            parse_stored("multihash+base58:QmRZxt2b1FVZPNqd8hsiykDL3TdBDeTSPX9Kv46HmX4Gx8")
+                .is_err()
+        );
+        assert_eq!(digest_like(&s512, b"abc"), s512);
+        assert_eq!(digest_like(&s256, b"abc"), s256);
+        let mut h = ContentHasher::for_digest(&s512).unwrap_or_default();
+        h.update(b"a");
+        h.update(b"bc");
+        assert_eq!(h.algorithm(), DigestAlgorithm::Sha512);
+        assert_eq!(h.finish(), s512);
+        assert!(ContentHasher::new(&DigestAlgorithm::Sha384).is_none());
     }
 
     #[test]

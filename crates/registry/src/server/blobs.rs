@@ -36,6 +36,7 @@ pub(super) async fn pull(
         .get(header::RANGE)
         .and_then(|v| v.to_str().ok());
     if st.upstream.is_some() {
+        super::pull_through_digest(&typed)?;
         return pull_upstream(st, name, digest, head, range_header).await;
     }
     let size = st

@@ -184,6 +184,14 @@ pub struct Limits {
     /// Connections one client address may have open at once; more are closed at accept,
     /// so no single client holds every slot. (Clients behind one NAT share it.)
     pub max_connections_per_client: usize,
+    /// Accept sparse manifests (default true): an image manifest whose layers, or an
+    /// index whose child manifests, are not in the repository (a partial copy of a
+    /// multi-platform image, say), as the distribution spec allows and its conformance
+    /// suite's `sparse` workflow expects. What is there must still match its descriptor,
+    /// and a missing config is always refused. `false` refuses every manifest that
+    /// references something absent, so a tag never points at content that cannot be
+    /// pulled in full.
+    pub sparse_manifests: bool,
 }
 
 impl Default for Limits {
@@ -197,6 +205,7 @@ impl Default for Limits {
             max_page_entries: 10_000,
             max_connections: 16_384,
             max_connections_per_client: 4096,
+            sparse_manifests: true,
         }
     }
 }

@@ -1,9 +1,16 @@
 //! Manifests: pull by tag or digest, push with validation, delete.
 //!
-//! A pushed manifest is only accepted if everything it references is already in the
-//! repository (config and layers linked, index children stored), so a tag can never point
-//! at an image that cannot be pulled. Foreign/non-distributable layers and layers with
-//! `urls` are exempt: by definition they live elsewhere.
+//! A pushed manifest's config must already be in the repository. Its layers and index
+//! children must be too unless sparse manifests are accepted (`limits.sparse_manifests`,
+//! the default): then absent ones are allowed — a partial copy of a multi-platform image —
+//! while present ones must still match their descriptors. With sparse manifests refused,
+//! a tag can never point at an image that cannot be pulled. Foreign/non-distributable
+//! layers and layers with `urls` are exempt either way: by definition they live
+//! elsewhere.
+//!
+//! Digests: a manifest PUT by digest is hashed with that digest's algorithm (sha256 or
+//! sha512) and stored under it; one PUT by tag is hashed with sha256, the canonical
+//! algorithm (the spec's default, and what a client assumes without a digest to go by).
 
 use ferry_oci::{Digest, Reference, RepositoryName, Tag};
 use std::collections::BTreeMap;
@@ -27,10 +34,9 @@ use ferry_oci::media;
 /// Media types a manifest PUT may declare as Content-Type without naming a format.
 const GENERIC_CONTENT_TYPES: &[&str] = &["", "application/json", "application/octet-stream"];
 
-/// The empty JSON blob `{}` OCI artifacts use as config; created on demand if a client
-/// references it without pushing it.
-const EMPTY_JSON_DIGEST: &str =
-    "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
+/// The empty JSON blob `{}` OCI artifacts use as config; created on demand (under sha256
+/// or sha512) if a client references it without pushing it.
+const EMPTY_JSON: &[u8] = b"{}";
 
 /// The fields of a manifest or index the registry looks at. Unknown fields are allowed
 /// (they are part of the content, which is stored byte for byte).
@@ -98,6 +104,9 @@ pub(super) async fn pull(
     let parsed = parse_reference(reference)?;
     let by_digest = matches!(parsed, Reference::Digest(_));
     let manifest: Arc<StoredManifest> = if let Some(pt) = st.upstream.as_deref() {
+        if let Reference::Digest(d) = &parsed {
+            super::pull_through_digest(d)?;
+        }
         let m = pt
             .manifest(name, reference)
             .await
@@ -161,8 +170,10 @@ pub(super) async fn pull(
 /// What validation learned about a pushed manifest.
 pub(crate) struct Validated {
     pub(crate) media_type: String,
-    /// Blobs to (re)link: config and layers.
+    /// Blobs to (re)link: config (first, if any) and layers.
     pub(crate) blobs: Vec<(Digest, u64)>,
+    /// Whether `blobs` starts with the config (which a sparse manifest may not omit).
+    pub(crate) has_config: bool,
     /// Index children (must be manifests in the repository).
     pub(crate) children: Vec<(Digest, u64)>,
     pub(crate) subject: Option<Digest>,
@@ -301,6 +312,7 @@ pub(crate) fn validate_document(bytes: &[u8], content_type: &str) -> Result<Vali
     };
     Ok(Validated {
         media_type,
+        has_config: doc.config.is_some(),
         blobs,
         children,
         subject,
@@ -331,7 +343,11 @@ pub(super) async fn push(
         ErrorCode::ManifestInvalid,
     )
     .await?;
-    let digest = ferry_oci::sha256_digest(&bytes);
+    // By digest: hashed with the URL digest's algorithm; by tag: with sha256.
+    let digest = match &parsed {
+        Reference::Digest(d) => ferry_oci::digest::digest_like(d, &bytes),
+        Reference::Tag(_) => ferry_oci::sha256_digest(&bytes),
+    };
     if by_digest && reference != digest.as_ref() {
         return Err(ApiError::digest_invalid(
             reference,
@@ -350,8 +366,12 @@ pub(super) async fn push(
     // Everything referenced must already be in this repository, as storage says now: a
     // collection in another process may have removed a blob the in-memory link cache
     // still lists, and a tag must never point at an image that cannot be pulled.
-    let mut created_empty = false;
-    for (blob, declared) in &v.blobs {
+    let sparse_ok = st.limits.sparse_manifests;
+    let mut created_empty: Option<&Digest> = None;
+    // References a sparse manifest leaves out; everything else must stay there.
+    let mut absent: Vec<Digest> = Vec::new();
+    for (i, (blob, declared)) in v.blobs.iter().enumerate() {
+        let is_config = i == 0 && v.has_config;
         match st.linked_blob_size_for_manifest(name, blob).await? {
             Some(size) if size == *declared => {}
             Some(size) => {
@@ -361,17 +381,21 @@ pub(super) async fn push(
                     }))
                     .into());
             }
-            None if blob.as_ref() == EMPTY_JSON_DIGEST && *declared == 2 => {
+            None if *declared == EMPTY_JSON.len() as u64
+                && *blob == ferry_oci::digest::digest_like(blob, EMPTY_JSON) =>
+            {
                 let body: crate::storage::ByteStream =
                     Box::pin(futures_util::stream::once(async {
-                        Ok(Bytes::from_static(b"{}"))
+                        Ok(Bytes::from_static(EMPTY_JSON))
                     }));
                 st.storage
-                    .blob_put(blob, body, 2)
+                    .blob_put(blob, body, EMPTY_JSON.len() as u64)
                     .await
                     .map_err(|e| ApiError::from_storage(e, "storing the empty blob"))?;
-                created_empty = true;
+                created_empty = Some(blob);
             }
+            // A sparse image: a layer not (yet) pushed. The config never is optional.
+            None if sparse_ok && !is_config => absent.push(blob.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestBlobUnknown,
@@ -395,6 +419,8 @@ pub(super) async fn push(
                     .with_detail(serde_json::json!({ "digest": child }))
                     .into());
             }
+            // A sparse index: a child (a platform, say) not copied.
+            None if sparse_ok => absent.push(child.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestUnknown,
@@ -405,10 +431,9 @@ pub(super) async fn push(
             }
         }
     }
-    if created_empty {
-        let empty = parse_digest(EMPTY_JSON_DIGEST)?;
+    if let Some(empty) = created_empty {
         st.storage
-            .link_blob(name, &empty)
+            .link_blob(name, empty)
             .await
             .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
     }
@@ -450,7 +475,7 @@ pub(super) async fn push(
     // Committed. A collection that decided to remove something this manifest reaches
     // before the checks above refreshed it may still be about to: tell it, and check
     // again once it cannot (storage::gc, "Collections and manifest pushes agree").
-    if let Some(missing) = settle(st, name, &digest).await? {
+    if let Some(missing) = settle(st, name, &digest, &absent).await? {
         undo(st, name, tag, &digest, prev_tag).await?;
         return Err(ApiError::new(
             ErrorCode::ManifestBlobUnknown,
@@ -485,12 +510,21 @@ const MAX_SETTLE_MANIFESTS: usize = 4096;
 /// Pins everything manifest `digest` of `repo` reaches (itself, index children, their
 /// configs and layers) against running collections, waits out removals of them in
 /// progress, and then checks in storage that all of it is still there. The first digest
-/// that is not, if any.
+/// that is not, if any. `absent` are the references validation found missing and a
+/// sparse manifest may leave out; with sparse manifests accepted, what the children
+/// reach and is absent before pinning is likewise a gap they were pushed with (each was
+/// checked when it was pushed), not a removal. Everything else — all the manifest itself
+/// references and found present — is pinned and checked again.
 async fn settle(
     st: &StateInner,
     repo: &RepositoryName,
     digest: &Digest,
+    absent: &[Digest],
 ) -> Result<Option<Digest>, ApiError> {
+    let sparse = st.limits.sparse_manifests;
+    // What the manifest itself references and validation found present: never a gap.
+    let mut own_blobs: Vec<Digest> = Vec::new();
+    let mut own_children: Vec<Digest> = Vec::new();
     let failure = |e| super::storage_failure("checking a pushed manifest", e);
     let mut manifests = vec![digest.clone()];
     let mut blobs: Vec<Digest> = Vec::new();
@@ -498,6 +532,11 @@ async fn settle(
     while let Some(d) = manifests.get(i).cloned() {
         i += 1;
         let Some(m) = st.storage.manifest_get(repo, &d).await.map_err(failure)? else {
+            if d != *digest && (absent.contains(&d) || (sparse && !own_children.contains(&d))) {
+                manifests.retain(|m| *m != d);
+                i -= 1;
+                continue;
+            }
             return Ok(Some(d));
         };
         // Stored manifests passed validation when pushed; one that no longer does (older
@@ -506,15 +545,36 @@ async fn settle(
             continue;
         };
         for (b, _) in v.blobs {
+            if d == *digest {
+                if absent.contains(&b) {
+                    continue;
+                }
+                own_blobs.push(b.clone());
+            }
             if !blobs.contains(&b) {
                 blobs.push(b);
             }
         }
         for (c, _) in v.children {
+            if d == *digest && !absent.contains(&c) {
+                own_children.push(c.clone());
+            }
             if manifests.len() < MAX_SETTLE_MANIFESTS && !manifests.contains(&c) {
                 manifests.push(c);
             }
         }
+    }
+    if sparse {
+        let mut present = Vec::with_capacity(blobs.len());
+        for b in blobs {
+            if own_blobs.contains(&b)
+                || st.storage.blob_linked(repo, &b).await.map_err(failure)?
+                    && st.storage.blob_size(&b).await.map_err(failure)?.is_some()
+            {
+                present.push(b);
+            }
+        }
+        blobs = present;
     }
     let reached: Vec<String> = manifests
         .iter()
@@ -574,7 +634,7 @@ async fn undo(
             match prev.filter(|p| p != digest) {
                 Some(p) => {
                     st.storage.tag_set(repo, tag, &p).await.map_err(failure)?;
-                    if Box::pin(settle(st, repo, &p)).await?.is_some()
+                    if Box::pin(settle(st, repo, &p, &[])).await?.is_some()
                         && st
                             .storage
                             .tag_get(repo, tag)

@@ -28,6 +28,20 @@ mod uploads;
 #[cfg(test)]
 mod tests;
 
+/// The pull-through cache stores sha256 content only (its disk layout and keys are the
+/// 64 hex digits): other digests are refused rather than proxied unverified.
+fn pull_through_digest(digest: &ferry_oci::Digest) -> Result<(), errors::ApiError> {
+    if ferry_oci::digest::is_sha256(digest) {
+        return Ok(());
+    }
+    Err(errors::ApiError::digest_invalid(
+        digest.as_ref(),
+        "the pull-through cache serves sha256 content only",
+    ))
+}
+#[cfg(test)]
+mod suite_tests;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

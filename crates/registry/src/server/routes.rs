@@ -107,21 +107,21 @@ pub fn parse_tag(tag: &str) -> Result<Tag, ApiError> {
     })
 }
 
-/// Parses a content digest that must be sha256, the only algorithm stored: well-formed
-/// digests of other algorithms are refused as unsupported, malformed ones as invalid
-/// (both `DIGEST_INVALID`).
+/// Parses a content digest that must be of an algorithm content is stored under (sha256
+/// or sha512): well-formed digests of other algorithms are refused as unsupported,
+/// malformed ones as invalid (both `DIGEST_INVALID`).
 pub fn parse_digest(digest: &str) -> Result<Digest, ApiError> {
     match ferry_oci::digest::parse(digest) {
-        Ok(d) if ferry_oci::digest::is_sha256(&d) => Ok(d),
+        Ok(d) if ferry_oci::digest::is_stored_algorithm(&d) => Ok(d),
         Ok(_) => Err(ApiError::digest_invalid(
             digest,
-            "unsupported digest algorithm (only sha256)",
+            "unsupported digest algorithm (only sha256 and sha512)",
         )),
         Err(_) => Err(ApiError::digest_invalid(digest, "invalid digest")),
     }
 }
 
-/// Parses a manifest reference: a sha256 digest (it has a `:`) or a tag.
+/// Parses a manifest reference: a sha256 or sha512 digest (it has a `:`) or a tag.
 pub fn parse_reference(reference: &str) -> Result<Reference, ApiError> {
     if ferry_oci::digest::is_digest_reference(reference) {
         parse_digest(reference).map(Reference::Digest)
@@ -214,7 +214,9 @@ mod tests {
         assert!(parse_digest(&good).is_ok());
         assert!(parse_digest(&format!("sha256:{}", "A".repeat(64))).is_err());
         assert!(parse_digest("sha256:abc").is_err());
-        assert!(parse_digest(&format!("sha512:{}", "a".repeat(128))).is_err());
+        assert!(parse_digest(&format!("sha512:{}", "a".repeat(128))).is_ok());
+        assert!(parse_digest(&format!("sha512:{}", "a".repeat(64))).is_err());
+        assert!(parse_digest(&format!("sha384:{}", "a".repeat(96))).is_err());
         assert!(parse_digest("nocolon").is_err());
         assert!(parse_tag("v1.0_rc-1").is_ok());
         assert!(parse_tag(".hidden").is_err());

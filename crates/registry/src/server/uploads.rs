@@ -38,6 +38,7 @@ pub(super) async fn start(
     if st.upstream.is_some() {
         return Err(read_only());
     }
+    check_digest_algorithm(parts)?;
     if let Some(mount) = query_param(parts, "mount") {
         let typed = parse_digest(&mount)?;
         let from = query_param(parts, "from");
@@ -52,7 +53,7 @@ pub(super) async fn start(
     }
     if let Some(digest) = query_param(parts, "digest") {
         let typed = parse_digest(&digest)?;
-        if sends_no_bytes(parts, &body) && digest != EMPTY_BLOB_DIGEST {
+        if sends_no_bytes(parts, &body) && !is_empty_blob(&typed) {
             return bodyless_push(st, name, &typed).await;
         }
         let limit = st.limits.max_blob_bytes;
@@ -79,9 +80,25 @@ pub(super) async fn start(
     new_session(st, name).await
 }
 
-/// `sha256:` of zero bytes: the one digest an empty body really is.
-const EMPTY_BLOB_DIGEST: &str =
-    "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+/// Whether `digest` is that of zero bytes (in its algorithm): the one digest an empty
+/// body really is.
+fn is_empty_blob(digest: &Digest) -> bool {
+    *digest == ferry_oci::digest::digest_like(digest, b"")
+}
+
+/// Refuses a `digest-algorithm` the registry cannot store under (the spec's hint for a
+/// session that will finish under a digest other than sha256). A supported one needs no
+/// more: sessions hash as sha256 while bytes arrive and a sha512 finish hashes the data
+/// once more (see `Storage::upload_finish`).
+fn check_digest_algorithm(parts: &Parts) -> Result<(), ApiError> {
+    match query_param(parts, "digest-algorithm").as_deref() {
+        None | Some("sha256") | Some("sha512") => Ok(()),
+        Some(other) => Err(ApiError::digest_invalid(
+            other,
+            "unsupported digest algorithm (only sha256 and sha512)",
+        )),
+    }
+}
 
 /// Whether the request declares or has no body.
 fn sends_no_bytes(parts: &Parts, body: &Body) -> bool {
@@ -316,7 +333,7 @@ pub(super) async fn finish(
     let typed = parse_digest(&digest)?;
     let have = current_size(st, id).await?;
     if sends_no_bytes(parts, &body) {
-        if have == 0 && digest != EMPTY_BLOB_DIGEST {
+        if have == 0 && !is_empty_blob(&typed) {
             cancel_quietly(st, id).await;
             return bodyless_push(st, name, &typed).await;
         }

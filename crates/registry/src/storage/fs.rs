@@ -3,15 +3,18 @@
 //! Layout under the root (all on one filesystem, so renames are atomic):
 //!
 //! ```text
-//! blobs/sha256/<ab>/<abcdef…>                       committed blob content (immutable)
+//! blobs/<alg>/<ab>/<abcdef…>                        committed blob content (immutable)
 //! uploads/<id>/data                                 bytes of an upload session so far
-//! repositories/<name>/_layers/sha256/<hex>          empty file: the repository links a blob
-//! repositories/<name>/_manifests/revisions/sha256/<hex>  manifest link; holds its media type
+//! repositories/<name>/_layers/<alg>/<hex>           empty file: the repository links a blob
+//! repositories/<name>/_manifests/revisions/<alg>/<hex>  manifest link; holds its media type
 //! repositories/<name>/_manifests/tags/<tag>         the tag's manifest digest
-//! repositories/<name>/_referrers/sha256/<subject>/sha256/<referrer>   empty file
+//! repositories/<name>/_referrers/<alg>/<subject>/<alg>/<referrer>   empty file
 //! tmp/<random>                                      files being written (stale ones removed on open)
 //! gc/{running,deleting,pins}/<name>                 empty files: collections' coordination
 //! ```
+//!
+//! `<alg>` is the digest's algorithm, `sha256` or `sha512` (content pushed under a sha512
+//! digest lives under `sha512/`, hashed with it; the two never share a path).
 //!
 //! Why it survives crashes: every file whose *content* matters (blobs, manifest links,
 //! tags) is written to `tmp/`, fsynced, renamed into place and its directory fsynced, so a
@@ -31,7 +34,8 @@
 //! multi-step operations run as one blocking task each; uploads are written in 1 MiB
 //! batches off the async threads, hashing as they go, and the hash state is kept in
 //! memory between chunks so finishing does not re-read the data (after a restart it is
-//! re-read once). One server process per root: upload chunk ordering is serialised in
+//! re-read once; and once when a session hashed as sha256 finishes under a sha512 digest,
+//! see [`Storage::upload_finish`]). One server process per root: upload chunk ordering is serialised in
 //! process; opening the root removes temp files untouched for an hour.
 
 use std::collections::HashMap;
@@ -44,18 +48,18 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::BytesMut;
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use parking_lot::{Mutex, MutexGuard};
-use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt;
 use tokio::task::JoinHandle;
 use tokio_util::io::ReaderStream;
 
 use super::{
-    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
-    valid_upload_id,
+    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, STORED_ALGORITHMS, Storage, StorageError,
+    StoredManifest, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
+    digest_string, hasher_for, listed_digest, new_upload_id, valid_upload_id,
 };
 
 /// Upload bytes are written in batches of this size (one blocking task each).
@@ -81,7 +85,7 @@ pub struct FsStorage {
 /// The hash of an upload's first `len` bytes.
 #[derive(Debug, Clone)]
 struct RunningHash {
-    hasher: Sha256,
+    hasher: ContentHasher,
     len: u64,
 }
 
@@ -92,7 +96,13 @@ impl FsStorage {
     /// opens the same root), which must not fail under it.
     pub fn open(root: &Path) -> Result<FsStorage> {
         fs::create_dir_all(root)?;
-        for dir in ["blobs/sha256", "uploads", "repositories", "tmp"] {
+        for dir in [
+            "blobs/sha256",
+            "blobs/sha512",
+            "uploads",
+            "repositories",
+            "tmp",
+        ] {
             create_dirs_durable(&root.join(dir))?;
         }
         let tmp = root.join("tmp");
@@ -125,10 +135,11 @@ impl FsStorage {
     }
 
     fn blob_path(&self, digest: &str) -> Result<PathBuf> {
-        let hex = sha256_hex(digest)?;
-        let mut p = PathBuf::with_capacity(self.root.as_os_str().len() + 90);
+        let (alg, hex) = digest_parts(digest)?;
+        let mut p = PathBuf::with_capacity(self.root.as_os_str().len() + 160);
         p.push(&self.root);
-        p.push("blobs/sha256");
+        p.push("blobs");
+        p.push(alg);
         p.push(&hex[..2]);
         p.push(hex);
         Ok(p)
@@ -146,24 +157,28 @@ impl FsStorage {
         Ok(p)
     }
 
+    /// Holds one `<alg>/` directory of blob links per algorithm.
     fn layers_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
-        Ok(self.repo_dir(repo)?.join("_layers/sha256"))
+        Ok(self.repo_dir(repo)?.join("_layers"))
     }
 
     fn layer_link(&self, repo: &RepositoryName, digest: &str) -> Result<PathBuf> {
-        let hex = sha256_hex(digest)?;
+        let (alg, hex) = digest_parts(digest)?;
         let mut p = self.layers_dir(repo)?;
+        p.push(alg);
         p.push(hex);
         Ok(p)
     }
 
+    /// Holds one `<alg>/` directory of manifest links per algorithm.
     fn revisions_dir(&self, repo: &RepositoryName) -> Result<PathBuf> {
-        Ok(self.repo_dir(repo)?.join("_manifests/revisions/sha256"))
+        Ok(self.repo_dir(repo)?.join("_manifests/revisions"))
     }
 
     fn manifest_link(&self, repo: &RepositoryName, digest: &str) -> Result<PathBuf> {
-        let hex = sha256_hex(digest)?;
+        let (alg, hex) = digest_parts(digest)?;
         let mut p = self.revisions_dir(repo)?;
+        p.push(alg);
         p.push(hex);
         Ok(p)
     }
@@ -178,12 +193,13 @@ impl FsStorage {
         Ok(p)
     }
 
+    /// Holds one `<alg>/` directory of referrer links per algorithm.
     fn referrers_dir(&self, repo: &RepositoryName, subject: &str) -> Result<PathBuf> {
-        let hex = sha256_hex(subject)?;
+        let (alg, hex) = digest_parts(subject)?;
         let mut p = self.repo_dir(repo)?;
-        p.push("_referrers/sha256");
+        p.push("_referrers");
+        p.push(alg);
         p.push(hex);
-        p.push("sha256");
         Ok(p)
     }
 
@@ -349,21 +365,35 @@ fn read_small(path: &Path, max: usize) -> io::Result<Option<Vec<u8>>> {
     Ok(Some(out))
 }
 
-/// Names in `dir` that are sha256 hex strings, as `sha256:<hex>` with their modification
-/// time; empty if `dir` does not exist.
+/// Names in `dir/<alg>/` (for each stored algorithm) that are hex strings of that
+/// algorithm, as `<alg>:<hex>` with their modification time; empty if none exist.
 fn list_digests(dir: &Path, with_times: bool) -> io::Result<Vec<(String, Option<SystemTime>)>> {
-    let Some(entries) = optional(fs::read_dir(dir))? else {
-        return Ok(Vec::new());
-    };
     let mut out = Vec::new();
+    for alg in STORED_ALGORITHMS {
+        list_digests_of(&dir.join(alg), alg, with_times, &mut out)?;
+    }
+    out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}
+
+fn list_digests_of(
+    dir: &Path,
+    alg: &str,
+    with_times: bool,
+    out: &mut Vec<(String, Option<SystemTime>)>,
+) -> io::Result<()> {
+    let Some(entries) = optional(fs::read_dir(dir))? else {
+        return Ok(());
+    };
     for entry in entries {
         let entry = entry?;
-        let Some(name) = entry.file_name().to_str().map(|n| format!("sha256:{n}")) else {
+        let Some(name) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| listed_digest(alg, n))
+        else {
             continue;
         };
-        if sha256_hex(&name).is_err() {
-            continue;
-        }
         let modified = if with_times {
             match optional(entry.metadata())? {
                 Some(meta) => Some(meta.modified()?),
@@ -374,14 +404,12 @@ fn list_digests(dir: &Path, with_times: bool) -> io::Result<Vec<(String, Option<
         };
         out.push((name, modified));
     }
-    out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-    Ok(out)
+    Ok(())
 }
 
-/// Hashes the whole file at `path`.
-fn hash_file(file: &mut File) -> io::Result<Sha256> {
+/// Hashes the whole of `file` into `hasher`.
+fn hash_file(file: &mut File, mut hasher: ContentHasher) -> io::Result<ContentHasher> {
     file.seek(SeekFrom::Start(0))?;
-    let mut hasher = Sha256::new();
     let mut buf = vec![0u8; WRITE_BATCH];
     loop {
         let n = file.read(&mut buf)?;
@@ -398,12 +426,12 @@ fn hash_file(file: &mut File) -> io::Result<Sha256> {
 /// bytes written. On error some of the body may have been written; the caller undoes it.
 async fn write_stream(
     file: File,
-    hasher: Option<Sha256>,
+    hasher: Option<ContentHasher>,
     mut body: ByteStream,
     already: u64,
     limit: u64,
-) -> Result<(File, Option<Sha256>, u64)> {
-    type Writer = (File, Option<Sha256>);
+) -> Result<(File, Option<ContentHasher>, u64)> {
+    type Writer = (File, Option<ContentHasher>);
     let mut idle: Option<Writer> = Some((file, hasher));
     let mut busy: Option<JoinHandle<io::Result<Writer>>> = None;
 
@@ -507,34 +535,41 @@ impl Storage for FsStorage {
     }
 
     async fn blob_list(&self) -> Result<Vec<BlobInfo>> {
-        let root = self.root.join("blobs/sha256");
+        let blobs = self.root.join("blobs");
         blocking(move || {
             let mut out = Vec::new();
-            for shard in fs::read_dir(&root)? {
-                let shard = shard?;
-                let name = shard.file_name();
-                let Some(prefix) = name.to_str() else {
+            for alg in STORED_ALGORITHMS {
+                let Some(shards) = optional(fs::read_dir(blobs.join(alg)))? else {
                     continue;
                 };
-                if prefix.len() != 2 || !shard.file_type()?.is_dir() {
-                    continue;
-                }
-                for entry in fs::read_dir(shard.path())? {
-                    let entry = entry?;
-                    let name = entry.file_name();
-                    let Some(hex) = name.to_str() else { continue };
-                    let digest = format!("sha256:{hex}");
-                    if sha256_hex(&digest).is_err() || !hex.starts_with(prefix) {
-                        continue;
-                    }
-                    let Some(meta) = optional(entry.metadata())? else {
+                for shard in shards {
+                    let shard = shard?;
+                    let name = shard.file_name();
+                    let Some(prefix) = name.to_str() else {
                         continue;
                     };
-                    out.push(BlobInfo {
-                        digest,
-                        size: meta.len(),
-                        modified: meta.modified()?,
-                    });
+                    if prefix.len() != 2 || !shard.file_type()?.is_dir() {
+                        continue;
+                    }
+                    for entry in fs::read_dir(shard.path())? {
+                        let entry = entry?;
+                        let name = entry.file_name();
+                        let Some(hex) = name.to_str() else { continue };
+                        let Some(digest) = listed_digest(alg, hex) else {
+                            continue;
+                        };
+                        if !hex.starts_with(prefix) {
+                            continue;
+                        }
+                        let Some(meta) = optional(entry.metadata())? else {
+                            continue;
+                        };
+                        out.push(BlobInfo {
+                            digest,
+                            size: meta.len(),
+                            modified: meta.modified()?,
+                        });
+                    }
                 }
             }
             out.sort_unstable_by(|a, b| a.digest.cmp(&b.digest));
@@ -552,7 +587,7 @@ impl Storage for FsStorage {
         let tmp = self.temp_path();
         let tmp_for_create = tmp.clone();
         let file = blocking(move || Ok(File::create_new(&tmp_for_create)?)).await?;
-        let written = write_stream(file, Some(Sha256::new()), body, 0, limit).await;
+        let written = write_stream(file, Some(hasher_for(digest)?), body, 0, limit).await;
         let expected = digest.to_string();
         blocking(move || {
             let result = (|| {
@@ -650,7 +685,9 @@ impl Storage for FsStorage {
         }
         let hasher = match running.take() {
             Some(r) if r.len == have => Some(r.hasher),
-            _ if have == 0 => Some(Sha256::new()),
+            // The algorithm is known only at finish: hash as sha256, the canonical one and
+            // nearly every push; a sha512 finish re-reads the data once (upload_finish).
+            _ if have == 0 => Some(ContentHasher::default()),
             _ => None, // unknown state (restarted): finish re-reads the data
         };
         let before = hasher.clone();
@@ -682,6 +719,7 @@ impl Storage for FsStorage {
     async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
         let digest: &str = digest.as_ref();
         let dest = self.blob_path(digest)?;
+        let fresh = hasher_for(digest)?;
         let dir = self
             .upload_dir(id)
             .ok_or_else(|| StorageError::UploadUnknown(id.to_string()))?;
@@ -696,8 +734,8 @@ impl Storage for FsStorage {
             };
             let size = file.metadata()?.len();
             let hasher = match cached {
-                Some(r) if r.len == size => r.hasher,
-                _ => hash_file(&mut file)?,
+                Some(r) if r.len == size && r.hasher.algorithm() == fresh.algorithm() => r.hasher,
+                _ => hash_file(&mut file, fresh)?,
             };
             let actual = digest_string(hasher);
             if actual != expected {
@@ -817,7 +855,7 @@ impl Storage for FsStorage {
         let (tmp_blob, tmp_link) = (self.temp_path(), self.temp_path());
         let manifest = manifest.clone();
         blocking(move || {
-            let actual = digest_of(&manifest.bytes);
+            let actual = digest_like(&manifest.digest, &manifest.bytes)?;
             if actual != manifest.digest {
                 return Err(StorageError::DigestMismatch {
                     expected: manifest.digest,
@@ -912,7 +950,7 @@ impl Storage for FsStorage {
 
     async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let path = self.tag_path(repo, tag)?;
         let tmp = self.temp_path();
         let digest = digest.to_string();
@@ -926,7 +964,7 @@ impl Storage for FsStorage {
         };
         let digest = String::from_utf8(bytes)
             .ok()
-            .filter(|d| sha256_hex(d).is_ok());
+            .filter(|d| digest_parts(d).is_ok());
         match digest {
             Some(d) => Ok(Some(d)),
             None => Err(StorageError::Io(io::Error::new(
@@ -981,8 +1019,8 @@ impl Storage for FsStorage {
     ) -> Result<()> {
         let subject: &str = subject.as_ref();
         let referrer: &str = referrer.as_ref();
-        let hex = sha256_hex(referrer)?;
-        let path = self.referrers_dir(repo, subject)?.join(hex);
+        let (alg, hex) = digest_parts(referrer)?;
+        let path = self.referrers_dir(repo, subject)?.join(alg).join(hex);
         blocking(move || Ok(touch_link(&path)?)).await
     }
 
@@ -993,8 +1031,10 @@ impl Storage for FsStorage {
         blocking(move || {
             let mut out = Vec::new();
             for (digest, _) in list_digests(&dir, false)? {
-                let hex = &digest["sha256:".len()..];
-                if revisions.join(hex).exists() {
+                let Some((alg, hex)) = digest.split_once(':') else {
+                    continue;
+                };
+                if revisions.join(alg).join(hex).exists() {
                     out.push(digest);
                 }
             }

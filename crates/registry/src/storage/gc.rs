@@ -74,7 +74,7 @@ use std::time::{Duration, Instant, SystemTime};
 use ferry_oci::{RepositoryName, Tag};
 use serde::Deserialize;
 
-use super::{LinkInfo, Result, Storage, StorageError, new_upload_id, sha256_hex};
+use super::{LinkInfo, Result, Storage, StorageError, digest_hex, new_upload_id};
 
 /// Where collections and pushes leave their coordination records (see the module
 /// documentation): running collections, removals in progress, and digests pushes pinned.
@@ -264,9 +264,10 @@ impl<'a> Running<'a> {
     }
 }
 
-/// `<collection id>-<hex of digest>`.
+/// `<collection id>-<hex of digest>` (64 hex digits for sha256, 128 for sha512: the
+/// length tells the algorithms apart, and sha256 records keep the name they always had).
 fn record_name(id: &str, digest: &str) -> Result<String> {
-    Ok(format!("{id}-{}", sha256_hex(digest)?))
+    Ok(format!("{id}-{}", digest_hex(digest)?))
 }
 
 fn older_than(t: SystemTime, age: Duration, now: SystemTime) -> bool {

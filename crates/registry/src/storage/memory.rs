@@ -11,14 +11,15 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::StreamExt;
 use parking_lot::{Mutex, MutexGuard};
-use sha2::{Digest as _, Sha256};
 
 use super::{
     BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_gc_record, digest_of, digest_string, new_upload_id, sha256_hex, valid_upload_id,
+    check_gc_record, digest_like, digest_parts, digest_string, hasher_for, new_upload_id,
+    valid_upload_id,
 };
 
 /// A [`Storage`] held in memory.
@@ -46,7 +47,9 @@ struct Blob {
 struct Upload {
     repo: String,
     data: BytesMut,
-    hasher: Sha256,
+    /// Running sha256 of `data` (the canonical algorithm); a finish under another
+    /// algorithm hashes `data` again.
+    hasher: ContentHasher,
     touched: SystemTime,
 }
 
@@ -99,7 +102,7 @@ fn slice_range(bytes: &Bytes, range: Option<Range<u64>>) -> Result<Bytes> {
 impl Storage for MemoryStorage {
     async fn blob_size(&self, digest: &Digest) -> Result<Option<u64>> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         Ok(self.lock().blobs.get(digest).map(|b| b.bytes.len() as u64))
     }
 
@@ -109,7 +112,7 @@ impl Storage for MemoryStorage {
         range: Option<Range<u64>>,
     ) -> Result<Option<BlobRead>> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let Some(bytes) = self.lock().blobs.get(digest).map(|b| b.bytes.clone()) else {
             return Ok(None);
         };
@@ -122,7 +125,7 @@ impl Storage for MemoryStorage {
 
     async fn blob_delete(&self, digest: &Digest) -> Result<bool> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         Ok(self.lock().blobs.remove(digest).is_some())
     }
 
@@ -143,9 +146,9 @@ impl Storage for MemoryStorage {
 
     async fn blob_put(&self, digest: &Digest, body: ByteStream, limit: u64) -> Result<u64> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let data = collect_body(body, 0, limit).await?;
-        let actual = digest_of(&data);
+        let actual = digest_like(digest, &data)?;
         if actual != digest {
             return Err(StorageError::DigestMismatch {
                 expected: digest.to_string(),
@@ -165,7 +168,7 @@ impl Storage for MemoryStorage {
             Upload {
                 repo: repo.to_string(),
                 data: BytesMut::new(),
-                hasher: Sha256::new(),
+                hasher: ContentHasher::default(),
                 touched: SystemTime::now(),
             },
         );
@@ -217,7 +220,7 @@ impl Storage for MemoryStorage {
 
     async fn upload_finish(&self, id: &str, digest: &Digest) -> Result<u64> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         if !valid_upload_id(id) {
             return Err(StorageError::UploadUnknown(id.to_string()));
         }
@@ -226,7 +229,13 @@ impl Storage for MemoryStorage {
             .uploads
             .remove(id)
             .ok_or_else(|| StorageError::UploadUnknown(id.to_string()))?;
-        let actual = digest_string(upload.hasher);
+        let mut fresh = hasher_for(digest)?;
+        let actual = if upload.hasher.algorithm() == fresh.algorithm() {
+            digest_string(upload.hasher)
+        } else {
+            fresh.update(&upload.data);
+            digest_string(fresh)
+        };
         if actual != digest {
             return Err(StorageError::DigestMismatch {
                 expected: digest.to_string(),
@@ -264,7 +273,7 @@ impl Storage for MemoryStorage {
     async fn link_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<()> {
         let repo: &str = repo;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let mut state = self.lock();
         let now = SystemTime::now();
         // Linking an existing blob keeps it young, so a collection running right now
@@ -284,7 +293,7 @@ impl Storage for MemoryStorage {
     async fn blob_linked(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         let repo: &str = repo;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         Ok(self
             .lock()
             .repos
@@ -295,7 +304,7 @@ impl Storage for MemoryStorage {
     async fn unlink_blob(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         let repo: &str = repo;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         Ok(self
             .lock()
             .repos
@@ -334,8 +343,7 @@ impl Storage for MemoryStorage {
 
     async fn manifest_put(&self, repo: &RepositoryName, manifest: &StoredManifest) -> Result<()> {
         let repo: &str = repo;
-        sha256_hex(&manifest.digest)?;
-        let actual = digest_of(&manifest.bytes);
+        let actual = digest_like(&manifest.digest, &manifest.bytes)?;
         if actual != manifest.digest {
             return Err(StorageError::DigestMismatch {
                 expected: manifest.digest.clone(),
@@ -363,7 +371,7 @@ impl Storage for MemoryStorage {
     ) -> Result<Option<StoredManifest>> {
         let repo: &str = repo;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let state = self.lock();
         let Some((media_type, _)) = state.repos.get(repo).and_then(|r| r.manifests.get(digest))
         else {
@@ -379,7 +387,7 @@ impl Storage for MemoryStorage {
     async fn manifest_delete(&self, repo: &RepositoryName, digest: &Digest) -> Result<bool> {
         let repo: &str = repo;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let mut state = self.lock();
         let Some(r) = state.repos.get_mut(repo) else {
             return Ok(false);
@@ -424,7 +432,7 @@ impl Storage for MemoryStorage {
         let repo: &str = repo;
         let tag: &str = tag;
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         self.lock()
             .repos
             .entry(repo.to_string())
@@ -476,8 +484,8 @@ impl Storage for MemoryStorage {
         let repo: &str = repo;
         let subject: &str = subject.as_ref();
         let referrer: &str = referrer.as_ref();
-        sha256_hex(subject)?;
-        sha256_hex(referrer)?;
+        digest_parts(subject)?;
+        digest_parts(referrer)?;
         self.lock()
             .repos
             .entry(repo.to_string())
@@ -492,7 +500,7 @@ impl Storage for MemoryStorage {
     async fn referrer_list(&self, repo: &RepositoryName, subject: &Digest) -> Result<Vec<String>> {
         let repo: &str = repo;
         let subject: &str = subject.as_ref();
-        sha256_hex(subject)?;
+        digest_parts(subject)?;
         let state = self.lock();
         let Some(r) = state.repos.get(repo) else {
             return Ok(Vec::new());

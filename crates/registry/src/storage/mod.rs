@@ -7,7 +7,8 @@
 //! registry) and [`memory::MemoryStorage`] (tests). Repository names, tags and digests
 //! come in typed ([`RepositoryName`], [`Tag`], [`Digest`]: parsed once, by the HTTP layer
 //! or where garbage collection reads a listing), ranges checked by the HTTP layer;
-//! backends still refuse digests of other algorithms and upload ids they did not issue,
+//! backends still refuse digests of algorithms they do not store under (anything but
+//! sha256 and sha512) and upload ids they did not issue,
 //! and skip listed entries that are not valid names.
 //!
 //! Invariants every backend keeps:
@@ -93,7 +94,7 @@ impl Debug for BlobRead {
 /// A stored manifest (image manifest, image index, or artifact manifest).
 #[derive(Debug, Clone)]
 pub struct StoredManifest {
-    /// `sha256:<hex>` of `bytes`.
+    /// `<algorithm>:<hex>` of `bytes` (sha256, or sha512 when pushed under a sha512 digest).
     pub digest: String,
     /// Media type recorded at push time (the document's `mediaType`, else Content-Type).
     pub media_type: String,
@@ -103,7 +104,7 @@ pub struct StoredManifest {
 /// A committed blob as garbage collection sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlobInfo {
-    /// `sha256:<hex>`.
+    /// `<algorithm>:<hex>` (sha256 or sha512).
     pub digest: String,
     pub size: u64,
     /// When the blob was last written (committed, or re-committed by a later push).
@@ -113,7 +114,7 @@ pub struct BlobInfo {
 /// A repository's link to a blob or manifest, as garbage collection sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkInfo {
-    /// `sha256:<hex>` of the linked blob or manifest.
+    /// `<algorithm>:<hex>` of the linked blob or manifest.
     pub digest: String,
     /// When the link was last written; `None` if the backend cannot tell.
     pub modified: Option<SystemTime>,
@@ -143,24 +144,50 @@ pub async fn open(config: &StorageConfig) -> Result<Arc<dyn Storage>> {
     })
 }
 
-/// The hex part of a `sha256:<64 lowercase hex>` digest; anything else is refused (the
-/// hex part becomes a path component or object key, so it must be exactly that; blobs
-/// are stored under sha256 only, though a typed [`Digest`] may be of another algorithm).
-pub(crate) fn sha256_hex(digest: &str) -> Result<&str> {
-    ferry_oci::digest::parse_sha256(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
-    Ok(&digest["sha256:".len()..])
+/// The algorithms content is stored under, as they name directories and key segments
+/// (`blobs/<algorithm>/…`): sha256, and sha512 (the OCI image spec's other registered one).
+pub(crate) const STORED_ALGORITHMS: [&str; 2] = ["sha256", "sha512"];
+
+/// The algorithm and hex of a digest content is stored under (`sha256:<64 lowercase
+/// hex>` or `sha512:<128 lowercase hex>`); anything else is refused: both parts become
+/// path components or object key segments, so they must be exactly that.
+pub(crate) fn digest_parts(digest: &str) -> Result<(&str, &str)> {
+    ferry_oci::digest::parse_stored(digest).map_err(|e| StorageError::Invalid(e.to_string()))?;
+    digest
+        .split_once(':')
+        .ok_or_else(|| StorageError::Invalid(format!("digest {digest:?}")))
 }
 
-/// `sha256:<hex>` of a finished hash.
-pub(crate) fn digest_string(hasher: sha2::Sha256) -> String {
-    use sha2::Digest as _;
-    format!("sha256:{}", hex::encode(hasher.finalize()))
+/// The hex part of a stored digest (see [`digest_parts`]).
+pub(crate) fn digest_hex(digest: &str) -> Result<&str> {
+    Ok(digest_parts(digest)?.1)
 }
 
-/// `sha256:<hex>` of `bytes`.
-pub(crate) fn digest_of(bytes: &[u8]) -> String {
-    use sha2::Digest as _;
-    format!("sha256:{}", hex::encode(sha2::Sha256::digest(bytes)))
+/// `<algorithm>:<name>` if that is a stored digest: how backends turn what they list
+/// (file names, key segments, which a hand could have put there) back into digests.
+pub(crate) fn listed_digest(algorithm: &str, name: &str) -> Option<String> {
+    let digest = format!("{algorithm}:{name}");
+    digest_parts(&digest).is_ok().then_some(digest)
+}
+
+/// A fresh hasher in the algorithm of `digest` (a stored one, else refused).
+pub(crate) fn hasher_for(digest: &str) -> Result<ferry_oci::digest::ContentHasher> {
+    let typed = ferry_oci::digest::parse_stored(digest)
+        .map_err(|e| StorageError::Invalid(e.to_string()))?;
+    ferry_oci::digest::ContentHasher::for_digest(&typed)
+        .ok_or_else(|| StorageError::Invalid(format!("digest {digest:?}")))
+}
+
+/// `<algorithm>:<hex>` of a finished hash.
+pub(crate) fn digest_string(hasher: ferry_oci::digest::ContentHasher) -> String {
+    hasher.finish().to_string()
+}
+
+/// `bytes` hashed with the algorithm of the stored digest `like`, as `<algorithm>:<hex>`.
+pub(crate) fn digest_like(like: &str, bytes: &[u8]) -> Result<String> {
+    let mut hasher = hasher_for(like)?;
+    hasher.update(bytes);
+    Ok(digest_string(hasher))
 }
 
 /// Length of an upload id: 128 random bits in lowercase hex.
@@ -218,7 +245,8 @@ impl Default for StorageConfig {
 /// The storage contract. Names, tags and digests arrive typed, parsed once where they
 /// entered (the HTTP layer, garbage collection's listings, tools), so a backend never
 /// sees one outside its grammar; backends still refuse digests of algorithms other than
-/// sha256 (the only one they store under) and upload ids they did not issue.
+/// sha256 and sha512 (the ones they store under, each in its own `<algorithm>/` directory
+/// or key prefix) and upload ids they did not issue.
 #[async_trait]
 pub trait Storage: Send + Sync + Debug + 'static {
     // ---- blobs (global, content-addressed) ----
@@ -391,12 +419,12 @@ pub trait Storage: Send + Sync + Debug + 'static {
     async fn gc_record_delete(&self, dir: &str, name: &str) -> Result<bool>;
 }
 
-/// Refuses a coordination record outside [`gc::RECORD_DIRS`] or whose name is not 1-160
+/// Refuses a coordination record outside [`gc::RECORD_DIRS`] or whose name is not 1-200
 /// characters of `[a-z0-9-]` (so it is one safe path component or key segment).
 pub(crate) fn check_gc_record(dir: &str, name: Option<&str>) -> Result<()> {
     let dir_ok = gc::RECORD_DIRS.contains(&dir);
     let name_ok = name.is_none_or(|n| {
-        (1..=160).contains(&n.len())
+        (1..=200).contains(&n.len())
             && n.bytes()
                 .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase() || b == b'-')
     });

@@ -2,10 +2,11 @@
 //! can serve one registry.
 //!
 //! Keys (under an optional prefix) mirror the filesystem layout of [`super::fs`]:
-//! `blobs/sha256/<ab>/<hex>`, `repositories/<name>/_layers/sha256/<hex>` (empty),
-//! `repositories/<name>/_manifests/revisions/sha256/<hex>` (holds the media type),
+//! `blobs/<alg>/<ab>/<hex>`, `repositories/<name>/_layers/<alg>/<hex>` (empty),
+//! `repositories/<name>/_manifests/revisions/<alg>/<hex>` (holds the media type),
 //! `repositories/<name>/_manifests/tags/<tag>` (holds the digest),
-//! `repositories/<name>/_referrers/sha256/<subject>/sha256/<referrer>` (empty), and
+//! `repositories/<name>/_referrers/<alg>/<subject>/<alg>/<referrer>` (empty), where
+//! `<alg>` is the digest's algorithm (`sha256` or `sha512`), and
 //! `uploads/<id>/started` plus one object per chunk, `uploads/<id>/part-<offset>`, and
 //! garbage collection's coordination records, `gc/{running,deleting,pins}/<name>` (empty).
 //!
@@ -33,6 +34,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use ferry_oci::digest::ContentHasher;
 use ferry_oci::{Digest, RepositoryName, Tag};
 use futures_util::{StreamExt, TryStreamExt};
 use object_store::aws::{AmazonS3, AmazonS3Builder};
@@ -40,12 +42,11 @@ use object_store::path::Path;
 use object_store::signer::Signer;
 use object_store::{GetOptions, GetRange, ObjectMeta, ObjectStore, PutPayload, WriteMultipart};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 
 use super::{
-    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, Storage, StorageError, StoredManifest,
-    check_gc_record, check_repo, check_tag, digest_of, digest_string, new_upload_id, sha256_hex,
-    valid_upload_id,
+    BlobInfo, BlobRead, ByteStream, LinkInfo, Result, STORED_ALGORITHMS, Storage, StorageError,
+    StoredManifest, check_gc_record, check_repo, check_tag, digest_like, digest_parts,
+    digest_string, hasher_for, listed_digest, new_upload_id, valid_upload_id,
 };
 
 /// Blobs up to this size are buffered and written with one put; larger ones go through a
@@ -221,33 +222,32 @@ impl S3Storage {
     }
 
     fn blob_key(&self, digest: &str) -> Result<Path> {
-        let hex = sha256_hex(digest)?;
-        Ok(self.key(&format!("blobs/sha256/{}/{hex}", &hex[..2])))
+        let (alg, hex) = digest_parts(digest)?;
+        Ok(self.key(&format!("blobs/{alg}/{}/{hex}", &hex[..2])))
     }
 
     fn repo_rel(&self, repo: &RepositoryName) -> Result<String> {
         Ok(format!("repositories/{repo}"))
     }
 
+    /// Holds one `<alg>/` prefix of blob links per algorithm.
     fn layers_rel(&self, repo: &RepositoryName) -> Result<String> {
-        Ok(format!("{}/_layers/sha256", self.repo_rel(repo)?))
+        Ok(format!("{}/_layers", self.repo_rel(repo)?))
     }
 
     fn layer_key(&self, repo: &RepositoryName, digest: &str) -> Result<Path> {
-        let hex = sha256_hex(digest)?;
-        Ok(self.key(&format!("{}/{hex}", self.layers_rel(repo)?)))
+        let (alg, hex) = digest_parts(digest)?;
+        Ok(self.key(&format!("{}/{alg}/{hex}", self.layers_rel(repo)?)))
     }
 
+    /// Holds one `<alg>/` prefix of manifest links per algorithm.
     fn revisions_rel(&self, repo: &RepositoryName) -> Result<String> {
-        Ok(format!(
-            "{}/_manifests/revisions/sha256",
-            self.repo_rel(repo)?
-        ))
+        Ok(format!("{}/_manifests/revisions", self.repo_rel(repo)?))
     }
 
     fn manifest_key(&self, repo: &RepositoryName, digest: &str) -> Result<Path> {
-        let hex = sha256_hex(digest)?;
-        Ok(self.key(&format!("{}/{hex}", self.revisions_rel(repo)?)))
+        let (alg, hex) = digest_parts(digest)?;
+        Ok(self.key(&format!("{}/{alg}/{hex}", self.revisions_rel(repo)?)))
     }
 
     fn tags_rel(&self, repo: &RepositoryName) -> Result<String> {
@@ -258,12 +258,10 @@ impl S3Storage {
         Ok(self.key(&format!("{}/{tag}", self.tags_rel(repo)?)))
     }
 
+    /// Holds one `<alg>/` prefix of referrer links per algorithm.
     fn referrers_rel(&self, repo: &RepositoryName, subject: &str) -> Result<String> {
-        let hex = sha256_hex(subject)?;
-        Ok(format!(
-            "{}/_referrers/sha256/{hex}/sha256",
-            self.repo_rel(repo)?
-        ))
+        let (alg, hex) = digest_parts(subject)?;
+        Ok(format!("{}/_referrers/{alg}/{hex}", self.repo_rel(repo)?))
     }
 
     fn gc_record_key(&self, dir: &str, name: &str) -> Result<Path> {
@@ -296,22 +294,24 @@ impl S3Storage {
             .map_err(store_error)
     }
 
-    /// Objects directly under `rel` whose last segment is a sha256 hex, as digests.
+    /// Objects under `rel/<alg>/` (for each stored algorithm) whose last segment is a hex
+    /// of that algorithm, as digests.
     async fn list_digests(&self, rel: &str) -> Result<Vec<LinkInfo>> {
-        let mut out: Vec<LinkInfo> = self
-            .list(rel)
-            .await?
-            .into_iter()
-            .filter_map(|meta| {
-                let name = meta.location.filename()?;
-                let digest = format!("sha256:{name}");
-                sha256_hex(&digest).ok()?;
-                Some(LinkInfo {
-                    digest,
-                    modified: Some(SystemTime::from(meta.last_modified)),
-                })
-            })
-            .collect();
+        let mut out: Vec<LinkInfo> = Vec::new();
+        for alg in STORED_ALGORITHMS {
+            out.extend(
+                self.list(&format!("{rel}/{alg}"))
+                    .await?
+                    .into_iter()
+                    .filter_map(|meta| {
+                        let digest = listed_digest(alg, meta.location.filename()?)?;
+                        Some(LinkInfo {
+                            digest,
+                            modified: Some(SystemTime::from(meta.last_modified)),
+                        })
+                    }),
+            );
+        }
         out.sort_unstable_by(|a, b| a.digest.cmp(&b.digest));
         Ok(out)
     }
@@ -377,15 +377,16 @@ impl S3Storage {
         Ok(count)
     }
 
-    fn verified_put(&self, key: Path) -> VerifiedPut {
-        VerifiedPut {
+    /// A write of `key` that commits only content hashing to `digest` (in its algorithm).
+    fn verified_put(&self, key: Path, digest: &str) -> Result<VerifiedPut> {
+        Ok(VerifiedPut {
             store: self.store.clone(),
             key,
-            hasher: Sha256::new(),
+            hasher: hasher_for(digest)?,
             size: 0,
             buffer: BytesMut::new(),
             multipart: None,
-        }
+        })
     }
 }
 
@@ -393,7 +394,7 @@ impl S3Storage {
 struct VerifiedPut {
     store: Arc<AmazonS3>,
     key: Path,
-    hasher: Sha256,
+    hasher: ContentHasher,
     size: u64,
     buffer: BytesMut,
     multipart: Option<WriteMultipart>,
@@ -526,21 +527,22 @@ impl Storage for S3Storage {
     }
 
     async fn blob_list(&self) -> Result<Vec<BlobInfo>> {
-        let mut out: Vec<BlobInfo> = self
-            .list("blobs/sha256")
-            .await?
-            .into_iter()
-            .filter_map(|meta| {
-                let name = meta.location.filename()?;
-                let digest = format!("sha256:{name}");
-                sha256_hex(&digest).ok()?;
-                Some(BlobInfo {
-                    digest,
-                    size: meta.size,
-                    modified: SystemTime::from(meta.last_modified),
-                })
-            })
-            .collect();
+        let mut out: Vec<BlobInfo> = Vec::new();
+        for alg in STORED_ALGORITHMS {
+            out.extend(
+                self.list(&format!("blobs/{alg}"))
+                    .await?
+                    .into_iter()
+                    .filter_map(|meta| {
+                        let digest = listed_digest(alg, meta.location.filename()?)?;
+                        Some(BlobInfo {
+                            digest,
+                            size: meta.size,
+                            modified: SystemTime::from(meta.last_modified),
+                        })
+                    }),
+            );
+        }
         out.sort_unstable_by(|a, b| a.digest.cmp(&b.digest));
         Ok(out)
     }
@@ -548,7 +550,7 @@ impl Storage for S3Storage {
     async fn blob_put(&self, digest: &Digest, mut body: ByteStream, limit: u64) -> Result<u64> {
         let digest: &str = digest.as_ref();
         let key = self.blob_key(digest)?;
-        let mut put = self.verified_put(key);
+        let mut put = self.verified_put(key, digest)?;
         while let Some(chunk) = body.next().await {
             let chunk = match chunk {
                 Ok(chunk) if put.size + chunk.len() as u64 <= limit => chunk,
@@ -652,7 +654,7 @@ impl Storage for S3Storage {
         let unknown = || StorageError::UploadUnknown(id.to_string());
         let rel = self.upload_rel(id).ok_or_else(unknown)?;
         let (parts, _) = self.upload_parts(id).await?.ok_or_else(unknown)?;
-        let mut put = self.verified_put(key);
+        let mut put = self.verified_put(key, digest)?;
         for part in &parts {
             let streamed = async {
                 let got = self.store.get(&part.location).await.map_err(store_error)?;
@@ -753,7 +755,7 @@ impl Storage for S3Storage {
                 manifest.media_type.len()
             )));
         }
-        let actual = digest_of(&manifest.bytes);
+        let actual = digest_like(&manifest.digest, &manifest.bytes)?;
         if actual != manifest.digest {
             return Err(StorageError::DigestMismatch {
                 expected: manifest.digest.clone(),
@@ -829,7 +831,7 @@ impl Storage for S3Storage {
 
     async fn tag_set(&self, repo: &RepositoryName, tag: &Tag, digest: &Digest) -> Result<()> {
         let digest: &str = digest.as_ref();
-        sha256_hex(digest)?;
+        digest_parts(digest)?;
         let key = self.tag_key(repo, tag)?;
         let payload = PutPayload::from(Bytes::copy_from_slice(digest.as_bytes()));
         self.store.put(&key, payload).await.map_err(store_error)?;
@@ -842,7 +844,7 @@ impl Storage for S3Storage {
             return Ok(None);
         };
         match String::from_utf8(bytes.to_vec()) {
-            Ok(d) if sha256_hex(&d).is_ok() => Ok(Some(d)),
+            Ok(d) if digest_parts(&d).is_ok() => Ok(Some(d)),
             _ => Err(StorageError::ObjectStore(format!(
                 "tag {tag} of {repo} does not hold a digest"
             ))),
@@ -932,8 +934,11 @@ impl Storage for S3Storage {
     ) -> Result<()> {
         let subject: &str = subject.as_ref();
         let referrer: &str = referrer.as_ref();
-        let hex = sha256_hex(referrer)?;
-        let key = self.key(&format!("{}/{hex}", self.referrers_rel(repo, subject)?));
+        let (alg, hex) = digest_parts(referrer)?;
+        let key = self.key(&format!(
+            "{}/{alg}/{hex}",
+            self.referrers_rel(repo, subject)?
+        ));
         self.store
             .put(&key, PutPayload::default())
             .await
