@@ -2380,7 +2380,8 @@ pub enum RangeRequest {
 /// registry and the daemon's peer server answer reads with.
 ///
 /// Syntactically invalid headers and units other than `bytes` are ignored (full 200), as
-/// RFC 9110 requires; a valid range that starts past the end is unsatisfiable.
+/// RFC 9110 requires; a range that starts past the end, or ends before it starts (as
+/// the OCI conformance suite wants), is unsatisfiable.
 pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
     let Some(value) = header else {
         return RangeRequest::Full;
@@ -2413,7 +2414,11 @@ pub fn parse_range(header: Option<&str>, size: u64) -> RangeRequest {
     } else {
         match last.parse::<u64>() {
             Ok(e) if e >= start => Some(e),
-            _ => return RangeRequest::Full,
+            // Last before first: RFC 9110 calls the header invalid (ignore it), but the
+            // OCI distribution-spec conformance suite requires 416 here, and a client
+            // asking for it wants no 200 of the whole blob either.
+            Ok(_) => return RangeRequest::Unsatisfiable,
+            Err(_) => return RangeRequest::Full,
         }
     };
     if start >= size {

@@ -493,7 +493,8 @@ async fn blobs_range_requests() {
             ("bytes=500-", Some((500, 2048))),
             ("bytes=-500", Some((1548, 2048))),
             ("bytes=2000-5000", Some((2000, 2048))),
-            // `bytes=500-0`: see `blobs_range_500_0_is_ignored`.
+            // Last before first: RFC 9110 would ignore the header, the suite wants 416.
+            ("bytes=500-0", None),
             ("bytes=5000-10000", None),
         ] {
             let r = t
@@ -512,28 +513,6 @@ async fn blobs_range_requests() {
                 None => assert_eq!(r.status, StatusCode::RANGE_NOT_SATISFIABLE, "{range}"),
             }
         }
-    }
-}
-
-/// The suite's `range 500-0` wants 416; ferry ignores a range whose last byte precedes
-/// its first, as RFC 9110 (14.1.1) says of an invalid range, and sends the whole blob,
-/// which the suite counts as "range requests unsupported". A known difference.
-#[tokio::test]
-async fn blobs_range_500_0_is_ignored() {
-    let t = app();
-    for alg in ALGS {
-        let data = blob(alg, "range", 2048);
-        let d = t.push_blob(alg, "repo", &data).await;
-        let r = t
-            .send(
-                Method::GET,
-                &format!("/v2/repo/blobs/{d}"),
-                &[("range", "bytes=500-0")],
-                Body::empty(),
-            )
-            .await;
-        assert_eq!(r.status, StatusCode::OK);
-        assert_eq!(&r.body[..], &data[..]);
     }
 }
 
