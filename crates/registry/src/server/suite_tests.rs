@@ -6,20 +6,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
-
-use axum::Router;
 use axum::body::Body;
-use bytes::Bytes;
 use ferry_oci::digest::{digest_like, sha256_digest, sha512_digest};
 use ferry_oci::{Digest, media};
-use http::{HeaderMap, Method, Request, StatusCode};
-use http_body_util::BodyExt;
-use tower::ServiceExt;
+use http::{Method, StatusCode};
 
-use super::*;
-use crate::auth::{AuthConfig, Authenticator};
-use crate::storage::memory::MemoryStorage;
+use super::tests::{Resp, TestApp, app, strict_app};
 
 /// The digest algorithms every case runs with.
 #[derive(Debug, Clone, Copy)]
@@ -40,92 +32,9 @@ impl Alg {
     }
 }
 
-struct Resp {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Resp {
-    fn header(&self, name: &str) -> &str {
-        self.headers
-            .get(name)
-            .map(|v| v.to_str().unwrap())
-            .unwrap_or("")
-    }
-
-    fn code(&self) -> String {
-        let v: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
-        v["errors"][0]["code"].as_str().unwrap().to_string()
-    }
-
-    fn json(&self) -> serde_json::Value {
-        serde_json::from_slice(&self.body).unwrap()
-    }
-}
-
-struct T {
-    router: Router,
-}
-
-fn app_with(limits: Limits) -> T {
-    let storage: Arc<dyn Storage> = Arc::new(MemoryStorage::default());
-    let auth = Arc::new(Authenticator::new(&AuthConfig::default()).unwrap());
-    let state = AppState::new(
-        storage,
-        auth,
-        None,
-        Metrics::new(),
-        limits,
-        &MemoryCacheConfig::default(),
-    );
-    T {
-        router: router(state),
-    }
-}
-
-fn app() -> T {
-    app_with(Limits::default())
-}
-
-impl T {
-    async fn send(
-        &self,
-        method: Method,
-        uri: &str,
-        headers: &[(&str, &str)],
-        body: impl Into<Body>,
-    ) -> Resp {
-        let mut req = Request::builder().method(method).uri(uri);
-        for (k, v) in headers {
-            req = req.header(*k, *v);
-        }
-        let resp = self
-            .router
-            .clone()
-            .oneshot(req.body(body.into()).unwrap())
-            .await
-            .unwrap();
-        let status = resp.status();
-        let headers = resp.headers().clone();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        Resp {
-            status,
-            headers,
-            body,
-        }
-    }
-
-    async fn get(&self, uri: &str) -> Resp {
-        self.send(Method::GET, uri, &[], Body::empty()).await
-    }
-
-    async fn head(&self, uri: &str) -> Resp {
-        self.send(Method::HEAD, uri, &[], Body::empty()).await
-    }
-
+impl TestApp {
     /// Monolithic `POST ?digest=`; returns the digest.
-    async fn push_blob(&self, alg: Alg, repo: &str, data: &[u8]) -> String {
+    async fn push_blob_as(&self, alg: Alg, repo: &str, data: &[u8]) -> String {
         let digest = alg.digest(data);
         let r = self
             .send(
@@ -153,7 +62,8 @@ impl T {
         r.header("location").to_string()
     }
 
-    async fn put_manifest(&self, repo: &str, reference: &str, doc: &[u8]) -> Resp {
+    /// PUT `doc` with the media type it names.
+    async fn put_doc(&self, repo: &str, reference: &str, doc: &[u8]) -> Resp {
         let mt = serde_json::from_slice::<serde_json::Value>(doc).unwrap()["mediaType"]
             .as_str()
             .unwrap()
@@ -213,7 +123,7 @@ async fn blobs_get_missing() {
         let d = alg.digest(b"never pushed");
         let r = t.get(&format!("/v2/repo/blobs/{d}")).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
-        assert_eq!(r.code(), "BLOB_UNKNOWN");
+        assert_eq!(r.error_code(), "BLOB_UNKNOWN");
     }
 }
 
@@ -393,7 +303,7 @@ async fn blobs_chunked_with_digest_algorithm_parameter() {
         )
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
-    assert_eq!(r.code(), "DIGEST_INVALID");
+    assert_eq!(r.error_code(), "DIGEST_INVALID");
 }
 
 #[tokio::test]
@@ -402,7 +312,7 @@ async fn blobs_mount_mount_anonymous_and_mount_missing() {
     for alg in ALGS {
         // mount: from a repository that links the blob.
         let data = blob(alg, "mount", 512);
-        let d = t.push_blob(alg, "repo2", &data).await;
+        let d = t.push_blob_as(alg, "repo2", &data).await;
         let r = t
             .send(
                 Method::POST,
@@ -417,7 +327,7 @@ async fn blobs_mount_mount_anonymous_and_mount_missing() {
 
         // mount anonymous (no `from`): a session to push into, as the spec allows.
         let data = blob(alg, "mount anonymous", 512);
-        let d = t.push_blob(alg, "repo2", &data).await;
+        let d = t.push_blob_as(alg, "repo2", &data).await;
         let r = t
             .send(
                 Method::POST,
@@ -467,7 +377,7 @@ async fn blobs_post_cancel() {
         assert_eq!(r.status, StatusCode::NO_CONTENT);
         let r = t.get(&loc).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
-        assert_eq!(r.code(), "BLOB_UPLOAD_UNKNOWN");
+        assert_eq!(r.error_code(), "BLOB_UPLOAD_UNKNOWN");
         let d = alg.digest(b"partial");
         let r = t
             .send(
@@ -486,7 +396,7 @@ async fn blobs_range_requests() {
     let t = app();
     for alg in ALGS {
         let data = blob(alg, "range", 2048);
-        let d = t.push_blob(alg, "repo", &data).await;
+        let d = t.push_blob_as(alg, "repo", &data).await;
         let uri = format!("/v2/repo/blobs/{d}");
         for (range, want) in [
             ("bytes=500-1499", Some((500, 1500))),
@@ -522,7 +432,7 @@ async fn blobs_empty_and_empty_json() {
     let t = app();
     for alg in ALGS {
         for data in [&b""[..], b"{}"] {
-            let d = t.push_blob(alg, "repo", data).await;
+            let d = t.push_blob_as(alg, "repo", data).await;
             t.check_blob_then_delete("repo", &d, data).await;
             // Also by POST then an empty PUT.
             let loc = t.start("repo").await;
@@ -559,7 +469,7 @@ async fn blobs_bad_digest_post_only_post_put_chunked_stream() {
             )
             .await;
         assert_eq!(
-            (r.status, r.code()),
+            (r.status, r.error_code()),
             (StatusCode::BAD_REQUEST, "DIGEST_INVALID".into())
         );
         let loc = t.start("repo").await;
@@ -618,14 +528,20 @@ fn descriptor(mt: &str, digest: &str, size: usize) -> serde_json::Value {
 }
 
 /// An image: config and `layers` layers pushed (under `alg`), manifest bytes returned.
-async fn image(t: &T, alg: Alg, repo: &str, seed: &str, layers: usize) -> (Vec<u8>, Vec<String>) {
+async fn image(
+    t: &TestApp,
+    alg: Alg,
+    repo: &str,
+    seed: &str,
+    layers: usize,
+) -> (Vec<u8>, Vec<String>) {
     let config = format!(r#"{{"architecture":"amd64","os":"linux","seed":"{seed}"}}"#);
-    let cd = t.push_blob(alg, repo, config.as_bytes()).await;
+    let cd = t.push_blob_as(alg, repo, config.as_bytes()).await;
     let mut descs = Vec::new();
     let mut blobs = vec![cd.clone()];
     for i in 0..layers {
         let data = blob(alg, &format!("{seed}{i}"), 64 + i);
-        let d = t.push_blob(alg, repo, &data).await;
+        let d = t.push_blob_as(alg, repo, &data).await;
         descs.push(descriptor(media::LAYER_TAR_GZIP, &d, data.len()));
         blobs.push(d);
     }
@@ -640,8 +556,8 @@ async fn image(t: &T, alg: Alg, repo: &str, seed: &str, layers: usize) -> (Vec<u
 
 /// The suite's manifest push checks: 201, Location that serves the same bytes with the
 /// pushed Content-Type and Content-Length, and Docker-Content-Digest.
-async fn push_manifest_checked(t: &T, repo: &str, reference: &str, doc: &[u8], digest: &str) {
-    let r = t.put_manifest(repo, reference, doc).await;
+async fn push_manifest_checked(t: &TestApp, repo: &str, reference: &str, doc: &[u8], digest: &str) {
+    let r = t.put_doc(repo, reference, doc).await;
     assert_eq!(
         r.status,
         StatusCode::CREATED,
@@ -726,7 +642,7 @@ async fn data_image_and_index_by_digest_and_tag() {
             assert_eq!(r.status, StatusCode::ACCEPTED, "{m}");
             let r = t.get(&format!("/v2/{repo}/manifests/{m}")).await;
             assert_eq!(
-                (r.status, r.code()),
+                (r.status, r.error_code()),
                 (StatusCode::NOT_FOUND, "MANIFEST_UNKNOWN".into())
             );
         }
@@ -758,9 +674,9 @@ async fn data_bad_digest_image_and_invalid_digest_format() {
         let d = alg.digest(&doc);
         let mut spaced = doc.clone();
         spaced.extend_from_slice(b"  ");
-        let r = t.put_manifest("repo", &d, &spaced).await;
+        let r = t.put_doc("repo", &d, &spaced).await;
         assert_eq!(
-            (r.status, r.code()),
+            (r.status, r.error_code()),
             (StatusCode::BAD_REQUEST, "DIGEST_INVALID".into())
         );
         // The same bytes under the other algorithm's digest are refused too.
@@ -768,11 +684,11 @@ async fn data_bad_digest_image_and_invalid_digest_format() {
             Alg::Sha256 => Alg::Sha512,
             Alg::Sha512 => Alg::Sha256,
         };
-        let r = t.put_manifest("repo", &other.digest(&spaced), &doc).await;
+        let r = t.put_doc("repo", &other.digest(&spaced), &doc).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST);
     }
     let (doc, _) = image(&t, Alg::Sha256, "repo", "fmt", 1).await;
-    let r = t.put_manifest("repo", "sha256:baddigeststring", &doc).await;
+    let r = t.put_doc("repo", "sha256:baddigeststring", &doc).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     let r = t.get("/v2/repo/manifests/sha256:baddigeststring").await;
     assert!(matches!(
@@ -789,16 +705,19 @@ async fn data_missing_manifest_blob_and_repository_codes() {
         let r = t.get(&format!("/v2/nowhere/manifests/{d}")).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
         assert!(matches!(
-            r.code().as_str(),
+            r.error_code().as_str(),
             "MANIFEST_UNKNOWN" | "NAME_UNKNOWN"
         ));
         let r = t.get(&format!("/v2/nowhere/blobs/{d}")).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
-        assert!(matches!(r.code().as_str(), "BLOB_UNKNOWN" | "NAME_UNKNOWN"));
+        assert!(matches!(
+            r.error_code().as_str(),
+            "BLOB_UNKNOWN" | "NAME_UNKNOWN"
+        ));
     }
     let r = t.get("/v2/nowhere/tags/list").await;
     assert_eq!(
-        (r.status, r.code()),
+        (r.status, r.error_code()),
         (StatusCode::NOT_FOUND, "NAME_UNKNOWN".into())
     );
 }
@@ -812,7 +731,7 @@ async fn data_tag_list_n_and_last() {
         let (doc, _) = image(&t, alg, &repo, "tags", 1).await;
         for tag in ["a", "b", "c", "d"] {
             assert_eq!(
-                t.put_manifest(&repo, tag, &doc).await.status,
+                t.put_doc(&repo, tag, &doc).await.status,
                 StatusCode::CREATED
             );
         }
@@ -838,7 +757,7 @@ async fn data_subject_subject_missing_and_referrers() {
         let subject = alg.digest(&doc);
         push_manifest_checked(&t, &repo, &subject, &doc, &subject).await;
         let missing = alg.digest(b"a subject never pushed");
-        let empty = t.push_blob(alg, &repo, b"{}").await;
+        let empty = t.push_blob_as(alg, &repo, b"{}").await;
         let mut referrers = Vec::new();
         for (at, subj) in [
             ("application/vnd.example.sig", &subject),
@@ -855,7 +774,7 @@ async fn data_subject_subject_missing_and_referrers() {
             }))
             .unwrap();
             let ad = alg.digest(&art);
-            let r = t.put_manifest(&repo, &ad, &art).await;
+            let r = t.put_doc(&repo, &ad, &art).await;
             assert_eq!(
                 r.status,
                 StatusCode::CREATED,
@@ -950,20 +869,20 @@ async fn data_sparse_image_and_sparse_index() {
         let mut wrong: serde_json::Value = serde_json::from_slice(&index).unwrap();
         wrong["manifests"][0]["size"] = serde_json::json!(1);
         let r = t
-            .put_manifest(&repo, "wrong", &serde_json::to_vec(&wrong).unwrap())
+            .put_doc(&repo, "wrong", &serde_json::to_vec(&wrong).unwrap())
             .await;
         assert_eq!(
-            (r.status, r.code()),
+            (r.status, r.error_code()),
             (StatusCode::BAD_REQUEST, "MANIFEST_INVALID".into())
         );
         // The config is never optional.
         let mut no_config = v.clone();
         no_config["config"]["digest"] = serde_json::json!(alg.digest(b"no such config"));
         let r = t
-            .put_manifest(&repo, "no-config", &serde_json::to_vec(&no_config).unwrap())
+            .put_doc(&repo, "no-config", &serde_json::to_vec(&no_config).unwrap())
             .await;
         assert_eq!(
-            (r.status, r.code()),
+            (r.status, r.error_code()),
             (StatusCode::NOT_FOUND, "MANIFEST_BLOB_UNKNOWN".into())
         );
     }
@@ -972,27 +891,24 @@ async fn data_sparse_image_and_sparse_index() {
 /// With `sparse_manifests = false`, both sparse documents are refused as before.
 #[tokio::test]
 async fn data_sparse_refused_when_configured_strict() {
-    let t = app_with(Limits {
-        sparse_manifests: false,
-        ..Limits::default()
-    });
+    let t = strict_app();
     for alg in ALGS {
         let (doc, _) = image(&t, alg, "strict", "strict", 1).await;
         let mut v: serde_json::Value = serde_json::from_slice(&doc).unwrap();
         v["layers"][0]["digest"] = serde_json::json!(alg.digest(b"absent"));
         let r = t
-            .put_manifest("strict", "x", &serde_json::to_vec(&v).unwrap())
+            .put_doc("strict", "x", &serde_json::to_vec(&v).unwrap())
             .await;
-        assert_eq!(r.code(), "MANIFEST_BLOB_UNKNOWN");
+        assert_eq!(r.error_code(), "MANIFEST_BLOB_UNKNOWN");
         let index = serde_json::to_vec(&serde_json::json!({
             "schemaVersion": 2,
             "mediaType": media::OCI_INDEX,
             "manifests": [descriptor(media::OCI_MANIFEST, &alg.digest(b"absent"), 6)],
         }))
         .unwrap();
-        let r = t.put_manifest("strict", "y", &index).await;
+        let r = t.put_doc("strict", "y", &index).await;
         assert_eq!(r.status, StatusCode::NOT_FOUND);
-        assert_eq!(r.code(), "MANIFEST_UNKNOWN");
+        assert_eq!(r.error_code(), "MANIFEST_UNKNOWN");
     }
 }
 

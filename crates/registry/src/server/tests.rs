@@ -21,25 +21,26 @@ use crate::storage::conformance::{td, tr};
 use crate::storage::memory::MemoryStorage;
 use ferry_oci::media;
 
-struct Resp {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
+/// An answer of the in-process router (also the conformance cases', `suite_tests`).
+pub(super) struct Resp {
+    pub(super) status: StatusCode,
+    pub(super) headers: HeaderMap,
+    pub(super) body: Bytes,
 }
 
 impl Resp {
-    fn header(&self, name: &str) -> &str {
+    pub(super) fn header(&self, name: &str) -> &str {
         self.headers
             .get(name)
             .map(|v| v.to_str().unwrap())
             .unwrap_or("")
     }
 
-    fn json(&self) -> serde_json::Value {
+    pub(super) fn json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap()
     }
 
-    fn error_code(&self) -> String {
+    pub(super) fn error_code(&self) -> String {
         self.json()["errors"][0]["code"]
             .as_str()
             .unwrap()
@@ -51,12 +52,13 @@ fn digest_of(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(data)))
 }
 
-struct TestApp {
+/// The registry's router over fresh in-memory storage.
+pub(super) struct TestApp {
     router: Router,
     state: AppState,
 }
 
-fn app_with(limits: Limits, cache: MemoryCacheConfig) -> TestApp {
+pub(super) fn app_with(limits: Limits, cache: MemoryCacheConfig) -> TestApp {
     let storage: Arc<dyn Storage> = Arc::new(MemoryStorage::default());
     let auth = Arc::new(Authenticator::new(&AuthConfig::default()).unwrap());
     let state = AppState::new(storage, auth, None, Metrics::new(), limits, &cache);
@@ -66,12 +68,12 @@ fn app_with(limits: Limits, cache: MemoryCacheConfig) -> TestApp {
     }
 }
 
-fn app() -> TestApp {
+pub(super) fn app() -> TestApp {
     app_with(Limits::default(), MemoryCacheConfig::default())
 }
 
 /// Sparse manifests refused: every reference must be in the repository.
-fn strict_app() -> TestApp {
+pub(super) fn strict_app() -> TestApp {
     app_with(
         Limits {
             sparse_manifests: false,
@@ -94,7 +96,7 @@ fn uncached_app() -> TestApp {
 }
 
 impl TestApp {
-    async fn send(
+    pub(super) async fn send(
         &self,
         method: Method,
         uri: &str,
@@ -121,8 +123,12 @@ impl TestApp {
         }
     }
 
-    async fn get(&self, uri: &str) -> Resp {
+    pub(super) async fn get(&self, uri: &str) -> Resp {
         self.send(Method::GET, uri, &[], Body::empty()).await
+    }
+
+    pub(super) async fn head(&self, uri: &str) -> Resp {
+        self.send(Method::HEAD, uri, &[], Body::empty()).await
     }
 
     async fn push_blob(&self, repo: &str, data: &[u8]) -> String {
