@@ -11,6 +11,12 @@
 //! Digests: a manifest PUT by digest is hashed with that digest's algorithm (sha256 or
 //! sha512) and stored under it; one PUT by tag is hashed with sha256, the canonical
 //! algorithm (the spec's default, and what a client assumes without a digest to go by).
+//!
+//! Tags in the query: a PUT may name tags as `?tag=a&tag=b` (distribution-spec, "pushing
+//! manifests with tags"), by digest or beside its own tag; all of them are set with the
+//! manifest, each accepted one listed in an `OCI-Tag` answer header. At most
+//! [`MAX_TAGS_PER_PUSH`] (more: `414`); an invalid one refuses the whole push before
+//! anything is stored.
 
 use ferry_oci::{Digest, Reference, RepositoryName, Tag};
 use std::collections::BTreeMap;
@@ -26,10 +32,43 @@ use serde::{Deserialize, Serialize};
 use super::body::{check_declared_length, collect_bounded};
 use super::errors::{ApiError, ErrorCode};
 use super::routes::{parse_digest, parse_reference};
-use super::{DOCKER_CONTENT_DIGEST, Handled, OCI_SUBJECT, StateInner, header_value, read_only};
+use super::{
+    DOCKER_CONTENT_DIGEST, Handled, OCI_SUBJECT, OCI_TAG, StateInner, header_value, query_pairs,
+    read_only,
+};
 use crate::auth::Actions;
 use crate::storage::StoredManifest;
 use ferry_oci::media;
+
+/// Most tags one manifest PUT sets (its own and `?tag=` ones together); the spec asks for
+/// at least 10.
+pub(crate) const MAX_TAGS_PER_PUSH: usize = 64;
+
+/// The tags a manifest PUT sets: the reference's own (if it is a tag) and every `?tag=`,
+/// once each, in the order given.
+fn tags_of_push(parts: &Parts, parsed: &Reference) -> Result<Vec<Tag>, ApiError> {
+    let mut tags: Vec<Tag> = Vec::new();
+    if let Reference::Tag(t) = parsed {
+        tags.push(t.clone());
+    }
+    for (k, v) in query_pairs(parts) {
+        if k != "tag" {
+            continue;
+        }
+        let tag = super::routes::parse_tag(&v)?;
+        if !tags.contains(&tag) {
+            if tags.len() == MAX_TAGS_PER_PUSH {
+                return Err(ApiError::new(
+                    ErrorCode::ManifestInvalid,
+                    format!("at most {MAX_TAGS_PER_PUSH} tags per manifest push"),
+                )
+                .with_status(StatusCode::URI_TOO_LONG));
+            }
+            tags.push(tag);
+        }
+    }
+    Ok(tags)
+}
 
 /// Media types a manifest PUT may declare as Content-Type without naming a format.
 const GENERIC_CONTENT_TYPES: &[&str] = &["", "application/json", "application/octet-stream"];
@@ -333,6 +372,7 @@ pub(super) async fn push(
     }
     let parsed = parse_reference(reference)?;
     let by_digest = matches!(parsed, Reference::Digest(_));
+    let tags = tags_of_push(parts, &parsed)?;
     let limit = st.limits.max_manifest_bytes;
     check_declared_length(&parts.headers, limit, ErrorCode::ManifestInvalid)?;
     let bytes: Bytes = collect_bounded(
@@ -438,19 +478,16 @@ pub(super) async fn push(
             .map_err(|e| ApiError::from_storage(e, "linking a blob"))?;
     }
 
-    // What the tag pointed at, to put back if a collection undercuts this push.
-    let tag = match &parsed {
-        Reference::Tag(t) => Some(t),
-        Reference::Digest(_) => None,
-    };
-    let prev_tag = match tag {
-        Some(tag) => st
+    // What the tags pointed at, to put back if a collection undercuts this push.
+    let mut prev_tags = Vec::with_capacity(tags.len());
+    for tag in &tags {
+        let prev = st
             .storage
             .tag_get(name, tag)
             .await
-            .map_err(|e| super::storage_failure("reading a tag", e))?,
-        None => None,
-    };
+            .map_err(|e| super::storage_failure("reading a tag", e))?;
+        prev_tags.push((tag, prev));
+    }
     let stored = StoredManifest {
         digest: digest.to_string(),
         media_type: v.media_type,
@@ -466,7 +503,7 @@ pub(super) async fn push(
             .await
             .map_err(|e| ApiError::from_storage(e, "recording a referrer"))?;
     }
-    if let Some(tag) = tag {
+    for tag in &tags {
         st.storage
             .tag_set(name, tag, &digest)
             .await
@@ -476,7 +513,7 @@ pub(super) async fn push(
     // before the checks above refreshed it may still be about to: tell it, and check
     // again once it cannot (storage::gc, "Collections and manifest pushes agree").
     if let Some(missing) = settle(st, name, &digest, &absent).await? {
-        undo(st, name, tag, &digest, prev_tag).await?;
+        undo(st, name, prev_tags, &digest).await?;
         return Err(ApiError::new(
             ErrorCode::ManifestBlobUnknown,
             "garbage collection removed content this manifest references while it was pushed; push it again",
@@ -484,7 +521,7 @@ pub(super) async fn push(
         .with_detail(serde_json::json!({ "digest": missing }))
         .into());
     }
-    if let Some(tag) = tag {
+    for tag in &tags {
         st.tags.insert(name, tag, digest.as_ref().into(), 0);
     }
     let weight = stored.bytes.len() as u64;
@@ -500,6 +537,15 @@ pub(super) async fn push(
     h.insert(DOCKER_CONTENT_DIGEST, header_value(digest.as_ref())?);
     if let Some(subject) = &v.subject {
         h.insert(OCI_SUBJECT, header_value(subject.as_ref())?);
+    }
+    // The tags the query asked for (the reference's own is implied by the URL).
+    let asked: Vec<&str> = tags
+        .iter()
+        .filter(|t| !matches!(&parsed, Reference::Tag(own) if own == *t))
+        .map(|t| t.as_str())
+        .collect();
+    if !asked.is_empty() {
+        h.insert(OCI_TAG, header_value(&asked.join(", "))?);
     }
     Ok(resp)
 }
@@ -609,19 +655,18 @@ async fn settle(
     Ok(None)
 }
 
-/// Undoes the commit of manifest `digest` whose content a collection removed: the tag
-/// goes back to `prev` (if that still settles, else it goes) and the manifest, which
-/// references something gone, is unlinked.
+/// Undoes the commit of manifest `digest` whose content a collection removed: each tag
+/// goes back to what it pointed at before (if that still settles, else it goes) and the
+/// manifest, which references something gone, is unlinked.
 async fn undo(
     st: &StateInner,
     repo: &RepositoryName,
-    tag: Option<&Tag>,
+    prev_tags: Vec<(&Tag, Option<String>)>,
     digest: &Digest,
-    prev: Option<String>,
 ) -> Result<(), ApiError> {
-    let prev = prev.and_then(|p| ferry_oci::digest::parse(&p).ok());
     let failure = |e| ApiError::from_storage(e, "undoing a manifest push");
-    if let Some(tag) = tag {
+    for (tag, prev) in prev_tags {
+        let prev = prev.and_then(|p| ferry_oci::digest::parse(&p).ok());
         st.tags.remove(repo, tag);
         if st
             .storage

@@ -70,6 +70,8 @@ pub(crate) const DOCKER_UPLOAD_UUID: HeaderName = HeaderName::from_static("docke
 pub(crate) const API_VERSION: HeaderName =
     HeaderName::from_static("docker-distribution-api-version");
 pub(crate) const OCI_SUBJECT: HeaderName = HeaderName::from_static("oci-subject");
+/// The tags a manifest PUT's `?tag=` parameters set.
+pub(crate) const OCI_TAG: HeaderName = HeaderName::from_static("oci-tag");
 pub(crate) const OCI_FILTERS_APPLIED: HeaderName = HeaderName::from_static("oci-filters-applied");
 
 /// Everything a request handler needs; cheap to clone.

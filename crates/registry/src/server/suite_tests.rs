@@ -745,6 +745,93 @@ async fn data_tag_list_n_and_last() {
     }
 }
 
+/// The suite's tag parameters (`manifest-by-digest` with `?tag=`): a push by digest sets
+/// every tag it names, each listed in `OCI-Tag`; the tags then resolve and list. An
+/// invalid tag refuses the push with nothing stored; more tags than the registry takes
+/// is 414 (the spec's answer), and 10, the spec's floor, are taken.
+#[tokio::test]
+async fn data_manifest_push_with_tag_parameters() {
+    let t = app();
+    for alg in ALGS {
+        let repo = format!("tagparam/{alg:?}").to_ascii_lowercase();
+        let (doc, _) = image(&t, alg, &repo, "tagparam", 1).await;
+        let d = alg.digest(&doc);
+        let tags: Vec<String> = (0..10).map(|i| format!("v1.{i}")).collect();
+        let query: Vec<String> = tags.iter().map(|t| format!("tag={t}")).collect();
+        let r = t
+            .put_doc(&repo, &format!("{d}?{}", query.join("&")), &doc)
+            .await;
+        assert_eq!(
+            r.status,
+            StatusCode::CREATED,
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.header("docker-content-digest"), d);
+        // RFC 9110 list semantics: the header's comma-separated values, across headers.
+        let listed: Vec<String> = r
+            .headers
+            .get_all("oci-tag")
+            .iter()
+            .flat_map(|v| v.to_str().unwrap().split(','))
+            .map(|s| s.trim().to_string())
+            .collect();
+        assert_eq!(listed, tags);
+        for tag in &tags {
+            let r = t.head(&format!("/v2/{repo}/manifests/{tag}")).await;
+            assert_eq!(r.status, StatusCode::OK, "{tag}");
+            assert_eq!(r.header("docker-content-digest"), d, "{tag}");
+        }
+        let r = t.get(&format!("/v2/{repo}/tags/list")).await;
+        let mut want = tags.clone();
+        want.sort();
+        assert_eq!(r.json()["tags"], serde_json::json!(want));
+
+        // One bad tag among good ones: 400, and neither the manifest nor a tag is stored.
+        let (other, _) = image(&t, alg, &repo, "tagparam-bad", 1).await;
+        let od = alg.digest(&other);
+        let r = t
+            .put_doc(&repo, &format!("{od}?tag=fine&tag=-bad"), &other)
+            .await;
+        assert_eq!(
+            (r.status, r.error_code()),
+            (StatusCode::BAD_REQUEST, "MANIFEST_INVALID".into())
+        );
+        assert_eq!(
+            t.head(&format!("/v2/{repo}/manifests/{od}")).await.status,
+            StatusCode::NOT_FOUND
+        );
+        assert_eq!(
+            t.head(&format!("/v2/{repo}/manifests/fine")).await.status,
+            StatusCode::NOT_FOUND
+        );
+
+        // Too many: 414, nothing stored.
+        let many: Vec<String> = (0..=super::manifests::MAX_TAGS_PER_PUSH)
+            .map(|i| format!("tag=t{i}"))
+            .collect();
+        let r = t
+            .put_doc(&repo, &format!("{od}?{}", many.join("&")), &other)
+            .await;
+        assert_eq!(r.status, StatusCode::URI_TOO_LONG);
+        assert_eq!(
+            t.head(&format!("/v2/{repo}/manifests/t0")).await.status,
+            StatusCode::NOT_FOUND
+        );
+
+        // A push by tag may name more tags; its own is set too, the others listed.
+        let r = t.put_doc(&repo, "own?tag=extra", &other).await;
+        assert_eq!(r.status, StatusCode::CREATED);
+        assert_eq!(r.header("oci-tag"), "extra");
+        for tag in ["own", "extra"] {
+            assert_eq!(
+                t.head(&format!("/v2/{repo}/manifests/{tag}")).await.status,
+                StatusCode::OK
+            );
+        }
+    }
+}
+
 /// Artifacts with a subject (present, or missing as the spec requires accepting), listed
 /// by the referrers API under the subject's digest in either algorithm, filtered by
 /// `artifactType` with `OCI-Filters-Applied`; `OCI-Subject` on the push.
