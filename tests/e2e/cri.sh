@@ -425,6 +425,14 @@ cri_private() {
     else
         pass "$v: the pull secret's password is neither in the store nor in the daemon's log"
     fi
+    # the proxy's counters as an operator sees them (`ferry status`)
+    local st
+    st=$(timeout 20 "$FERRY" status --json --socket "$E2E_TMP/run/daemon.sock" 2>/dev/null || true)
+    if [[ $(jq -r '(.cri.credentials_kept >= 1) and (.cri.repositories_with_credentials >= 1) and (.cri.forwarded >= 2) and (.daemon.cri_socket != null)' <<<"$st" 2>/dev/null) == true ]]; then
+        pass "$v: ferry status shows the CRI proxy: $(jq -c '.cri | {forwarded, credentials_kept, repositories_with_credentials, runtime_unreachable}' <<<"$st")"
+    else
+        fail "$v: ferry status lacks the CRI proxy's counters: $(jq -c '.cri' <<<"$st" 2>/dev/null || echo "$st" | head -c 300)"
+    fi
     # shellcheck disable=SC2046 # image names have no spaces
     timeout 60 ctr -a "$CONTAINERD_SOCK" -n k8s.io image rm --sync \
         $(ctr -a "$CONTAINERD_SOCK" -n k8s.io image ls -q) >/dev/null 2>&1 || true

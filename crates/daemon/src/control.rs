@@ -66,6 +66,9 @@ pub struct DaemonInfo {
     /// The peer server's address, when `[p2p]` is on.
     #[serde(default)]
     pub p2p_addr: Option<SocketAddr>,
+    /// The CRI image-service proxy's socket, when `[cri]` is on.
+    #[serde(default)]
+    pub cri_socket: Option<PathBuf>,
 }
 
 /// Body of `GET /v1/status`.
@@ -89,6 +92,9 @@ pub struct StatusReport {
     /// Images whose layers the snapshotter did not serve lazily, and why.
     #[serde(default)]
     pub not_lazy: Option<crate::fallback::NotLazyStatus>,
+    /// The CRI proxy's counters, when `[cri]` is on.
+    #[serde(default)]
+    pub cri: Option<crate::cri::CriStatus>,
 }
 
 /// Body of `GET /v1/health`.
@@ -112,6 +118,7 @@ pub struct ErrorBody {
 struct ControlState {
     backend: Arc<dyn MountBackend>,
     info: Arc<DaemonInfo>,
+    cri: Option<Arc<crate::cri::CriProxy>>,
 }
 
 struct ApiError(Error);
@@ -172,6 +179,7 @@ async fn status(State(state): State<ControlState>) -> Result<axum::Json<StatusRe
         inflated_cache: Some(ferry_fs::inflated_spans().stats()),
         p2p: state.backend.p2p_status(),
         not_lazy: state.backend.fallbacks().map(|f| f.status()),
+        cri: state.cri.as_ref().map(|c| c.status()),
     }))
 }
 
@@ -283,11 +291,16 @@ async fn not_found() -> ApiError {
     })
 }
 
-/// The control API's routes over `backend`.
-pub fn router(backend: Arc<dyn MountBackend>, info: DaemonInfo) -> Router {
+/// The control API's routes over `backend` (and the CRI proxy's counters, when it runs).
+pub fn router(
+    backend: Arc<dyn MountBackend>,
+    info: DaemonInfo,
+    cri: Option<Arc<crate::cri::CriProxy>>,
+) -> Router {
     let state = ControlState {
         backend,
         info: Arc::new(info),
+        cri,
     };
     Router::new()
         .route("/v1/health", get(health))
@@ -613,10 +626,11 @@ mod tests {
             snapshotter_socket: None,
             dead_mounts: Vec::new(),
             p2p_addr: None,
+            cri_socket: None,
         };
         let listener = bind(&socket).await.unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let app = router(backend.clone(), info);
+        let app = router(backend.clone(), info, None);
         let sock = socket.clone();
         let server = tokio::spawn(async move {
             serve(listener, app, &sock, async {

@@ -53,6 +53,24 @@ pub struct CriProxy {
     captured: AtomicU64,
     /// Calls forwarded.
     forwarded: AtomicU64,
+    /// Calls answered `UNAVAILABLE` because the runtime could not be reached.
+    unreachable: AtomicU64,
+}
+
+/// What `ferry status` and the metrics show of the CRI proxy.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CriStatus {
+    /// The container runtime's socket calls are forwarded to.
+    pub runtime_socket: PathBuf,
+    /// Calls forwarded so far.
+    pub forwarded: u64,
+    /// `PullImage` calls whose credentials were kept for lazy reads.
+    pub credentials_kept: u64,
+    /// Calls answered `UNAVAILABLE`: the runtime could not be reached.
+    pub runtime_unreachable: u64,
+    /// Repositories the daemon holds pull credentials for now (in memory only: a
+    /// restart forgets them until the kubelet's next pull).
+    pub repositories_with_credentials: usize,
 }
 
 impl CriProxy {
@@ -64,6 +82,18 @@ impl CriProxy {
             secrets,
             captured: AtomicU64::new(0),
             forwarded: AtomicU64::new(0),
+            unreachable: AtomicU64::new(0),
+        }
+    }
+
+    /// The proxy's counters now.
+    pub fn status(&self) -> CriStatus {
+        CriStatus {
+            runtime_socket: self.runtime_socket.clone(),
+            forwarded: self.forwarded(),
+            credentials_kept: self.captured(),
+            runtime_unreachable: self.unreachable.load(Ordering::Relaxed),
+            repositories_with_credentials: self.secrets.len(),
         }
     }
 
@@ -111,6 +141,7 @@ impl CriProxy {
         match self.send(upstream).await {
             Ok(resp) => resp.map(|b| b.map_err(|e| Box::new(e) as BoxError).boxed()),
             Err(e) => {
+                self.unreachable.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(runtime = %self.runtime_socket.display(), error = %e, call = %path, "CRI call not forwarded");
                 grpc_error(
                     14,

@@ -412,6 +412,7 @@ impl Daemon {
                 .map(|_| config.snapshotter.socket.clone()),
             dead_mounts,
             p2p_addr: peers.as_ref().and_then(|p| p.listener.local_addr().ok()),
+            cri_socket: cri.as_ref().map(|_| config.cri.socket.clone()),
         };
         tracing::info!(
             control = %control_socket.display(),
@@ -437,7 +438,8 @@ impl Daemon {
                 });
             }
             let mut tasks: Vec<(&'static str, tokio::task::JoinHandle<Result<()>>)> = Vec::new();
-            let router = control::router(backend.clone(), info.clone());
+            let cri_proxy = cri.as_ref().map(|(proxy, _)| proxy.clone());
+            let router = control::router(backend.clone(), info.clone(), cri_proxy.clone());
             let socket = control_socket.clone();
             let rx = stop_rx.clone();
             tasks.push((
@@ -451,9 +453,9 @@ impl Daemon {
                 let backend = backend.clone();
                 tasks.push((
                     "metrics",
-                    tokio::spawn(
-                        async move { metrics::serve(listener, backend, stopped(rx)).await },
-                    ),
+                    tokio::spawn(async move {
+                        metrics::serve(listener, backend, cri_proxy, stopped(rx)).await
+                    }),
                 ));
             }
             if let Some(parts) = peers {

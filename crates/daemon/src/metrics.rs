@@ -17,6 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
+use crate::cri::{CriProxy, CriStatus};
 use crate::error::{Error, Result};
 use crate::mounts::MountBackend;
 
@@ -53,8 +54,9 @@ fn gauge_value(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
-/// The metrics text (OpenMetrics) for the current state of `backend`.
-pub fn render(backend: &dyn MountBackend) -> Result<String> {
+/// The metrics text (OpenMetrics) for the current state of `backend` and of the CRI
+/// proxy, when it runs.
+pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<String> {
     let mut registry = Registry::with_prefix("ferry");
     let fetched = Counters::default();
     let total = Gauges::default();
@@ -372,14 +374,49 @@ pub fn render(backend: &dyn MountBackend) -> Result<String> {
             counter(files.pack_hits),
         );
     }
+    if let Some(c) = cri {
+        let counter = |v: u64| {
+            let c = Counter::<u64>::default();
+            c.inc_by(v);
+            c
+        };
+        registry.register(
+            "cri_forwarded_calls",
+            "CRI calls the image-service proxy forwarded to the container runtime",
+            counter(c.forwarded),
+        );
+        registry.register(
+            "cri_credentials_kept",
+            "PullImage calls whose credentials the proxy kept for lazy reads",
+            counter(c.credentials_kept),
+        );
+        registry.register(
+            "cri_runtime_unreachable",
+            "CRI calls answered UNAVAILABLE because the container runtime could not be reached",
+            counter(c.runtime_unreachable),
+        );
+        let held = Gauge::<i64>::default();
+        held.set(gauge_value(c.repositories_with_credentials as u64));
+        registry.register(
+            "cri_repositories_with_credentials",
+            "Repositories the daemon holds pull credentials for (in memory)",
+            held,
+        );
+    }
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .map_err(|e| Error::Control(format!("encoding metrics: {e}")))?;
     Ok(out)
 }
 
-async fn metrics(State(backend): State<Arc<dyn MountBackend>>) -> Response {
-    let rendered = tokio::task::spawn_blocking(move || render(backend.as_ref())).await;
+type MetricsState = (Arc<dyn MountBackend>, Option<Arc<CriProxy>>);
+
+async fn metrics(State((backend, cri)): State<MetricsState>) -> Response {
+    let rendered = tokio::task::spawn_blocking(move || {
+        let cri = cri.map(|c| c.status());
+        render(backend.as_ref(), cri.as_ref())
+    })
+    .await;
     match rendered {
         Ok(Ok(text)) => ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response(),
         Ok(Err(e)) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
@@ -391,11 +428,12 @@ async fn metrics(State(backend): State<Arc<dyn MountBackend>>) -> Response {
 pub async fn serve(
     listener: TcpListener,
     backend: Arc<dyn MountBackend>,
+    cri: Option<Arc<CriProxy>>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let app = Router::new()
         .route("/metrics", get(metrics))
-        .with_state(backend);
+        .with_state((backend, cri));
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -447,7 +485,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        let text = render(&backend).unwrap();
+        let text = render(&backend, None).unwrap();
         let labels = r#"{mountpoint="/mnt/x",image="reg/app:v1",layer="sha256:l"}"#;
         for line in [
             format!("ferry_mount_fetched_bytes_total{labels} 123"),
@@ -464,9 +502,31 @@ mod tests {
             assert!(text.contains(&line), "missing {line} in\n{text}");
         }
         backend.unmount(Path::new("/mnt/x")).unwrap();
-        let text = render(&backend).unwrap();
+        let text = render(&backend, None).unwrap();
         assert!(!text.contains("/mnt/x"));
         assert!(text.contains("ferry_mounts 0"));
+    }
+
+    #[test]
+    fn cri_proxy_counters_are_exported_when_it_runs() {
+        let backend = MemoryBackend::new();
+        assert!(!render(&backend, None).unwrap().contains("ferry_cri_"));
+        let status = CriStatus {
+            runtime_socket: "/run/containerd/containerd.sock".into(),
+            forwarded: 12,
+            credentials_kept: 3,
+            runtime_unreachable: 1,
+            repositories_with_credentials: 2,
+        };
+        let text = render(&backend, Some(&status)).unwrap();
+        for line in [
+            "ferry_cri_forwarded_calls_total 12",
+            "ferry_cri_credentials_kept_total 3",
+            "ferry_cri_runtime_unreachable_total 1",
+            "ferry_cri_repositories_with_credentials 2",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 
     #[test]
@@ -474,7 +534,7 @@ mod tests {
         use ferry_snapshotter::{NotLazy, NotLazyReason};
 
         let backend = MemoryBackend::new();
-        let text = render(&backend).unwrap();
+        let text = render(&backend, None).unwrap();
         assert!(
             text.contains(r#"ferry_not_lazy_layers_total{reason="no-index"} 0"#),
             "{text}"
@@ -492,7 +552,7 @@ mod tests {
                 &NotLazy::new(reason, "x"),
             );
         }
-        let text = render(&backend).unwrap();
+        let text = render(&backend, None).unwrap();
         for line in [
             r#"ferry_not_lazy_layers_total{reason="no-index"} 2"#,
             r#"ferry_not_lazy_layers_total{reason="unauthorized"} 1"#,

@@ -94,6 +94,9 @@ fn table(report: &StatusReport) -> String {
     if let Some(a) = &d.p2p_addr {
         out.push_str(&format!(", peers {a}"));
     }
+    if let Some(s) = &d.cri_socket {
+        out.push_str(&format!(", CRI {}", s.display()));
+    }
     out.push('\n');
     for dead in &d.dead_mounts {
         match &dead.error {
@@ -170,6 +173,16 @@ fn table(report: &StatusReport) -> String {
                 g.dropped_refused
             ));
         }
+    }
+    if let Some(c) = &report.cri {
+        out.push_str(&format!(
+            "CRI proxy: {} calls forwarded to {}, {} unreachable; credentials kept from {} pulls, held for {} repositories (in memory: after a restart, until the kubelet pulls again)\n",
+            c.forwarded,
+            c.runtime_socket.display(),
+            c.runtime_unreachable,
+            c.credentials_kept,
+            c.repositories_with_credentials
+        ));
     }
     mounts_table(report, &mut out);
     if let Some(not_lazy) = &report.not_lazy {
