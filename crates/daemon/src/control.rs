@@ -406,22 +406,32 @@ impl ControlClient {
         }
     }
 
-    async fn request_inner<T: DeserializeOwned>(
+    /// One HTTP/1 connection to the daemon's socket, its driver spawned.
+    async fn connect(
         &self,
-        method: http::Method,
-        path: &str,
-        body: Option<Vec<u8>>,
-    ) -> Result<Option<T>> {
+    ) -> Result<(
+        hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+        tokio::task::JoinHandle<hyper::Result<()>>,
+    )> {
         let stream = UnixStream::connect(&self.socket).await.map_err(|e| {
             Error::Control(format!(
                 "cannot connect to {} ({e}); is `ferry daemon` running?",
                 self.socket.display()
             ))
         })?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
             .map_err(|e| Error::Control(format!("HTTP handshake: {e}")))?;
-        let conn = tokio::spawn(conn);
+        Ok((sender, tokio::spawn(conn)))
+    }
+
+    async fn request_inner<T: DeserializeOwned>(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Option<T>> {
+        let (mut sender, conn) = self.connect().await?;
         let mut builder = http::Request::builder()
             .method(method)
             .uri(path)
@@ -499,16 +509,7 @@ impl ControlClient {
     ) -> Result<PrewarmOutcome> {
         let body = serde_json::to_vec(request)
             .map_err(|e| Error::Control(format!("encoding the request: {e}")))?;
-        let stream = UnixStream::connect(&self.socket).await.map_err(|e| {
-            Error::Control(format!(
-                "cannot connect to {} ({e}); is `ferry daemon` running?",
-                self.socket.display()
-            ))
-        })?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| Error::Control(format!("HTTP handshake: {e}")))?;
-        let conn = tokio::spawn(conn);
+        let (mut sender, conn) = self.connect().await?;
         let req = http::Request::builder()
             .method(http::Method::POST)
             .uri("/v1/prewarm")

@@ -123,6 +123,14 @@ pub fn run(args: Args) -> Result<()> {
     store.close().context("closing the chunk store")
 }
 
+/// An export's or import's report as JSON, with the seconds it took.
+fn print_report(report: &impl serde::Serialize, secs: f64) -> Result<()> {
+    let mut doc = serde_json::to_value(report)?;
+    doc["seconds"] = serde_json::json!(secs);
+    println!("{}", serde_json::to_string_pretty(&doc)?);
+    Ok(())
+}
+
 fn export(store: &Store, dest: &std::path::Path, json: bool) -> Result<()> {
     let started = std::time::Instant::now();
     let r = store
@@ -130,10 +138,7 @@ fn export(store: &Store, dest: &std::path::Path, json: bool) -> Result<()> {
         .with_context(|| format!("exporting the store to {}", dest.display()))?;
     let secs = started.elapsed().as_secs_f64();
     if json {
-        let mut doc = serde_json::to_value(&r)?;
-        doc["seconds"] = serde_json::json!(secs);
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
+        return print_report(&r, secs);
     }
     println!(
         "exported {} objects ({}) and {} image records to {} in {secs:.1}s ({}/s){}",
@@ -158,10 +163,7 @@ fn import(store: &Store, src: &std::path::Path, json: bool) -> Result<()> {
         .with_context(|| format!("importing the store export {}", src.display()))?;
     let secs = started.elapsed().as_secs_f64();
     if json {
-        let mut doc = serde_json::to_value(&r)?;
-        doc["seconds"] = serde_json::json!(secs);
-        println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
+        return print_report(&r, secs);
     }
     println!(
         "imported {} objects ({}) verified, {} ({}) already present, {} image records, in {secs:.1}s",
