@@ -2685,3 +2685,78 @@ async fn gc_that_decided_to_delete_an_unlinked_blob_spares_it_once_pushed() {
     app.state.clear_caches();
     assert!(pulls(&app, "race/app", "v1").await);
 }
+
+/// Sparse manifests (the default) accept a layer that is not in the repository — but not
+/// one the client pushed and a collection removed before the manifest arrived: that is
+/// content lost, not a gap, and a tag set on it would not pull. The interleaving of the
+/// security test's failure: the collection removes the layer's link, and before it gets
+/// to the config the push finds the config present (refreshing it) and the layer absent,
+/// commits, and pins the config, which the collection then spares; the push must refuse
+/// (MANIFEST_BLOB_UNKNOWN, so the client pushes the layer again) instead of answering 201.
+#[tokio::test]
+async fn a_layer_a_collection_removed_before_the_manifest_is_not_a_sparse_gap() {
+    let (app, s) = gated_app();
+    let cd = digest_of(RACE_CONFIG);
+    // A layer the collection reaches before the config (links are swept in digest order).
+    let layer: Vec<u8> = (0u32..)
+        .map(|i| format!("race layer {i}").into_bytes())
+        .find(|l| digest_of(l) < cd)
+        .unwrap();
+    let manifest = image_manifest(
+        media::OCI_CONFIG,
+        &cd,
+        RACE_CONFIG.len(),
+        &[(digest_of(&layer).as_str(), layer.len())],
+        None,
+        None,
+    );
+    app.push_blob("race/app", RACE_CONFIG).await;
+    let ld = app.push_blob("race/app", &layer).await;
+    // Hold the collection after it removed the layer's link, before its config removal.
+    let unlinking = s.arm("unlink_blob");
+    let collection = collect_now(&s);
+    unlinking.reached().await;
+    let at_config = s.arm("gc_record_put deleting");
+    unlinking.release();
+    at_config.reached().await;
+    assert!(!s.inner.blob_linked(&tr("race/app"), &td(&ld)).await.unwrap());
+    assert!(s.inner.blob_linked(&tr("race/app"), &td(&cd)).await.unwrap());
+    let r = app
+        .put_manifest("race/app", "v1", media::OCI_MANIFEST, &manifest)
+        .await;
+    at_config.release();
+    collection.await.unwrap();
+    app.state.clear_caches();
+    assert!(
+        r.status.is_client_error() && r.error_code() == "MANIFEST_BLOB_UNKNOWN",
+        "a tag on a removed layer: {} {:?}",
+        r.status,
+        r.body
+    );
+    assert_eq!(
+        app.get("/v2/race/app/manifests/v1").await.status,
+        StatusCode::NOT_FOUND
+    );
+    // Pushed again, it sticks and pulls.
+    app.push_blob("race/app", RACE_CONFIG).await;
+    app.push_blob("race/app", &layer).await;
+    let r = app
+        .put_manifest("race/app", "v1", media::OCI_MANIFEST, &manifest)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    assert!(pulls(&app, "race/app", "v1").await);
+    // A layer never pushed is still a gap a sparse manifest may leave.
+    let never = digest_of(b"never pushed");
+    let sparse = image_manifest(
+        media::OCI_CONFIG,
+        &cd,
+        RACE_CONFIG.len(),
+        &[(never.as_str(), 12)],
+        None,
+        None,
+    );
+    let r = app
+        .put_manifest("race/app", "sparse", media::OCI_MANIFEST, &sparse)
+        .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+}
