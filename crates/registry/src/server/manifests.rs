@@ -3,10 +3,12 @@
 //! A pushed manifest's config must already be in the repository. Its layers and index
 //! children must be too unless sparse manifests are accepted (`limits.sparse_manifests`,
 //! the default): then absent ones are allowed — a partial copy of a multi-platform image —
-//! while present ones must still match their descriptors. With sparse manifests refused,
-//! a tag can never point at an image that cannot be pulled. Foreign/non-distributable
-//! layers and layers with `urls` are exempt either way: by definition they live
-//! elsewhere.
+//! while present ones must still match their descriptors. An absent one that a garbage
+//! collection removed lately (pushed, then collected before its manifest arrived) is no
+//! gap: it is refused as if sparse manifests were not accepted, so the client pushes it
+//! again. With sparse manifests refused, a tag can never point at an image that cannot
+//! be pulled. Foreign/non-distributable layers and layers with `urls` are exempt either
+//! way: by definition they live elsewhere.
 //!
 //! Digests: a manifest PUT by digest is hashed with that digest's algorithm (sha256 or
 //! sha512) and stored under it; one PUT by tag is hashed with sha256, the canonical
@@ -412,7 +414,9 @@ pub(super) async fn push(
     let mut absent: Vec<Digest> = Vec::new();
     for (i, (blob, declared)) in v.blobs.iter().enumerate() {
         let is_config = i == 0 && v.has_config;
-        match st.linked_blob_size_for_manifest(name, blob).await? {
+        let size = st.linked_blob_size_for_manifest(name, blob).await?;
+        let gap = size.is_none() && sparse_ok && !is_config && !removed_recently(st, blob).await?;
+        match size {
             Some(size) if size == *declared => {}
             Some(size) => {
                 return Err(invalid("a descriptor's size does not match the blob")
@@ -435,7 +439,7 @@ pub(super) async fn push(
                 created_empty = Some(blob);
             }
             // A sparse image: a layer not (yet) pushed. The config never is optional.
-            None if sparse_ok && !is_config => absent.push(blob.clone()),
+            None if gap => absent.push(blob.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestBlobUnknown,
@@ -452,6 +456,7 @@ pub(super) async fn push(
             .manifest_get(name, child)
             .await
             .map_err(|e| super::storage_failure("reading a manifest", e))?;
+        let gap = child_manifest.is_none() && sparse_ok && !removed_recently(st, child).await?;
         match child_manifest {
             Some(m) if m.bytes.len() as u64 == *declared => {}
             Some(_) => {
@@ -460,7 +465,7 @@ pub(super) async fn push(
                     .into());
             }
             // A sparse index: a child (a platform, say) not copied.
-            None if sparse_ok => absent.push(child.clone()),
+            None if gap => absent.push(child.clone()),
             None => {
                 return Err(ApiError::new(
                     ErrorCode::ManifestUnknown,
@@ -548,6 +553,15 @@ pub(super) async fn push(
         h.insert(OCI_TAG, header_value(&asked.join(", "))?);
     }
     Ok(resp)
+}
+
+/// Whether a collection removed `digest` lately: then a reference found absent was
+/// pushed and collected (before this manifest arrived, say), not left out, and is no gap
+/// a sparse manifest may have (storage::gc, "Collections and manifest pushes agree").
+async fn removed_recently(st: &StateInner, digest: &Digest) -> Result<bool, ApiError> {
+    crate::storage::gc::removed_recently(&*st.storage, digest.as_ref())
+        .await
+        .map_err(|e| super::storage_failure("checking what garbage collection removed", e))
 }
 
 /// Most manifests [`settle`] follows from one (index children, recursively).

@@ -2462,9 +2462,11 @@ async fn pulls(app: &TestApp, repo: &str, tag: &str) -> bool {
     true
 }
 
+/// Coordination records left behind, but for the `removed` ones, which outlive their
+/// collection by design (a later one reaps them).
 async fn records_left(s: &Gated) -> usize {
     let mut n = 0;
-    for dir in gc::RECORD_DIRS {
+    for dir in gc::RECORD_DIRS.iter().filter(|d| **d != "removed") {
         n += s.inner.gc_record_list(dir).await.unwrap().len();
     }
     n
@@ -2719,8 +2721,18 @@ async fn a_layer_a_collection_removed_before_the_manifest_is_not_a_sparse_gap() 
     let at_config = s.arm("gc_record_put deleting");
     unlinking.release();
     at_config.reached().await;
-    assert!(!s.inner.blob_linked(&tr("race/app"), &td(&ld)).await.unwrap());
-    assert!(s.inner.blob_linked(&tr("race/app"), &td(&cd)).await.unwrap());
+    assert!(
+        !s.inner
+            .blob_linked(&tr("race/app"), &td(&ld))
+            .await
+            .unwrap()
+    );
+    assert!(
+        s.inner
+            .blob_linked(&tr("race/app"), &td(&cd))
+            .await
+            .unwrap()
+    );
     let r = app
         .put_manifest("race/app", "v1", media::OCI_MANIFEST, &manifest)
         .await;

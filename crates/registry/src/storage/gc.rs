@@ -24,14 +24,16 @@
 //! The grace period protects a push whose manifest arrives while a collection runs; it
 //! cannot protect one whose blob a collection *already decided* to remove, a moment
 //! before the push re-checked and refreshed that blob and committed the manifest. So the
-//! two sides also meet in storage, through empty records in three places
+//! two sides also meet in storage, through empty records in four places
 //! ([`RECORD_DIRS`]), which every backend (and every process on one store) shares:
 //!
 //! * A collection writes `running/<id>` before it reads anything, refreshes it while it
 //!   works and removes it (with its other records) when done.
 //! * Before each removal (a manifest link, a blob link, a blob) of digest `d`, the
 //!   collection writes `deleting/<id>-<d>`, then reads `pins/<id>-<d>`: if that exists
-//!   it spares `d`; otherwise it removes `d`, then its `deleting` record.
+//!   it spares `d`; otherwise it writes `removed/<d>`, removes `d`, then its `deleting`
+//!   record. The `removed` record outlives the collection: a later collection reaps it
+//!   once it is older than [`LEASE`].
 //! * After committing a manifest (and its tag), a push lists `running/`, writes
 //!   `pins/<id>-<d>` for every running collection and every digest `d` the manifest
 //!   reaches (itself, config, layers, index children and what they reach), waits until no
@@ -39,6 +41,11 @@
 //!   of them is still there. If one is gone it undoes its commit (the tag goes back to
 //!   what it was, a manifest it created is unlinked) and answers `MANIFEST_BLOB_UNKNOWN`
 //!   ([`pin_referenced`]).
+//! * A sparse manifest may leave references out, so a push that finds one absent before
+//!   committing cannot tell a gap from content a collection removed (pushed, say, and
+//!   collected before its manifest arrived). Absent `d` is a gap only if `removed/<d>`
+//!   does not exist; otherwise the push refuses as if sparse manifests were not accepted
+//!   ([`removed_recently`]).
 //!
 //! Why no committed manifest then references a removed blob, in every interleaving
 //! (storage operations are atomic and each is seen by every later one): take a removal of
@@ -54,9 +61,15 @@
 //! - G had already ended (removed `running`) when P listed: every removal of G came
 //!   before P's check, which would have noticed it.
 //!
+//! And no committed manifest leaves out, as a sparse gap, something a collection removed
+//! before the push looked: the collection wrote `removed/<d>` before removing `d`, so
+//! before the push found `d` absent and then looked for the record, which it found (it
+//! lives [`LEASE`], far longer than a push takes between the two).
+//!
 //! So a push that succeeds is never undercut by a collection, and one that loses the
 //! race says so instead of leaving a tag that cannot be pulled. Costs: one listing per
-//! manifest push while no collection runs; two small writes and a read per deletion.
+//! manifest push while no collection runs, one read per reference a manifest leaves out;
+//! three small writes and a read per deletion.
 //!
 //! Liveness: a collection that crashes leaves its records; a collection record not
 //! refreshed for [`LEASE`] is ignored by pushes and removed by the next collection. A
@@ -77,14 +90,17 @@ use serde::Deserialize;
 use super::{LinkInfo, Result, Storage, StorageError, digest_hex, new_upload_id};
 
 /// Where collections and pushes leave their coordination records (see the module
-/// documentation): running collections, removals in progress, and digests pushes pinned.
-pub const RECORD_DIRS: &[&str] = &[RUNNING, DELETING, PINS];
+/// documentation): running collections, removals in progress, digests pushes pinned,
+/// and digests collections removed (in the last [`LEASE`]).
+pub const RECORD_DIRS: &[&str] = &[RUNNING, DELETING, PINS, REMOVED];
 const RUNNING: &str = "running";
 const DELETING: &str = "deleting";
 const PINS: &str = "pins";
+const REMOVED: &str = "removed";
 
 /// A collection whose `running` record was not refreshed for this long is taken for dead:
-/// pushes ignore it and the next collection removes its records.
+/// pushes ignore it and the next collection removes its records. Also how long a
+/// `removed` record is kept.
 pub const LEASE: Duration = Duration::from_secs(10 * 60);
 /// A running collection refreshes its record at least this often (before a removal).
 const HEARTBEAT: Duration = Duration::from_secs(30);
@@ -238,6 +254,11 @@ impl<'a> Running<'a> {
         let result = if self.storage.gc_record_exists(PINS, &name).await? {
             Ok(None)
         } else {
+            // Before the removal: a push that then finds `digest` absent knows it was
+            // removed, not left out.
+            self.storage
+                .gc_record_put(REMOVED, digest_hex(digest.as_ref())?)
+                .await?;
             match what {
                 Removal::Manifest(repo) => self.storage.manifest_delete(repo, digest).await,
                 Removal::BlobLink(repo) => self.storage.unlink_blob(repo, digest).await,
@@ -274,8 +295,9 @@ fn older_than(t: SystemTime, age: Duration, now: SystemTime) -> bool {
     now.duration_since(t).is_ok_and(|a| a >= age)
 }
 
-/// Removes the records of collections that stopped refreshing theirs for [`LEASE`], and
-/// `pins`/`deleting` records older than that of collections no longer running.
+/// Removes the records of collections that stopped refreshing theirs for [`LEASE`],
+/// `pins`/`deleting` records older than that of collections no longer running, and
+/// `removed` records older than that.
 async fn reap_dead(storage: &dyn Storage) -> Result<()> {
     let now = SystemTime::now();
     let mut live = HashSet::new();
@@ -295,7 +317,21 @@ async fn reap_dead(storage: &dyn Storage) -> Result<()> {
             }
         }
     }
+    for (name, t) in storage.gc_record_list(REMOVED).await? {
+        if older_than(t, LEASE, now) {
+            storage.gc_record_delete(REMOVED, &name).await?;
+        }
+    }
     Ok(())
+}
+
+/// Whether a collection removed `digest` (a manifest link, a blob link or the blob) in
+/// the last [`LEASE`] or so (module documentation): a push that found a reference absent
+/// asks this before taking it for a gap a sparse manifest may leave. Conservative: a
+/// record older than the lease counts until a collection reaps it, and a removal from
+/// any repository counts.
+pub async fn removed_recently(storage: &dyn Storage, digest: &str) -> Result<bool> {
+    storage.gc_record_exists(REMOVED, digest_hex(digest)?).await
 }
 
 /// The push's side of the protocol (module documentation), called after a manifest that
@@ -910,10 +946,18 @@ mod tests {
         let stale_pin = record_name(dead, &d).unwrap();
         s.gc_record_put(RUNNING, dead).await.unwrap();
         s.gc_record_put(DELETING, &stale_pin).await.unwrap();
+        // What collections removed: one long ago, one just now.
+        let (old_removal, new_removal) = (digest(b"old removal"), digest(b"new removal"));
+        for d in [&old_removal, &new_removal] {
+            s.gc_record_put(REMOVED, digest_hex(d).unwrap())
+                .await
+                .unwrap();
+        }
         let long_ago = SystemTime::now() - LEASE - Duration::from_secs(60);
         for rel in [
             format!("gc/running/{dead}"),
             format!("gc/deleting/{stale_pin}"),
+            format!("gc/removed/{}", digest_hex(&old_removal).unwrap()),
         ] {
             std::fs::File::options()
                 .write(true)
@@ -953,6 +997,9 @@ mod tests {
         let pins = s.gc_record_list(PINS).await.unwrap();
         assert_eq!(pins.len(), 1, "{pins:?}");
         assert!(pins[0].0.starts_with(live));
+        // A removal record goes once older than the lease, not before.
+        assert!(!removed_recently(&s, &old_removal).await.unwrap());
+        assert!(removed_recently(&s, &new_removal).await.unwrap());
     }
 
     #[tokio::test]
