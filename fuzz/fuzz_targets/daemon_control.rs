@@ -80,8 +80,9 @@ fuzz_target!(|data: &[u8]| {
         p2p_addr: None,
         snapshotter_socket: None,
         dead_mounts: Vec::new(),
+        cri_socket: None,
     };
-    let router = control::router(backend.clone(), info);
+    let router = control::router(backend.clone(), info, None);
     let (status, bytes) = runtime().block_on(async move {
         let response = router.oneshot(request).await.expect("the router answers");
         let status = response.status();
