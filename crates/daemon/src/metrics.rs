@@ -54,6 +54,20 @@ fn gauge_value(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// A gauge set to `v` (saturating), for a value read from a snapshot.
+fn gauge(v: u64) -> Gauge<i64> {
+    let g = Gauge::<i64>::default();
+    g.set(gauge_value(v));
+    g
+}
+
+/// A counter at `v`, for a total read from a snapshot.
+fn counter(v: u64) -> Counter<u64> {
+    let c = Counter::<u64>::default();
+    c.inc_by(v);
+    c
+}
+
 /// The metrics text (OpenMetrics) for the current state of `backend` and of the CRI
 /// proxy, when it runs.
 pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<String> {
@@ -174,9 +188,11 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         "1 once every byte of the mount's layers is local",
         fill_done,
     );
-    let mounts = Gauge::<i64>::default();
-    mounts.set(gauge_value(backend.list().len() as u64));
-    registry.register("mounts", "Live lazy mounts", mounts);
+    registry.register(
+        "mounts",
+        "Live lazy mounts",
+        gauge(backend.list().len() as u64),
+    );
     if let Some(p) = backend.p2p_status() {
         let series: [(&str, &str, u64); 9] = [
             ("p2p_served_bytes", "Bytes served to peers", p.bytes_served),
@@ -222,9 +238,7 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
             ),
         ];
         for (name, help, value) in series {
-            let c = Counter::<u64>::default();
-            c.inc_by(value);
-            registry.register(name, help, c);
+            registry.register(name, help, counter(value));
         }
         if let Some(t) = &p.tls {
             let tls: [(&str, &str, u64); 3] = [
@@ -245,25 +259,19 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
                 ),
             ];
             for (name, help, value) in tls {
-                let c = Counter::<u64>::default();
-                c.inc_by(value);
-                registry.register(name, help, c);
+                registry.register(name, help, counter(value));
             }
         }
-        let members = Gauge::<i64>::default();
-        members.set(gauge_value(p.members.len() as u64));
         registry.register(
             "p2p_members",
             "Members the next read is scheduled with (this daemon included), from every source",
-            members,
+            gauge(p.members.len() as u64),
         );
         let g = &p.gossip;
-        let gossip_members = Gauge::<i64>::default();
-        gossip_members.set(gauge_value(g.members));
         registry.register(
             "p2p_gossip_members",
             "Live members known through gossip (this daemon not counted)",
-            gossip_members,
+            gauge(g.members),
         );
         let gossip: [(&str, &str, u64); 4] = [
             (
@@ -280,9 +288,7 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
             ("p2p_gossip_out_bytes", "Gossip bytes sent", g.bytes_out),
         ];
         for (name, help, value) in gossip {
-            let c = Counter::<u64>::default();
-            c.inc_by(value);
-            registry.register(name, help, c);
+            registry.register(name, help, counter(value));
         }
         let dropped = Family::<Vec<(String, String)>, Counter<u64>>::default();
         for (reason, n) in [
@@ -322,27 +328,23 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         );
     }
     if let Some(store) = backend.store_status() {
-        let bytes = Gauge::<i64>::default();
-        bytes.set(gauge_value(store.bytes));
-        let max = Gauge::<i64>::default();
-        max.set(gauge_value(store.max_bytes));
-        let entries = Gauge::<i64>::default();
-        entries.set(gauge_value(store.entries));
-        registry.register("store_bytes", "Bytes in the chunk store", bytes);
-        registry.register("store_max_bytes", "The chunk store's bound", max);
-        registry.register("store_entries", "Entries in the chunk store", entries);
+        registry.register(
+            "store_bytes",
+            "Bytes in the chunk store",
+            gauge(store.bytes),
+        );
+        registry.register(
+            "store_max_bytes",
+            "The chunk store's bound",
+            gauge(store.max_bytes),
+        );
+        registry.register(
+            "store_entries",
+            "Entries in the chunk store",
+            gauge(store.entries),
+        );
     }
     if let Some(files) = backend.file_cache_status() {
-        let gauge = |v: u64| {
-            let g = Gauge::<i64>::default();
-            g.set(gauge_value(v));
-            g
-        };
-        let counter = |v: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(v);
-            c
-        };
         registry.register(
             "file_cache_files",
             "Files in the file cache",
@@ -375,11 +377,6 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         );
     }
     if let Some(c) = cri {
-        let counter = |v: u64| {
-            let c = Counter::<u64>::default();
-            c.inc_by(v);
-            c
-        };
         registry.register(
             "cri_forwarded_calls",
             "CRI calls the image-service proxy forwarded to the container runtime",
@@ -395,12 +392,10 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
             "CRI calls answered UNAVAILABLE because the container runtime could not be reached",
             counter(c.runtime_unreachable),
         );
-        let held = Gauge::<i64>::default();
-        held.set(gauge_value(c.repositories_with_credentials as u64));
         registry.register(
             "cri_repositories_with_credentials",
             "Repositories the daemon holds pull credentials for (in memory)",
-            held,
+            gauge(c.repositories_with_credentials as u64),
         );
     }
     let mut out = String::new();
