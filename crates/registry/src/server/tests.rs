@@ -2369,6 +2369,146 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
     assert_eq!(tags, vec![REPOSITORY_TRACE_TAG.to_owned(), "v1".to_owned()]);
 }
 
+/// Tags set by a manifest push (`?tag=` parameters or `OCI-Tag`) need the push right
+/// like the reference in the path: a user who may only pull cannot move or add a tag
+/// through them, and a pusher cannot reach a repository outside their rules.
+#[tokio::test]
+async fn tag_parameters_of_a_manifest_push_need_the_push_right() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = auth_app(dir.path(), crate::auth::AuthMode::Basic);
+    let alice = basic("alice", "wonderland");
+    let bob = basic("bob", "builder");
+    let put = |who: &str, uri: String, doc: Vec<u8>, oci_tag: Option<&'static str>| {
+        let who = who.to_owned();
+        let t = &t;
+        async move {
+            let mut headers = vec![
+                ("authorization", who.as_str()),
+                ("content-type", media::OCI_MANIFEST),
+            ];
+            if let Some(tag) = oci_tag {
+                headers.push(("oci-tag", tag));
+            }
+            t.send(Method::PUT, &uri, &headers, doc).await
+        }
+    };
+    // alice pushes two images' blobs and tags the first one v1.
+    let mut docs = Vec::new();
+    for layer in [&b"first layer"[..], &b"second layer"[..]] {
+        let config = br#"{"architecture":"amd64","os":"linux"}"#;
+        let mut digests = Vec::new();
+        for data in [&config[..], layer] {
+            let d = digest_of(data);
+            let r = t
+                .send(
+                    Method::POST,
+                    &format!("/v2/team/app/blobs/uploads/?digest={d}"),
+                    &[("authorization", &alice)],
+                    data.to_vec(),
+                )
+                .await;
+            assert_eq!(r.status, StatusCode::CREATED);
+            digests.push(d);
+        }
+        docs.push(image_manifest(
+            media::OCI_CONFIG,
+            &digests[0],
+            config.len(),
+            &[(&digests[1], layer.len())],
+            None,
+            None,
+        ));
+    }
+    let (first, second) = (digest_of(&docs[0]), digest_of(&docs[1]));
+    let r = put(
+        &alice,
+        "/v2/team/app/manifests/v1".into(),
+        docs[0].clone(),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+
+    // bob may only pull: by digest with tag parameters, with OCI-Tag, re-pointing v1 at
+    // the second image or adding a tag to the first, every attempt is refused.
+    let attempts = [
+        (format!("/v2/team/app/manifests/{second}?tag=v1"), 1, None),
+        (
+            format!("/v2/team/app/manifests/{first}?tag=evil&tag=v1"),
+            0,
+            None,
+        ),
+        (format!("/v2/team/app/manifests/{second}"), 1, Some("v1")),
+        (format!("/v2/team/app/manifests/{first}"), 0, Some("evil")),
+    ];
+    for (uri, doc, oci_tag) in attempts {
+        let r = put(&bob, uri.clone(), docs[doc].clone(), oci_tag).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{uri} {oci_tag:?}");
+        assert!(r.header("oci-tag").is_empty(), "{uri}");
+    }
+    // alice may push team/**, not other/**: tag parameters do not widen that.
+    let r = put(
+        &alice,
+        format!("/v2/other/app/manifests/{first}?tag=v1"),
+        docs[0].clone(),
+        None,
+    )
+    .await;
+    assert!(
+        matches!(r.status, StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED),
+        "{}",
+        r.status
+    );
+
+    // Nothing moved: v1 is the first image, no `evil` tag, the second manifest unstored.
+    let r = t
+        .send(
+            Method::GET,
+            "/v2/team/app/tags/list",
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["tags"], serde_json::json!(["v1"]));
+    let r = t
+        .send(
+            Method::HEAD,
+            "/v2/team/app/manifests/v1",
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.header("docker-content-digest"), first);
+    let r = t
+        .send(
+            Method::HEAD,
+            &format!("/v2/team/app/manifests/{second}"),
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    // The same pushes from alice are taken: the refusals above were about the right.
+    let r = put(
+        &alice,
+        format!("/v2/team/app/manifests/{second}?tag=v1&tag=v2"),
+        docs[1].clone(),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let r = t
+        .send(
+            Method::HEAD,
+            "/v2/team/app/manifests/v1",
+            &[("authorization", &bob)],
+            Body::empty(),
+        )
+        .await;
+    assert_eq!(r.header("docker-content-digest"), second);
+}
+
 #[tokio::test]
 async fn an_open_registry_takes_traces_as_it_takes_pushes() {
     use crate::server::traces::TRACE_BLOB_MEDIA_TYPE;
