@@ -181,6 +181,33 @@ impl TestApp {
         assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
         (digest_of(&doc), doc)
     }
+    /// Pushes an image's config and `layer` to `repo` as `who` (an `authorization`
+    /// value) and returns its manifest, not pushed.
+    async fn push_blobs_as(&self, who: &str, repo: &str, layer: &[u8]) -> Vec<u8> {
+        let config = br#"{"architecture":"amd64","os":"linux"}"#;
+        let mut digests = Vec::new();
+        for data in [&config[..], layer] {
+            let d = digest_of(data);
+            let r = self
+                .send(
+                    Method::POST,
+                    &format!("/v2/{repo}/blobs/uploads/?digest={d}"),
+                    &[("authorization", who)],
+                    data.to_vec(),
+                )
+                .await;
+            assert_eq!(r.status, StatusCode::CREATED);
+            digests.push(d);
+        }
+        image_manifest(
+            media::OCI_CONFIG,
+            &digests[0],
+            config.len(),
+            &[(&digests[1], layer.len())],
+            None,
+            None,
+        )
+    }
 }
 
 fn image_manifest(
@@ -2061,30 +2088,7 @@ async fn a_pull_only_user_adds_one_bounded_trace_per_manifest_and_nothing_else()
     let alice = basic("alice", "wonderland");
     let bob = basic("bob", "builder");
     // alice (push) stores the image through the ordinary API.
-    let config = br#"{"architecture":"amd64","os":"linux"}"#;
-    let layer = b"layer bytes";
-    let mut digests = Vec::new();
-    for data in [&config[..], &layer[..]] {
-        let d = digest_of(data);
-        let r = t
-            .send(
-                Method::POST,
-                &format!("/v2/team/app/blobs/uploads/?digest={d}"),
-                &[("authorization", &alice)],
-                data.to_vec(),
-            )
-            .await;
-        assert_eq!(r.status, StatusCode::CREATED);
-        digests.push(d);
-    }
-    let doc = image_manifest(
-        media::OCI_CONFIG,
-        &digests[0],
-        config.len(),
-        &[(&digests[1], layer.len())],
-        None,
-        None,
-    );
+    let doc = t.push_blobs_as(&alice, "team/app", b"layer bytes").await;
     let subject = digest_of(&doc);
     let r = t
         .send(
@@ -2393,32 +2397,10 @@ async fn tag_parameters_of_a_manifest_push_need_the_push_right() {
         }
     };
     // alice pushes two images' blobs and tags the first one v1.
-    let mut docs = Vec::new();
-    for layer in [&b"first layer"[..], &b"second layer"[..]] {
-        let config = br#"{"architecture":"amd64","os":"linux"}"#;
-        let mut digests = Vec::new();
-        for data in [&config[..], layer] {
-            let d = digest_of(data);
-            let r = t
-                .send(
-                    Method::POST,
-                    &format!("/v2/team/app/blobs/uploads/?digest={d}"),
-                    &[("authorization", &alice)],
-                    data.to_vec(),
-                )
-                .await;
-            assert_eq!(r.status, StatusCode::CREATED);
-            digests.push(d);
-        }
-        docs.push(image_manifest(
-            media::OCI_CONFIG,
-            &digests[0],
-            config.len(),
-            &[(&digests[1], layer.len())],
-            None,
-            None,
-        ));
-    }
+    let docs = [
+        t.push_blobs_as(&alice, "team/app", b"first layer").await,
+        t.push_blobs_as(&alice, "team/app", b"second layer").await,
+    ];
     let (first, second) = (digest_of(&docs[0]), digest_of(&docs[1]));
     let r = put(
         &alice,
