@@ -79,6 +79,9 @@ impl FerryFs {
         let local = cache
             .filter(|c| c.config().enabled)
             .map(|c| Arc::new(LocalFiles::new(c, image.clone())));
+        if let Some(local) = &local {
+            let _ = image.files.set(local.cache().clone());
+        }
         FerryFs {
             serves_xattrs: image.tree.has_xattrs(),
             image,
@@ -207,6 +210,8 @@ impl FerryFs {
                 MountStats::add(&self.image.stats.bytes_served, n as u64);
                 if header_waits {
                     self.image.read_landed(ino, node, offset, &buf);
+                } else if offset == 0 {
+                    self.image.module_landed(node, &buf);
                 }
                 Ok(buf)
             }
@@ -238,6 +243,10 @@ impl FerryFs {
         let n = local.read_packed(key, offset, &mut buf)?;
         buf.truncate(n);
         self.image.note_read(ino, offset, size);
+        // A guess that packed the file ahead of this read was worth its bytes.
+        if let Some(loc) = node.data {
+            self.image.note_guess_used(loc, offset, n as u64);
+        }
         MountStats::add(&self.image.stats.bytes_served, n as u64);
         Some(buf)
     }

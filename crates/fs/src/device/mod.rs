@@ -823,6 +823,85 @@ impl LayerSource {
         Ok(fetched.bytes)
     }
 
+    /// Files a guess of kind `guess` names together (the modules one Python module
+    /// imports, [`crate::image::imports`]): their missing spans in one request (pieces of
+    /// at most `max_request_bytes`, as [`Self::warm_spans_many`]) and, at the same time,
+    /// the windows of each range's first checkpoint (widened within their blocks) in
+    /// another, instead of a request, or two, per file. Returns the bytes fetched.
+    pub(crate) fn warm_guessed_many(&self, ranges: &[Range<u64>], guess: Guess) -> io::Result<u64> {
+        let (Some(spans), Some(store)) = (&self.spans, self.store.as_deref()) else {
+            let mut n = 0;
+            for r in ranges {
+                n += self.warm_guessed(r.clone(), guess)?;
+            }
+            return Ok(n);
+        };
+        let len = self.backend.len();
+        let ranges: Vec<&Range<u64>> = ranges
+            .iter()
+            .filter(|r| r.start < r.end && r.end <= len)
+            .collect();
+        let mut ks: Vec<usize> = ranges
+            .iter()
+            .flat_map(|r| spans.covering(r))
+            .filter(|&k| self.piece_missing(spans, store, k))
+            .collect();
+        ks.sort_unstable();
+        ks.dedup();
+        let mut ws: Vec<usize> = Vec::new();
+        if let Some(windows) = self.windows.as_ref().filter(|w| w.backend.is_some()) {
+            let missing = |i: usize| self.piece_missing(&windows.pieces, store, i);
+            for r in &ranges {
+                let first = spans.covering(r).start;
+                let w = windows.of_checkpoints(first..first + 1);
+                if w.clone().any(missing) {
+                    ws.extend(windows.widened(w, missing).filter(|&i| missing(i)));
+                }
+            }
+            ws.sort_unstable();
+            ws.dedup();
+        }
+        let spans_part = || -> io::Result<u64> {
+            let mut fetched = Fetched::default();
+            let mut piece: Vec<usize> = Vec::new();
+            let mut bytes = 0;
+            for &k in &ks {
+                let n = span_len(&spans.ranges[k]);
+                if !piece.is_empty() && bytes + n > self.config.max_request_bytes {
+                    self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+                    piece.clear();
+                    bytes = 0;
+                }
+                piece.push(k);
+                bytes += n;
+            }
+            if !piece.is_empty() {
+                self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+            }
+            self.note_guessed(guess, &fetched.led);
+            Ok(fetched.bytes)
+        };
+        if ws.is_empty() {
+            return spans_part();
+        }
+        let windows_part = || -> io::Result<u64> {
+            let Some(windows) = &self.windows else {
+                return Ok(0);
+            };
+            let mut fetched = Fetched::default();
+            self.listed_spans_bytes(&windows.pieces, &ws, &mut fetched)?;
+            Ok(fetched.bytes)
+        };
+        std::thread::scope(|scope| {
+            let w = scope.spawn(windows_part);
+            let s = spans_part();
+            let w = w
+                .join()
+                .map_err(|_| io::Error::other("fetching windows panicked"))?;
+            Ok(s? + w?)
+        })
+    }
+
     /// [`Self::warm_range`] for a guess of kind `guess` ([`crate::image::nearby`]): the spans
     /// it fetches count in [`MountStats::bytes_guessed`] until a read uses them.
     pub(crate) fn warm_guessed(&self, range: Range<u64>, guess: Guess) -> io::Result<u64> {
@@ -1751,6 +1830,14 @@ impl LayerSource {
             {
                 MountStats::add(&self.stats.bytes_guessed[kind.index()], span_len(r));
             }
+        }
+    }
+
+    /// A read served from elsewhere (the small-file pack) wanted compressed `range`:
+    /// the guesses among its spans were worth their bytes, as in [`Self::note_used`].
+    pub(crate) fn note_used_range(&self, range: &Range<u64>) {
+        if let Some(spans) = &self.spans {
+            self.note_used(spans.covering(range));
         }
     }
 

@@ -15,8 +15,10 @@
 //! know the transport ([`crate::fuse`] sits on top of it).
 
 pub mod elf;
+mod imports;
 pub mod nearby;
 mod needed;
+pub mod pyc;
 pub mod recorder;
 pub mod tree;
 
@@ -26,7 +28,7 @@ use ferry_index::image::{
     LayerWay, estargz_reader, indexed_reader, indexed_windows, whole_compression,
 };
 use ferry_index::inflated::InflatedSpans;
-use ferry_index::merged::MergedImage;
+use ferry_index::merged::{Location, MergedImage};
 use ferry_index::reader::LayerReader;
 use ferry_index::source::{FileSource, RangeSource};
 use ferry_registry_client::{Client, RangeRuntime};
@@ -74,6 +76,10 @@ pub struct MountedImage {
     pub(crate) recorder_view: u64,
     /// What this mount's misses have asked of [`nearby`] already.
     pub(crate) nearby: nearby::Nearby,
+    /// The file cache the mount's FUSE server reads from, when it has one (set once by
+    /// [`crate::fuse::FerryFs::with_file_cache`]): guesses that read a small file whole
+    /// keep it in its small-file pack ([`imports`]).
+    pub(crate) files: std::sync::OnceLock<Arc<crate::filecache::FileCache>>,
 }
 
 /// Source of [`MountedImage::recorder_view`] ids (unique in the process).
@@ -126,6 +132,7 @@ impl MountedImage {
             recorder: Arc::default(),
             recorder_view: NEXT_RECORDER_VIEW.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             nearby: nearby::Nearby::new(&config),
+            files: std::sync::OnceLock::new(),
         })
     }
 
@@ -197,14 +204,48 @@ impl MountedImage {
     /// After a read of file `ino` at `offset` that waited returned `data`: what its bytes tell of
     /// reads to come. An ELF header: the libraries it names are followed
     /// ([`needed`]); of a file too large to come whole, its loader's segments go to
-    /// the background too ([`nearby::Nearby::plan_loader`]).
+    /// the background too ([`nearby::Nearby::plan_loader`]). A compiled Python module:
+    /// the modules it imports are followed ([`imports`]).
     pub(crate) fn read_landed(self: &Arc<Self>, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
-        if offset != 0 || !data.starts_with(b"\x7fELF") {
+        if offset != 0 {
+            return;
+        }
+        if data.get(2..4) == Some(b"\r\n") {
+            self.module_landed(node, data);
+            return;
+        }
+        if !data.starts_with(b"\x7fELF") {
             return;
         }
         self.read_landed_loader(ino, node, offset, data);
         if let Some(loc) = node.data {
             self.follow_libraries(loc);
+        }
+    }
+
+    /// A read at the start of a file returned `data`, whether it waited or not: a
+    /// compiled Python module read whole has its imports followed ([`imports`]) — the
+    /// interpreter runs it next — and theirs in turn, ahead of the interpreter.
+    pub(crate) fn module_landed(self: &Arc<Self>, node: &Node, data: &[u8]) {
+        if data.get(2..4) == Some(b"\r\n")
+            && self.nearby.follows_headers()
+            && let Some(loc) = node.data
+        {
+            self.follow_imports(loc, data);
+        }
+    }
+
+    /// A read of `[offset, offset + len)` of the file at `loc` was served without its
+    /// layer (from the small-file pack): the guesses that fetched those bytes were used.
+    pub(crate) fn note_guess_used(&self, loc: Location, offset: u64, len: u64) {
+        let (Some(source), Some(layer)) = (
+            self.layer_source(loc.layer),
+            self.image.layers().get(loc.layer),
+        ) else {
+            return;
+        };
+        for r in layer.ranges_for(loc.entry, offset, len) {
+            source.note_used_range(&r);
         }
     }
 

@@ -38,7 +38,7 @@
 //! urgent ones ([`Urgency::Now`]) before the guesses. This module must not read file
 //! data or keep any.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -113,11 +113,22 @@ struct Seen {
     /// Programs and libraries (layer, entry) whose dependencies were followed
     /// ([`crate::image::needed`]).
     libraries: HashSet<(usize, usize)>,
+    /// Python modules (layer, entry) whose imports were followed
+    /// ([`crate::image::imports`]).
+    modules: HashSet<(usize, usize)>,
+    /// The search directory each top-level Python name was found in (or not), by
+    /// `imports::Module::roots_key`: a start imports `os` and `numpy` from hundreds of
+    /// modules, and each search looks up a dozen paths per directory.
+    roots: HashMap<String, Option<String>>,
 }
 
 /// Programs and libraries a mount follows the dependencies of, at most (a pandas start
 /// loads about sixty).
 pub const MAX_LIBRARIES: usize = 512;
+
+/// Python modules a mount follows the imports of, at most (a pandas + scipy import runs
+/// about 1,100).
+pub const MAX_MODULES: usize = 8192;
 
 /// What a mount has spent when a read asks ([`Nearby::plan`]), from its counters.
 #[derive(Debug, Default, Clone, Copy)]
@@ -292,6 +303,34 @@ impl Nearby {
         }
         let mut seen = self.seen.lock();
         seen.libraries.len() < MAX_LIBRARIES && seen.libraries.insert(at)
+    }
+
+    /// The search directory of a top-level Python name, found once per mount by `find`
+    /// (at most [`MAX_MODULES`] names kept).
+    pub(crate) fn cached_root(
+        &self,
+        key: String,
+        find: impl FnOnce() -> Option<String>,
+    ) -> Option<String> {
+        if let Some(found) = self.seen.lock().roots.get(&key) {
+            return found.clone();
+        }
+        let found = find();
+        let mut seen = self.seen.lock();
+        if seen.roots.len() < MAX_MODULES {
+            seen.roots.insert(key, found.clone());
+        }
+        found
+    }
+
+    /// Whether Python module `at` (layer, entry) has not had its imports followed yet,
+    /// and may (marks it: once per module per mount, at most [`MAX_MODULES`]).
+    pub(crate) fn first_module(&self, at: (usize, usize)) -> bool {
+        if self.whole_file_bytes == 0 {
+            return false;
+        }
+        let mut seen = self.seen.lock();
+        seen.modules.len() < MAX_MODULES && seen.modules.insert(at)
     }
 
     /// Whether a first read's header may ask for more once it lands (the loader's

@@ -110,9 +110,19 @@ impl MountedImage {
         crate::image::nearby::submit_task(Box::new(move || follow(&image, loc, 0, false)));
     }
 
+    /// An extension module an import loads ([`crate::image::imports`]): fetched and its
+    /// libraries followed, on the pool (once per file).
+    pub(super) fn follow_library_fetched(self: &Arc<Self>, loc: Location) {
+        if !self.nearby.first_library((loc.layer, loc.entry)) {
+            return;
+        }
+        let image = Arc::downgrade(self);
+        crate::image::nearby::submit_task(Box::new(move || follow(&image, loc, 1, true)));
+    }
+
     /// The file at `path` in the image, a regular file (symlinks and hard links
     /// followed).
-    fn regular_file(&self, path: &str) -> Option<Location> {
+    pub(super) fn regular_file(&self, path: &str) -> Option<Location> {
         let at = self.image.lookup(path, true).ok()?;
         let at = self.image.data_location(at).ok()?;
         let entry = self.image.entry(at)?;
@@ -120,7 +130,7 @@ impl MountedImage {
     }
 
     /// Makes `[off, off + len)` of the file at `loc` local, as a guess of a file's rest.
-    fn make_local(&self, loc: Location, off: u64, len: u64) {
+    pub(super) fn make_local(&self, loc: Location, off: u64, len: u64) {
         let (Some(source), Some(layer)) = (
             self.layer_source(loc.layer),
             self.image.layers().get(loc.layer),
