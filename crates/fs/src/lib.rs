@@ -16,7 +16,9 @@
 //!   come: the rest of the file and the small files beside it ([`image::nearby`]), and
 //!   for a large library the segments its loader will fault in, read off its ELF header
 //!   ([`image::elf`]), and for a program or library the libraries its loader will open
-//!   next (`image::needed`);
+//!   next (`image::needed`), and for a compiled Python module the modules it imports,
+//!   read off its bytecode ([`image::pyc`], `image::imports`) and kept in the
+//!   small-file pack;
 //! * device ([`device`]): file reads become the compressed spans the index names,
 //!   fetched once however many threads want them, merged when adjacent, verified
 //!   against the index's digests, bounded in time, with readahead along the layer's
@@ -33,7 +35,8 @@
 //! fill) through the same device sources; [`stats`] and [`error`] are shared by all.
 //!
 //! It must not parse layer formats (that is `ferry-index`; the only file contents it
-//! parses are ELF headers and dynamic sections, to guess reads, never to serve them) or keep per-mount copies of
+//! parses are ELF headers and dynamic sections and compiled Python modules' bytecode,
+//! bounded, to guess reads, never to serve them) or keep per-mount copies of
 //! data (the chunk store is node-wide; the only bytes held in memory are the process's
 //! small, idle-released cache of inflated spans, [`image::inflated_spans`]).
 
