@@ -768,12 +768,24 @@ impl LayerSource {
         ks.sort_unstable();
         ks.dedup();
         let mut fetched = Fetched::default();
+        self.listed_spans_in_pieces(spans, &ks, &mut fetched)?;
+        Ok(fetched.bytes)
+    }
+
+    /// Fetches the listed spans `ks` (sorted, missing), as few requests as
+    /// `max_request_bytes` allows, each of several ranges.
+    fn listed_spans_in_pieces(
+        &self,
+        spans: &Spans,
+        ks: &[usize],
+        fetched: &mut Fetched,
+    ) -> io::Result<()> {
         let mut piece: Vec<usize> = Vec::new();
         let mut bytes = 0;
-        for k in ks {
+        for &k in ks {
             let n = span_len(&spans.ranges[k]);
             if !piece.is_empty() && bytes + n > self.config.max_request_bytes {
-                self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+                self.listed_spans_bytes(spans, &piece, fetched)?;
                 piece.clear();
                 bytes = 0;
             }
@@ -781,9 +793,9 @@ impl LayerSource {
             bytes += n;
         }
         if !piece.is_empty() {
-            self.listed_spans_bytes(spans, &piece, &mut fetched)?;
+            self.listed_spans_bytes(spans, &piece, fetched)?;
         }
-        Ok(fetched.bytes)
+        Ok(())
     }
 
     /// Makes local the windows of the checkpoints of the spans covering `range` (the
@@ -863,21 +875,7 @@ impl LayerSource {
         }
         let spans_part = || -> io::Result<u64> {
             let mut fetched = Fetched::default();
-            let mut piece: Vec<usize> = Vec::new();
-            let mut bytes = 0;
-            for &k in &ks {
-                let n = span_len(&spans.ranges[k]);
-                if !piece.is_empty() && bytes + n > self.config.max_request_bytes {
-                    self.listed_spans_bytes(spans, &piece, &mut fetched)?;
-                    piece.clear();
-                    bytes = 0;
-                }
-                piece.push(k);
-                bytes += n;
-            }
-            if !piece.is_empty() {
-                self.listed_spans_bytes(spans, &piece, &mut fetched)?;
-            }
+            self.listed_spans_in_pieces(spans, &ks, &mut fetched)?;
             self.note_guessed(guess, &fetched.led);
             Ok(fetched.bytes)
         };

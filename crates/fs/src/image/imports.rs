@@ -437,19 +437,12 @@ fn read_and_keep(image: &MountedImage, loc: Location, size: u64) -> Option<Vec<u
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::image::pyc::tests::imp;
 
     const DIST: &str = "/usr/lib/python3/dist-packages";
 
     fn packages(d: &str) -> bool {
         d.starts_with(&format!("{DIST}/pandas"))
-    }
-
-    fn imp(module: &str, level: u32, names: &[&str]) -> Import {
-        Import {
-            module: module.into(),
-            level,
-            names: names.iter().map(|s| s.to_string()).collect(),
-        }
     }
 
     #[test]

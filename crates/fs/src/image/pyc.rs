@@ -353,7 +353,7 @@ fn scan(code: &Code) -> Vec<Import> {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// `python3.11 -c 'import py_compile; py_compile.compile("m.py", "m.pyc")'` of
@@ -380,7 +380,8 @@ mod tests {
             .collect()
     }
 
-    fn imp(module: &str, level: u32, names: &[&str]) -> Import {
+    /// An [`Import`] to compare with (here and in `imports`' tests).
+    pub(crate) fn imp(module: &str, level: u32, names: &[&str]) -> Import {
         Import {
             module: module.into(),
             level,
