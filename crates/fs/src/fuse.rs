@@ -170,6 +170,19 @@ impl FerryFs {
         offset: u64,
         size: u32,
     ) -> std::result::Result<Vec<u8>, Errno> {
+        self.read_file_for(ino, offset, size, 0)
+    }
+
+    /// [`Self::read_file`] for process `pid` (the FUSE request's; 0 when unknown),
+    /// whose command line may say what it reads next ([`crate::image`]'s interpreter
+    /// follower).
+    pub fn read_file_for(
+        &self,
+        ino: Ino,
+        offset: u64,
+        size: u32,
+        pid: u32,
+    ) -> std::result::Result<Vec<u8>, Errno> {
         let node = self.image.tree.get(ino).ok_or(Errno::ENOENT)?;
         if node.kind != NodeKind::File {
             return Err(Errno::EISDIR);
@@ -209,7 +222,7 @@ impl FerryFs {
                 buf.truncate(n);
                 MountStats::add(&self.image.stats.bytes_served, n as u64);
                 if header_waits {
-                    self.image.read_landed(ino, node, offset, &buf);
+                    self.image.read_landed(ino, node, offset, &buf, pid);
                 } else if offset == 0 {
                     self.image.module_landed(node, &buf);
                 }
@@ -426,7 +439,7 @@ impl Filesystem for FerryFs {
 
     fn read(
         &self,
-        _req: &Request,
+        req: &Request,
         ino: INodeNo,
         fh: FileHandle,
         offset: u64,
@@ -437,7 +450,7 @@ impl Filesystem for FerryFs {
     ) {
         self.read_requests.fetch_add(1, Ordering::Relaxed);
         let Some(local) = &self.local else {
-            return match self.read_file(ino.0, offset, size) {
+            return match self.read_file_for(ino.0, offset, size, req.pid()) {
                 Ok(data) => reply.data(&data),
                 Err(e) => reply.error(e),
             };
@@ -456,7 +469,7 @@ impl Filesystem for FerryFs {
         {
             return reply.data(&data);
         }
-        match self.read_file(ino.0, offset, size) {
+        match self.read_file_for(ino.0, offset, size, req.pid()) {
             Ok(data) => {
                 reply.data(&data);
                 // After the reply: the reader does not wait for the bookkeeping.

@@ -18,7 +18,9 @@
 //!   ([`image::elf`]), and for a program or library the libraries its loader will open
 //!   next (`image::needed`), and for a compiled Python module the modules it imports,
 //!   read off its bytecode ([`image::pyc`], `image::imports`) and kept in the
-//!   small-file pack;
+//!   small-file pack, and for a Python interpreter's binary, as it is `exec`ed, the
+//!   modules every start of it imports and those its command line names (the reading
+//!   process's `/proc/PID/cmdline`, `image::interpreter`);
 //! * device ([`device`]): file reads become the compressed spans the index names,
 //!   fetched once however many threads want them, merged when adjacent, verified
 //!   against the index's digests, bounded in time, with readahead along the layer's
@@ -35,8 +37,9 @@
 //! fill) through the same device sources; [`stats`] and [`error`] are shared by all.
 //!
 //! It must not parse layer formats (that is `ferry-index`; the only file contents it
-//! parses are ELF headers and dynamic sections and compiled Python modules' bytecode,
-//! bounded, to guess reads, never to serve them) or keep per-mount copies of
+//! parses are ELF headers and dynamic sections, compiled Python modules' bytecode and
+//! the import lines of a Python command line or script, bounded, to guess reads, never
+//! to serve them) or keep per-mount copies of
 //! data (the chunk store is node-wide; the only bytes held in memory are the process's
 //! small, idle-released cache of inflated spans, [`image::inflated_spans`]).
 

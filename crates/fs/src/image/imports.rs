@@ -92,43 +92,42 @@ impl Module {
         while top != "/" && is_package_dir(&top) {
             top = parent(&top).to_string();
         }
-        let mut roots: Vec<String> = Vec::new();
-        let mut add = |d: String| {
-            if !roots.contains(&d) {
-                roots.push(d);
-            }
-        };
-        add(top.clone());
-        // The standard library under the module's own prefix (a venv's or /opt's
-        // interpreter), then the system's.
-        let lib = format!("/lib/python{version}");
-        let mut prefixes: Vec<String> = Vec::new();
-        if let Some(i) = dir
-            .find(&format!("{lib}/"))
-            .or_else(|| dir.ends_with(&lib).then(|| dir.len() - lib.len()))
-        {
-            prefixes.push(dir[..i].to_string());
-        }
-        for p in ["/usr", "/usr/local"] {
-            if !prefixes.iter().any(|q| q == p) {
-                prefixes.push(p.to_string());
-            }
-        }
-        for p in &prefixes {
-            add(format!("{p}{lib}"));
-            add(format!("{p}{lib}/lib-dynload"));
-        }
-        for p in &prefixes {
-            add(format!("{p}{lib}/site-packages"));
-            add(format!("{p}{lib}/dist-packages"));
-        }
-        add("/usr/lib/python3/dist-packages".to_string());
+        let roots = search_roots(&top, dir, &version);
         Some(Module {
             tag: tag.to_string(),
             version,
             package_dir: dir.to_string(),
             roots,
         })
+    }
+
+    /// The interpreter whose binary is `binary` (`PREFIX/bin/python3.X`, absolute), as
+    /// the program it runs sees it: absolute imports search `first` (a script's
+    /// directory) before the interpreter's own directories. `None` for any other path.
+    pub(crate) fn interpreter(binary: &str, first: Option<&str>) -> Option<Module> {
+        let (bin_dir, name) = binary.rsplit_once('/')?;
+        let digits = name.strip_prefix("python3.")?;
+        if digits.is_empty() || digits.len() > 3 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let version = format!("3.{digits}");
+        let stdlib = join(parent(bin_dir), &format!("lib/python{version}"));
+        let top = first.map_or_else(|| stdlib.clone(), str::to_string);
+        let roots = search_roots(&top, &stdlib, &version);
+        Some(Module {
+            tag: format!("cpython-3{digits}"),
+            version,
+            package_dir: top,
+            roots,
+        })
+    }
+
+    /// The interpreter's minor version (11 for 3.11).
+    pub(crate) fn minor(&self) -> u32 {
+        self.version
+            .strip_prefix("3.")
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0)
     }
 
     /// For import `imp`, the modules it loads, each as the paths it may be at in the
@@ -223,6 +222,43 @@ impl Module {
     }
 }
 
+/// The directories an interpreter of `version` searches for absolute imports, in its
+/// order, for a module in directory `dir` whose tree is `top`: the tree, the standard
+/// library under `dir`'s own prefix (a venv's or /opt's interpreter) and then the
+/// system's, with `lib-dynload`, then `site-packages` and Debian's `dist-packages`.
+fn search_roots(top: &str, dir: &str, version: &str) -> Vec<String> {
+    let mut roots: Vec<String> = Vec::new();
+    let mut add = |d: String| {
+        if !roots.contains(&d) {
+            roots.push(d);
+        }
+    };
+    add(top.to_string());
+    let lib = format!("/lib/python{version}");
+    let mut prefixes: Vec<String> = Vec::new();
+    if let Some(i) = dir
+        .find(&format!("{lib}/"))
+        .or_else(|| dir.ends_with(&lib).then(|| dir.len() - lib.len()))
+    {
+        prefixes.push(dir[..i].to_string());
+    }
+    for p in ["/usr", "/usr/local"] {
+        if !prefixes.iter().any(|q| q == p) {
+            prefixes.push(p.to_string());
+        }
+    }
+    for p in &prefixes {
+        add(format!("{p}{lib}"));
+        add(format!("{p}{lib}/lib-dynload"));
+    }
+    for p in &prefixes {
+        add(format!("{p}{lib}/site-packages"));
+        add(format!("{p}{lib}/dist-packages"));
+    }
+    add("/usr/lib/python3/dist-packages".to_string());
+    roots
+}
+
 fn is_identifier(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 255
@@ -315,6 +351,19 @@ fn follow(image: &Weak<MountedImage>, loc: Location, data: Vec<u8>) {
     let Some(module) = Module::of(&path, &is_package_dir) else {
         return;
     };
+    follow_resolved(&image, &module, &imports, &path);
+}
+
+/// Follows `imports`, run by `module` (`path`, for the log): fetches the modules they
+/// load that no follow has claimed yet (one request per layer, within the budget of
+/// files' rests), then reads each compiled one whole, keeps it in the small-file pack
+/// and follows it in turn on the pool.
+pub(crate) fn follow_resolved(
+    image: &Arc<MountedImage>,
+    module: &Module,
+    imports: &[Import],
+    path: &str,
+) {
     let exists = |p: &str| image.is_dir(p) || image.module_file(p).is_some();
     // Compiled modules to parse once local, sources to fetch only, extension modules.
     let mut modules = Vec::new();
@@ -325,7 +374,7 @@ fn follow(image: &Weak<MountedImage>, loc: Location, data: Vec<u8>) {
     let within = image
         .nearby
         .within_rest_budget(spent.rest_unused, spent.served);
-    for imp in &imports {
+    for imp in imports {
         let root_of = |first: &str| {
             image
                 .nearby
@@ -393,10 +442,10 @@ fn follow(image: &Weak<MountedImage>, loc: Location, data: Vec<u8>) {
     // Local now: each compiled module is read once, kept where the interpreter's read
     // finds it, and parsed for its own imports; a source only kept.
     for at in sources {
-        read_and_keep(&image, at, size_of(&at));
+        read_and_keep(image, at, size_of(&at));
     }
     for at in modules {
-        let weak = Arc::downgrade(&image);
+        let weak = Arc::downgrade(image);
         let size = size_of(&at);
         crate::image::nearby::submit_task(Box::new(move || {
             let Some(image) = weak.upgrade() else {

@@ -16,6 +16,7 @@
 
 pub mod elf;
 mod imports;
+mod interpreter;
 pub mod nearby;
 mod needed;
 pub mod pyc;
@@ -205,8 +206,17 @@ impl MountedImage {
     /// reads to come. An ELF header: the libraries it names are followed
     /// ([`needed`]); of a file too large to come whole, its loader's segments go to
     /// the background too ([`nearby::Nearby::plan_loader`]). A compiled Python module:
-    /// the modules it imports are followed ([`imports`]).
-    pub(crate) fn read_landed(self: &Arc<Self>, ino: Ino, node: &Node, offset: u64, data: &[u8]) {
+    /// the modules it imports are followed ([`imports`]). A Python interpreter's binary,
+    /// read by process `pid` (0: unknown) as it `exec`s it: the interpreter's start and
+    /// its command line are followed ([`interpreter`]).
+    pub(crate) fn read_landed(
+        self: &Arc<Self>,
+        ino: Ino,
+        node: &Node,
+        offset: u64,
+        data: &[u8],
+        pid: u32,
+    ) {
         if offset != 0 {
             return;
         }
@@ -220,6 +230,11 @@ impl MountedImage {
         self.read_landed_loader(ino, node, offset, data);
         if let Some(loc) = node.data {
             self.follow_libraries(loc);
+            if let Some(path) = self.tree.path_of(ino)
+                && interpreter::is_interpreter(&path)
+            {
+                self.follow_interpreter(loc, &path, pid);
+            }
         }
     }
 

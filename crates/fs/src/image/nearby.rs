@@ -116,6 +116,9 @@ struct Seen {
     /// Python modules (layer, entry) whose imports were followed
     /// ([`crate::image::imports`]).
     modules: HashSet<(usize, usize)>,
+    /// Interpreter binaries (layer, entry) whose start was followed
+    /// ([`crate::image::interpreter`]).
+    interpreters: HashSet<(usize, usize)>,
     /// The search directory each top-level Python name was found in (or not), by
     /// `imports::Module::roots_key`: a start imports `os` and `numpy` from hundreds of
     /// modules, and each search looks up a dozen paths per directory.
@@ -331,6 +334,16 @@ impl Nearby {
         }
         let mut seen = self.seen.lock();
         seen.modules.len() < MAX_MODULES && seen.modules.insert(at)
+    }
+
+    /// Whether the start of interpreter binary `at` (layer, entry) has not been followed
+    /// yet, and may (marks it: once per binary per mount).
+    pub(crate) fn first_interpreter(&self, at: (usize, usize)) -> bool {
+        if self.whole_file_bytes == 0 {
+            return false;
+        }
+        let mut seen = self.seen.lock();
+        seen.interpreters.len() < MAX_LIBRARIES && seen.interpreters.insert(at)
     }
 
     /// Whether a first read's header may ask for more once it lands (the loader's

@@ -696,3 +696,74 @@ fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
     assert!(wait_idle(Duration::from_secs(30)));
     assert_eq!(rig.calls(), calls);
 }
+
+#[test]
+fn an_interpreters_start_and_its_command_lines_imports_are_fetched_before_it_reads_them() {
+    // The interpreter's binary; what every start of it imports (encodings and the two
+    // modules it loads, sitecustomize); what `-c 'import pandas'` imports; and modules
+    // nothing names.
+    let pyc = |name: &str| format!("__pycache__/{name}.cpython-311.pyc");
+    let lib = "usr/lib/python3.11";
+    let dist = "usr/lib/python3/dist-packages";
+    let mut files: Vec<(String, Vec<u8>)> =
+        vec![("usr/bin/python3.11".into(), noise(100 << 10, 1))];
+    let wanted = [
+        format!("{lib}/encodings/{}", pyc("__init__")),
+        format!("{lib}/encodings/{}", pyc("aliases")),
+        format!("{lib}/encodings/{}", pyc("utf_8")),
+        format!("{lib}/{}", pyc("sitecustomize")),
+        format!("{dist}/pandas/{}", pyc("__init__")),
+    ];
+    let unwanted = [
+        format!("{lib}/encodings/{}", pyc("cp1252")),
+        format!("{lib}/{}", pyc("os")),
+        format!("{dist}/numpy/{}", pyc("__init__")),
+    ];
+    for (i, f) in wanted.iter().chain(&unwanted).enumerate() {
+        files.push((format!("pad{i}"), noise(300 << 10, 100 + i as u64)));
+        files.push((f.clone(), noise(20 << 10, 10 + i as u64)));
+    }
+    files.push((format!("{lib}/encodings/__init__.py"), noise(100, 50)));
+    files.push((format!("{dist}/pandas/__init__.py"), noise(100, 51)));
+    files.push((format!("{dist}/numpy/__init__.py"), noise(100, 52)));
+    let rig = rig_of(&files, 8 << 20, 0);
+    let ino = rig.image.tree.resolve("usr/bin/python3.11").unwrap();
+    let loc = rig.image.tree.get(ino).unwrap().data.unwrap();
+    // The exec's read of the binary landed (no process to ask: pid 0).
+    rig.image.follow_interpreter(loc, "/usr/bin/python3.11", 0);
+    assert!(wait_idle(Duration::from_secs(30)));
+    for f in &wanted[..4] {
+        assert!(!rig.missing(f), "{f}: an interpreter's start imports it");
+    }
+    assert!(rig.missing(&wanted[4]), "no command line was read");
+    // Its command line, once the exec is done.
+    let module = crate::image::imports::Module::interpreter("/usr/bin/python3.11", None).unwrap();
+    let line = crate::image::interpreter::command_line(&[
+        "python3".into(),
+        "-c".into(),
+        "import pandas; print(pandas.__version__)".into(),
+    ])
+    .unwrap();
+    crate::image::interpreter::follow_command_line(
+        &Arc::downgrade(&rig.image),
+        &module,
+        "/usr/bin/python3.11",
+        line,
+    );
+    assert!(wait_idle(Duration::from_secs(30)));
+    assert!(
+        !rig.missing(&wanted[4]),
+        "pandas is what the command imports"
+    );
+    for f in &unwanted {
+        assert!(rig.missing(f), "{f}: nothing imports it");
+    }
+    let stats = rig.image.stats.snapshot();
+    assert_eq!(stats.read_waits, 0, "no read waited: all of it went ahead");
+    assert!(stats.guesses.rest.fetched > 0, "{stats:?}");
+    // Once per binary per mount.
+    let calls = rig.calls();
+    rig.image.follow_interpreter(loc, "/usr/bin/python3.11", 0);
+    assert!(wait_idle(Duration::from_secs(30)));
+    assert_eq!(rig.calls(), calls);
+}
