@@ -69,6 +69,18 @@ cn() {
     RC=$?
     set -e
 }
+# cn_probe NS ARGS...: cn for a command whose output ends with "end". When it exits 0
+# but its output does not end there, ctr's copy of the container's output was cut
+# short (it races the container's exit; seen once on a loaded CI machine: the last two
+# lines of a probe missing, the container's exit 0); the command is run once more and
+# that is said, so a truncation that repeats still fails.
+cn_probe() {
+    cn "$@"
+    if [[ $RC == 0 && $OUT != *end ]]; then
+        echo "    | ctr's output was cut short ($(wc -l <<<"$OUT") lines, exit 0): running it once more"
+        cn "$@"
+    fi
+}
 say() { sed 's/^/    | /' <<<"$1" | tail -"${2:-10}"; }
 # fpull NS REF: ferry pull REF into namespace NS; output in PULL_OUT, exit in PULL_RC
 fpull() {
@@ -187,7 +199,7 @@ check_form() {
     cn "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-$name-$$"
     [[ $RC == 0 ]] || { fail "$name: overlayfs run: exit $RC"; say "$OUT"; return 0; }
     ovl_default=$OUT
-    cn "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-probe-$name-$$" sh -c "$PROBE" probe "$@"
+    cn_probe "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-probe-$name-$$" sh -c "$PROBE" probe "$@"
     [[ $RC == 0 && $OUT == *end ]] || { fail "$name: overlayfs probe: exit $RC"; say "$OUT"; return 0; }
     ovl_probe=$OUT
     cn "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-root-$name-$$" ls -A /
@@ -231,7 +243,7 @@ check_form() {
     fi
 
     # 4. the probe: the tree; mtimes in seconds; mtimes with nanoseconds
-    cn "$ns" run --rm --snapshotter ferry "$ref" "ferry-probe-$name-$$" sh -c "$PROBE" probe "$@"
+    cn_probe "$ns" run --rm --snapshotter ferry "$ref" "ferry-probe-$name-$$" sh -c "$PROBE" probe "$@"
     local tree ovl_tree mt want_mt nsl ovl_nsl how
     tree=$(grep -v '^mt \|^ns ' <<<"$OUT" || true)
     ovl_tree=$(grep -v '^mt \|^ns ' <<<"$ovl_probe" || true)
