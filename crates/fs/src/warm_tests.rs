@@ -636,6 +636,7 @@ fn a_restarted_store_keeps_the_pins_of_a_mount_that_comes_back() {
                     pin_grace: Duration::from_secs(60),
                     flush_interval: None,
                     clock: clock.clone(),
+                    seed: None,
                 },
             )
             .unwrap(),

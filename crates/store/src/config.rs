@@ -27,6 +27,10 @@ pub struct StoreConfig {
     /// Most bytes of chunk content the store keeps; least recently used unpinned entries
     /// are evicted to stay under it.
     pub max_bytes: u64,
+    /// A read-only seed store under the live one: a directory written by `ferry store
+    /// export` (e.g. on a volume baked ahead), read in place, never written or evicted.
+    /// `None`: no seed.
+    pub seed: Option<PathBuf>,
 }
 
 impl Default for StoreConfig {
@@ -34,6 +38,7 @@ impl Default for StoreConfig {
         StoreConfig {
             path: None,
             max_bytes: DEFAULT_MAX_BYTES,
+            seed: None,
         }
     }
 }
@@ -123,6 +128,9 @@ mod tests {
         let c: StoreConfig = serde_json::from_str(r#"{"path": "/s"}"#).unwrap();
         assert_eq!(c.path, Some(PathBuf::from("/s")));
         assert_eq!(c.max_bytes, DEFAULT_MAX_BYTES);
+        assert_eq!(c.seed, None);
         assert!(serde_json::from_str::<StoreConfig>(r#"{"max_byte": 1}"#).is_err());
+        let seeded: StoreConfig = serde_json::from_str(r#"{"seed": "/vol/seed"}"#).unwrap();
+        assert_eq!(seeded.seed, Some(PathBuf::from("/vol/seed")));
     }
 }

@@ -111,6 +111,19 @@ pub enum Error {
     /// An image record is malformed or beyond the bounds.
     #[error("invalid image record: {0}")]
     InvalidRecord(String),
+    /// The seed store (`[store] seed`) cannot be used: not a store export, an unfinished
+    /// or unknown-format one, or the live store itself. Nothing was opened.
+    #[error(
+        "seed store {}: {source}; a seed must be a directory written by `ferry store export` \
+         (bake one with `ferry prewarm` and `ferry store export DIR`, or remove `[store] seed`)",
+        path.display()
+    )]
+    Seed {
+        /// The seed directory given.
+        path: PathBuf,
+        /// What is wrong with it.
+        source: Box<Error>,
+    },
     /// A pin owner name is empty or longer than [`crate::MAX_OWNER_LEN`] bytes.
     #[error("invalid pin owner {0:?}: must be 1..={max} bytes", max = crate::MAX_OWNER_LEN)]
     InvalidOwner(String),

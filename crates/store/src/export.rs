@@ -258,7 +258,8 @@ pub struct ImportReport {
     pub images: u64,
 }
 
-fn object_path(root: &Path, key: &ChunkKey) -> PathBuf {
+/// An object's file in the export (or seed) at `root`.
+pub(crate) fn object_path(root: &Path, key: &ChunkKey) -> PathBuf {
     let hex = key.hex();
     root.join("objects").join(&hex[..2]).join(hex)
 }
@@ -478,7 +479,8 @@ impl Store {
         let mut report = ImportReport::default();
         let mut wanted = Vec::new();
         for o in &manifest.objects {
-            if self.contains(&o.key) {
+            // The live store's: what a seed holds is not this store's to keep.
+            if inner.contains_live(&o.key) {
                 report.present += 1;
                 report.present_bytes += o.size;
             } else {

@@ -34,6 +34,12 @@
 //! self-describing directory, and [`Store::import`] brings one in, every object hashed
 //! in staging before any is renamed into place (see `export.rs`).
 //!
+//! Seed store: [`StoreOptions::seed`] (`[store] seed = PATH`) puts a read-only store
+//! export under the live store, used in place (see `seed.rs`): reads the live store cannot
+//! serve are served from it, each object hashed on its first read, a bad one a counted
+//! miss; writes, eviction, gc, verify and export touch only the live store; nothing in
+//! the seed's directory is ever written ([`Store::seed_stats`] counts what it served).
+//!
 //! Trust: an entry is hashed on its first read after the store is opened by a process,
 //! and trusted for the rest of that process's life (entries it wrote itself are trusted
 //! from the start). [`Store::verify_all`] re-hashes everything.
@@ -56,6 +62,7 @@ pub use store::export::{
     EXPORT_FORMAT, ExportManifest, ExportReport, ImageRecord, ImportReport, LayerRecord,
     MANIFEST_NAME, ObjectRecord,
 };
+pub use store::seed::SeedStats;
 pub use store::{
     ChunkFile, EntryInfo, GcReport, OpenReport, OwnerInfo, PutOutcome, Store, StoreOptions,
     StoreStats, VerifyReport,

@@ -56,6 +56,9 @@ pub struct StoreOptions {
     pub flush_interval: Option<Duration>,
     /// Wall time source.
     pub clock: Arc<dyn Clock>,
+    /// A read-only seed store under this one: a directory written by [`Store::export`],
+    /// used in place (see `seed.rs`). `None`: no seed.
+    pub seed: Option<PathBuf>,
 }
 
 impl Default for StoreOptions {
@@ -65,6 +68,7 @@ impl Default for StoreOptions {
             pin_grace: Duration::from_secs(120),
             flush_interval: Some(Duration::from_secs(5)),
             clock: Arc::new(SystemClock),
+            seed: None,
         }
     }
 }
@@ -152,9 +156,9 @@ pub struct StoreStats {
     pub pinned_entries: u64,
     /// Owners holding pins (including restored ones not yet re-registered).
     pub pin_owners: u64,
-    /// Reads served.
+    /// Reads served (by the live store or, when it lacks the key, the seed store).
     pub hits: u64,
-    /// Reads not served (absent, or dropped as corrupt).
+    /// Reads not served (absent, or dropped as corrupt, in the live store and the seed).
     pub misses: u64,
     /// Entries committed by this process.
     pub inserts: u64,
@@ -254,6 +258,8 @@ struct Inner {
     counters: Counters,
     open_report: OpenReport,
     flusher: Mutex<Option<Flusher>>,
+    /// The read-only seed store under this one, if any.
+    seed: Option<Seed>,
 }
 
 #[derive(Debug, Default)]
@@ -407,6 +413,7 @@ impl Store {
             &config.resolve_path(),
             StoreOptions {
                 max_bytes: Some(config.max_bytes),
+                seed: config.seed.clone(),
                 ..StoreOptions::default()
             },
         )
@@ -416,8 +423,16 @@ impl Store {
     /// reconciles metadata with the chunk files (dropping entries whose file is missing
     /// or of the wrong size, adopting files without a record), restores persisted pins
     /// for [`StoreOptions::pin_grace`], and evicts down to a smaller bound if one is given.
-    /// Fails with [`Error::InUse`] while another process has it open.
+    /// With [`StoreOptions::seed`], first opens the seed store read-only (its manifest
+    /// read and checked; nothing copied) and fails with [`Error::Seed`] if it is not a
+    /// usable export. Fails with [`Error::InUse`] while another process has it open.
     pub fn open_with(root: &Path, options: StoreOptions) -> Result<Store> {
+        // Before anything of the live store is created or repaired.
+        let seed = options
+            .seed
+            .as_deref()
+            .map(|seed| Seed::open(seed, root))
+            .transpose()?;
         let chunks_dir = root.join("chunks");
         for dir in [root, &chunks_dir] {
             crate::private_dir(dir).map_err(|e| Error::io(dir, e))?;
@@ -536,6 +551,7 @@ impl Store {
             counters: Counters::default(),
             open_report: report,
             flusher: Mutex::new(None),
+            seed,
         });
         bump(
             &inner.counters.verification_failures,
@@ -577,7 +593,8 @@ impl Store {
     /// entry is in place and served (renamed into place; its record is written by the
     /// next flush, and a crash before it costs only a re-hash on the next read); evicts
     /// least recently used unpinned entries first if needed, so the bound holds when this
-    /// returns. Concurrent puts of one key write it once. Errors: [`Error::DigestMismatch`],
+    /// returns. Concurrent puts of one key write it once. A key the seed store has served
+    /// verified is [`PutOutcome::AlreadyPresent`] (nothing written). Errors: [`Error::DigestMismatch`],
     /// [`Error::TooLarge`], [`Error::Full`] (nothing stored in each case), I/O, metadata.
     pub fn put(&self, key: &ChunkKey, bytes: &[u8]) -> Result<PutOutcome> {
         let chunk = crate::key::Hashed::new(bytes);
@@ -602,6 +619,9 @@ impl Store {
                 max_bytes: inner.max_bytes,
             });
         }
+        if inner.seed_serves(key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
         inner.expire_restored_pins()?;
         let Some(guard) = inner.claim(key) else {
             return Ok(PutOutcome::AlreadyPresent);
@@ -617,6 +637,9 @@ impl Store {
     /// layer), hashing while writing. Reads at most `max_bytes + 1` bytes.
     pub fn put_reader(&self, key: &ChunkKey, reader: &mut dyn Read) -> Result<PutOutcome> {
         let inner = &*self.inner;
+        if inner.seed_serves(key) {
+            return Ok(PutOutcome::AlreadyPresent);
+        }
         inner.expire_restored_pins()?;
         let Some(guard) = inner.claim(key) else {
             return Ok(PutOutcome::AlreadyPresent);
@@ -642,75 +665,54 @@ impl Store {
 
     /// The entry's bytes, verified (hashed on the first read after this process opened the
     /// store; trusted afterwards). `None` on a miss, including an entry found corrupt,
-    /// which is dropped and counted. Errors are I/O failures other than a missing file.
+    /// which is dropped and counted. With a seed store, a key the live store cannot serve
+    /// is read from the seed (see `seed.rs`: hashed on its first read, a bad seed object
+    /// is a miss). Errors are I/O failures of the live store other than a missing file.
     pub fn get(&self, key: &ChunkKey) -> Result<Option<Vec<u8>>> {
         let inner = &*self.inner;
-        let Some(found) = inner.lookup(key) else {
-            return Ok(None);
-        };
-        let path = inner.entry_path(key);
-        let read = (|| -> io::Result<std::result::Result<Vec<u8>, Unservable>> {
-            let file = match File::open(&path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    return Ok(Err(Unservable::Missing));
-                }
-                Err(e) => return Err(e),
-            };
-            if file.metadata()?.len() != found.size {
-                return Ok(Err(Unservable::Corrupt));
+        if let Some(found) = inner.lookup(key) {
+            let path = inner.entry_path(key);
+            let read = open_entry(&path)
+                .and_then(|file| match file {
+                    Some(f) => read_entry(&f, key, found.size, found.verified),
+                    None => Ok(Err(Unservable::Missing)),
+                })
+                .map_err(|e| Error::io(&path, e))?;
+            if let Some(bytes) = inner.finish_read(key, &found, read)? {
+                return Ok(Some(bytes));
             }
-            let len = usize::try_from(found.size)
-                .map_err(|_| io::Error::new(io::ErrorKind::OutOfMemory, "entry too large"))?;
-            let mut buf = Vec::new();
-            buf.try_reserve_exact(len)
-                .map_err(|_| io::Error::new(io::ErrorKind::OutOfMemory, "entry too large"))?;
-            (&file).take(found.size).read_to_end(&mut buf)?;
-            if buf.len() != len || (!found.verified && ChunkKey::of(&buf) != *key) {
-                return Ok(Err(Unservable::Corrupt));
-            }
-            Ok(Ok(buf))
-        })()
-        .map_err(|e| Error::io(&path, e))?;
-        inner.finish_read(key, &found, read)
+        }
+        Ok(inner.read_seed(|seed| seed.read(key)))
     }
 
     /// The entry opened read-only, verified like [`Store::get`] (through the returned
-    /// handle itself, so what was checked is what will be read). `None` on a miss.
+    /// handle itself, so what was checked is what will be read). `None` on a miss. Falls
+    /// back to the seed store like [`Store::get`].
     pub fn open_chunk(&self, key: &ChunkKey) -> Result<Option<ChunkFile>> {
         let inner = &*self.inner;
-        let Some(found) = inner.lookup(key) else {
-            return Ok(None);
-        };
-        let path = inner.entry_path(key);
-        let opened = (|| -> io::Result<std::result::Result<File, Unservable>> {
-            let file = match File::open(&path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    return Ok(Err(Unservable::Missing));
-                }
-                Err(e) => return Err(e),
-            };
-            if file.metadata()?.len() != found.size {
-                return Ok(Err(Unservable::Corrupt));
+        if let Some(found) = inner.lookup(key) {
+            let path = inner.entry_path(key);
+            let opened = open_entry(&path)
+                .and_then(|file| match file {
+                    Some(f) => Ok(check_entry(&f, key, found.size, found.verified)?.map(|()| f)),
+                    None => Ok(Err(Unservable::Missing)),
+                })
+                .map_err(|e| Error::io(&path, e))?;
+            if let Some(file) = inner.finish_read(key, &found, opened)? {
+                return Ok(Some(ChunkFile {
+                    file,
+                    len: found.size,
+                    path,
+                }));
             }
-            if !found.verified && hash_file(&file, found.size)? != Some(*key) {
-                return Ok(Err(Unservable::Corrupt));
-            }
-            Ok(Ok(file))
-        })()
-        .map_err(|e| Error::io(&path, e))?;
-        let file = inner.finish_read(key, &found, opened)?;
-        Ok(file.map(|file| ChunkFile {
-            file,
-            len: found.size,
-            path,
-        }))
+        }
+        Ok(inner.read_seed(|seed| seed.open_chunk(key)))
     }
 
-    /// True when the key is committed (no access recorded, no verification).
+    /// True when the key is committed in the live store or listed by the seed store and
+    /// not found bad there (no access recorded, no verification).
     pub fn contains(&self, key: &ChunkKey) -> bool {
-        self.inner.lock_state().index.contains(key)
+        self.inner.contains_live(key) || self.inner.seed.as_ref().is_some_and(|s| s.contains(key))
     }
 
     /// Pins `keys` for `owner` (a live mount), adding to what it already pins: pinned
@@ -993,21 +995,42 @@ impl Inner {
         self.chunks_dir.join(&hex[..2]).join(hex)
     }
 
-    /// Finds an entry for a read and records the access; counts a miss when absent.
+    /// Finds a live entry for a read and records the access (the read's outcome is
+    /// counted by [`Inner::finish_read`] or [`Inner::read_seed`]).
     fn lookup(&self, key: &ChunkKey) -> Option<Found> {
         let now = self.clock.now_ms();
-        let found = self.lock_state().touch(key, now).map(|(size, e)| Found {
+        self.lock_state().touch(key, now).map(|(size, e)| Found {
             size,
             verified: e.verified,
             generation: e.generation,
-        });
-        if found.is_none() {
-            bump(&self.counters.misses, 1);
-        }
-        found
+        })
     }
 
-    /// Counts the outcome of a read, dropping an entry that could not be served.
+    fn contains_live(&self, key: &ChunkKey) -> bool {
+        self.lock_state().index.contains(key)
+    }
+
+    /// True when the seed store holds `key` and has served it verified in this process:
+    /// a put of it need not write a copy. A seed object not yet read is not trusted for
+    /// this (the put's verified bytes go to the live store).
+    fn seed_serves(&self, key: &ChunkKey) -> bool {
+        self.seed.as_ref().is_some_and(|s| s.verified(key))
+    }
+
+    /// The end of a read the live store could not serve: asks the seed store, if there is
+    /// one, and counts the read as a hit or a miss.
+    fn read_seed<T>(&self, read: impl FnOnce(&Seed) -> Option<T>) -> Option<T> {
+        let served = self.seed.as_ref().and_then(read);
+        if served.is_some() {
+            bump(&self.counters.hits, 1);
+        } else {
+            bump(&self.counters.misses, 1);
+        }
+        served
+    }
+
+    /// Counts a hit, or drops an entry that could not be served (the miss is counted by
+    /// [`Inner::read_seed`], which the caller asks next).
     fn finish_read<T>(
         &self,
         key: &ChunkKey,
@@ -1023,7 +1046,6 @@ impl Inner {
                 Ok(Some(v))
             }
             Err(why) => {
-                bump(&self.counters.misses, 1);
                 // A missing file is normal when the entry was evicted since the lookup;
                 // then the entry is gone already and nothing is dropped or counted.
                 if self.drop_if_current(key, found.generation)? {
@@ -1493,6 +1515,77 @@ fn remove_file_if_exists(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Opens an entry's file read-only for a read of the live store or the seed; `None` when
+/// it does not exist. Never follows a symbolic link and never blocks on a FIFO (a seed
+/// comes from a volume that strangers may have filled); [`read_entry`] and
+/// [`check_entry`] refuse anything but a regular file.
+fn open_entry(path: &Path) -> io::Result<Option<File>> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // Blocking reads from here on (the handle may be handed to the kernel for FUSE
+    // passthrough). SAFETY: F_GETFL/F_SETFL on a descriptor this function owns; no
+    // memory is passed.
+    let cleared = unsafe {
+        let fd = file.as_raw_fd();
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Some(file))
+}
+
+/// Checks an opened entry file against what it must be: a regular file of `size` bytes
+/// and, unless `trusted`, hashing (through this handle) to `key`.
+fn check_entry(
+    file: &File,
+    key: &ChunkKey,
+    size: u64,
+    trusted: bool,
+) -> io::Result<std::result::Result<(), Unservable>> {
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.len() != size {
+        return Ok(Err(Unservable::Corrupt));
+    }
+    if !trusted && hash_file(file, size)? != Some(*key) {
+        return Ok(Err(Unservable::Corrupt));
+    }
+    Ok(Ok(()))
+}
+
+/// Reads an opened entry file whole, checked like [`check_entry`] (hashing the bytes
+/// read, so they are read once).
+fn read_entry(
+    file: &File,
+    key: &ChunkKey,
+    size: u64,
+    trusted: bool,
+) -> io::Result<std::result::Result<Vec<u8>, Unservable>> {
+    let meta = file.metadata()?;
+    if !meta.is_file() || meta.len() != size {
+        return Ok(Err(Unservable::Corrupt));
+    }
+    let too_large = || io::Error::new(io::ErrorKind::OutOfMemory, "entry too large");
+    let len = usize::try_from(size).map_err(|_| too_large())?;
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len).map_err(|_| too_large())?;
+    file.take(size).read_to_end(&mut buf)?;
+    if buf.len() != len || (!trusted && ChunkKey::of(&buf) != *key) {
+        return Ok(Err(Unservable::Corrupt));
+    }
+    Ok(Ok(buf))
+}
+
 /// Hashes exactly `len` bytes of `file`; `None` if it is shorter.
 fn hash_file(file: &File, len: u64) -> io::Result<Option<ChunkKey>> {
     let mut hasher = Sha256::new();
@@ -1542,6 +1635,11 @@ fn duration_ms(d: Duration) -> u64 {
 
 #[path = "export.rs"]
 pub(crate) mod export;
+
+#[path = "seed.rs"]
+pub(crate) mod seed;
+
+use seed::Seed;
 
 #[cfg(test)]
 #[path = "store_tests.rs"]

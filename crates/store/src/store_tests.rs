@@ -21,6 +21,7 @@ fn options(max: u64, clock: &Arc<ManualClock>) -> StoreOptions {
         pin_grace: Duration::from_secs(60),
         flush_interval: None,
         clock: Arc::clone(clock) as Arc<dyn Clock>,
+        seed: None,
     }
 }
 
