@@ -11,8 +11,8 @@
 //! A read the live store cannot serve asks the seed. Each seed object is hashed against
 //! its key on its first read in this process (the volume comes from elsewhere) and
 //! trusted afterwards; one that is missing, of the wrong size or content, or unreadable
-//! is marked bad for the rest of the process, logged and counted, and the read is a
-//! miss: the caller fetches the bytes and puts them, which writes them to the live store.
+//! (an I/O error other than the process running out of descriptors or memory) is marked
+//! bad for the rest of the process, logged and counted, and the read is a miss: the caller fetches the bytes and puts them, which writes them to the live store.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -23,7 +23,9 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 
 use super::export::object_path;
-use super::{ChunkFile, Store, Unservable, bump, check_entry, open_entry, read_entry};
+use super::{
+    ChunkFile, Store, Unservable, VerifyReport, bump, check_entry, open_entry, read_entry,
+};
 use crate::error::{Error, Result};
 use crate::key::ChunkKey;
 
@@ -154,7 +156,7 @@ impl Seed {
 
     /// The object's bytes, verified; `None` when it is not listed or is bad.
     pub(crate) fn read(&self, key: &ChunkKey) -> Option<Vec<u8>> {
-        self.serve(key, |file, size, trusted| {
+        self.serve(key, false, |file, size, trusted| {
             read_entry(&file, key, size, trusted)
         })
     }
@@ -162,7 +164,7 @@ impl Seed {
     /// The object opened read-only, verified through the returned handle; `None` when it
     /// is not listed or is bad.
     pub(crate) fn open_chunk(&self, key: &ChunkKey) -> Option<ChunkFile> {
-        self.serve(key, |file, size, trusted| {
+        self.serve(key, false, |file, size, trusted| {
             Ok(check_entry(&file, key, size, trusted)?.map(|()| ChunkFile {
                 file,
                 len: size,
@@ -171,11 +173,34 @@ impl Seed {
         })
     }
 
-    /// Opens the object and runs `check` on it (trusted once found good); counts the
-    /// outcome and marks an object that cannot be served bad.
+    /// Hashes every object (also those found good before), marking bad ones; the seed
+    /// itself is not changed, so `dropped` lists objects this process will not serve.
+    pub(crate) fn verify_all(&self) -> VerifyReport {
+        let mut keys: Vec<ChunkKey> = self.objects.keys().copied().collect();
+        keys.sort();
+        let mut report = VerifyReport::default();
+        for key in keys {
+            let checked = self.serve(&key, true, |file, size, trusted| {
+                Ok(check_entry(&file, &key, size, trusted)?.map(|()| size))
+            });
+            match checked {
+                Some(size) => {
+                    report.good_entries += 1;
+                    report.checked_bytes += size;
+                }
+                None => report.dropped.push(key),
+            }
+        }
+        report
+    }
+
+    /// Opens the object and runs `check` on it (trusted once found good, unless
+    /// `rehash`); counts the outcome (a rehash is not a hit) and marks an object that
+    /// cannot be served bad.
     fn serve<T>(
         &self,
         key: &ChunkKey,
+        rehash: bool,
         check: impl FnOnce(File, u64, bool) -> io::Result<std::result::Result<T, Unservable>>,
     ) -> Option<T> {
         let c = &self.counters;
@@ -187,7 +212,7 @@ impl Seed {
             bump(&c.misses, 1);
             return None;
         };
-        let trusted = object.state.load(Ordering::Relaxed) == GOOD;
+        let trusted = !rehash && object.state.load(Ordering::Relaxed) == GOOD;
         let path = object_path(&self.root, key);
         let outcome = open_entry(&path).and_then(|file| match file {
             Some(f) => check(f, object.size, trusted),
@@ -203,17 +228,29 @@ impl Seed {
                 {
                     bump(&c.verified, 1);
                 }
-                bump(&c.hits, 1);
-                bump(&c.bytes_served, object.size);
+                if !rehash {
+                    bump(&c.hits, 1);
+                    bump(&c.bytes_served, object.size);
+                }
                 return Some(served);
             }
             Ok(Err(Unservable::Missing)) => "missing".to_string(),
             Ok(Err(Unservable::Corrupt)) => {
                 "of the wrong size or content (does not hash to its key)".to_string()
             }
+            Err(e) if is_transient(&e) => {
+                // The process's trouble (out of descriptors or memory), not the object's.
+                if !rehash {
+                    bump(&c.misses, 1);
+                }
+                tracing::debug!(%key, error = %e, "seed object not read this time");
+                return None;
+            }
             Err(e) => format!("unreadable: {e}"),
         };
-        bump(&c.misses, 1);
+        if !rehash {
+            bump(&c.misses, 1);
+        }
         if object.state.swap(BAD, Ordering::Relaxed) != BAD {
             bump(&c.corrupt, 1);
             tracing::warn!(
@@ -241,6 +278,14 @@ impl Seed {
             verified: c.verified.load(Ordering::Relaxed),
         }
     }
+}
+
+/// Errors that say nothing about the object: it is not marked bad for them.
+fn is_transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EINTR)
+    )
 }
 
 /// `path` absolute with its links resolved, for a path that may not exist yet: its
@@ -271,6 +316,13 @@ impl Store {
     /// The seed store's sizes and counters; `None` without a seed.
     pub fn seed_stats(&self) -> Option<SeedStats> {
         self.inner.seed.as_ref().map(Seed::stats)
+    }
+
+    /// Hashes every object of the seed store (`None` without one). Bad objects are
+    /// marked so for this process and listed in `dropped`; the seed is never changed
+    /// (rebake it to repair it).
+    pub fn verify_seed(&self) -> Option<VerifyReport> {
+        self.inner.seed.as_ref().map(Seed::verify_all)
     }
 }
 
@@ -486,6 +538,12 @@ mod tests {
         );
         assert_eq!(live_files(&live), 1);
         assert_eq!(store.seed_stats().unwrap().corrupt, 4, "counted once each");
+        // Verifying the seed names exactly the bad ones and changes nothing.
+        let v = store.verify_seed().unwrap();
+        let mut bad = vec![*flipped, *gone, *fifo, *linked];
+        bad.sort();
+        assert_eq!((v.good_entries, v.dropped), (6, bad));
+        assert_eq!(store.seed_stats().unwrap().verified, 6);
         // The good objects are still served from the seed.
         let (k, b) = &chunks[0];
         assert_eq!(store.get(k).unwrap().as_deref(), Some(b.as_slice()));
