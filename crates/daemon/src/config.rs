@@ -21,6 +21,9 @@ const MAX_REQUEST_SIZE: u64 = 1 << 30;
 const MAX_PARALLELISM: usize = 1024;
 /// Most bytes of a config file read.
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+/// How `--print-config` shows `[store] seed` when there is none.
+const UNSET_SEED: &str = "# seed = \"/vol/ferry-seed\"  # none by default: a read-only `ferry store export` \
+     directory used in place under the live store (docs/node-cache.md)";
 
 /// The whole configuration (`ferry daemon --print-config` shows the effective one).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -636,6 +639,22 @@ impl DaemonConfig {
         if self.store.max_bytes == 0 {
             return Err(Error::Config("store.max_bytes must be positive".into()));
         }
+        if let Some(seed) = &self.store.seed {
+            if !seed.is_absolute() {
+                return Err(Error::Config(format!(
+                    "store.seed must be an absolute path to a directory written by \
+                     `ferry store export`, not {:?}",
+                    seed.display().to_string()
+                )));
+            }
+            if self.store.path.as_deref() == Some(seed.as_path()) {
+                return Err(Error::Config(format!(
+                    "store.seed and store.path are both {}: the seed is a read-only export \
+                     beside the live store, not the store itself",
+                    seed.display()
+                )));
+            }
+        }
         if self.cri.enabled && self.cri.socket == self.cri.runtime_socket {
             return Err(Error::Config(format!(
                 "cri.socket and cri.runtime_socket are both {}: the proxy would call itself; \
@@ -736,9 +755,15 @@ impl DaemonConfig {
         out
     }
 
-    /// The config as TOML.
+    /// The config as TOML. Settings that are off by default and have no value to print
+    /// (TOML has no null) are shown as comments, so `--print-config` names them too.
     pub fn to_toml(&self) -> Result<String> {
-        toml::to_string(self).map_err(|e| Error::Config(format!("cannot print: {e}")))
+        let text =
+            toml::to_string(self).map_err(|e| Error::Config(format!("cannot print: {e}")))?;
+        Ok(match self.store.seed {
+            Some(_) => text,
+            None => text.replacen("[store]\n", &format!("[store]\n{UNSET_SEED}\n"), 1),
+        })
     }
 
     /// The lazy filesystem's fetch knobs.
@@ -1009,6 +1034,42 @@ mod tests {
         assert!(text.contains("request_size = \"3M\""), "{text}");
         assert!(text.contains("timeout = \"2500ms\""), "{text}");
         assert_eq!(DaemonConfig::from_toml(&text).unwrap(), resolved);
+    }
+
+    #[test]
+    fn a_seed_store_is_an_absolute_path_apart_from_the_store_and_printed_when_unset() {
+        let c = DaemonConfig::from_toml("[store]\npath = \"/s\"\nseed = \"/vol/seed\"\n").unwrap();
+        assert_eq!(c.store.seed.as_deref(), Some(Path::new("/vol/seed")));
+        let text = c.resolved().to_toml().unwrap();
+        assert!(text.contains("seed = \"/vol/seed\""), "{text}");
+        assert!(!text.contains("# seed"), "{text}");
+        assert_eq!(DaemonConfig::from_toml(&text).unwrap(), c.resolved());
+        for (doc, needle) in [
+            (
+                "[store]\nseed = \"vol/seed\"",
+                "store.seed must be an absolute path",
+            ),
+            (
+                "[store]\nseed = \"\"",
+                "store.seed must be an absolute path",
+            ),
+            (
+                "[store]\npath = \"/s\"\nseed = \"/s\"",
+                "not the store itself",
+            ),
+            ("[store]\nseed = 3", "seed"),
+            ("[store]\nseeds = \"/vol/seed\"", "seeds"),
+        ] {
+            let err = DaemonConfig::from_toml(doc).unwrap_err().to_string();
+            assert!(err.contains(needle), "{doc:?}: {err}");
+        }
+        // No seed by default, and --print-config says so in a comment that reads back.
+        let d = DaemonConfig::default();
+        assert_eq!(d.store.seed, None);
+        let text = d.resolved().to_toml().unwrap();
+        let store_section = text.split("[store]\n").nth(1).unwrap();
+        assert!(store_section.starts_with("# seed = "), "{text}");
+        assert_eq!(DaemonConfig::from_toml(&text).unwrap(), d.resolved());
     }
 
     #[test]

@@ -318,15 +318,17 @@ impl Daemon {
             &store_path,
             StoreOptions {
                 max_bytes: Some(config.store.max_bytes),
+                seed: config.store.seed.clone(),
                 ..StoreOptions::default()
             },
         )
-        .map_err(|e| {
-            Error::Config(format!(
+        .map_err(|e| match e {
+            ferry_store::Error::Seed { .. } => Error::Config(format!("[store] seed: {e}")),
+            e => Error::Config(format!(
                 "cannot open the chunk store at {} ({e}); another ferry process (a daemon or \
                  `ferry mount --foreground`) may be using it",
                 store_path.display()
-            ))
+            )),
         })?;
         let store = Arc::new(store);
         let mut manager = MountManager::new(store.clone(), config.clone())?;

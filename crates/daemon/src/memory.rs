@@ -46,6 +46,8 @@ struct State {
     failing_lookups: HashMap<String, Failure>,
     /// Images whose mounts fail, with what.
     failing_mounts: HashMap<String, Failure>,
+    /// What `store_status` answers.
+    store: Option<StoreStatus>,
 }
 
 impl MemoryBackend {
@@ -82,6 +84,11 @@ impl MemoryBackend {
         self.state()
             .failing_mounts
             .insert(image.to_owned(), Failure(Arc::new(error)));
+    }
+
+    /// Sets what the store status reports (`None`: no store, the default).
+    pub fn set_store(&self, store: Option<StoreStatus>) {
+        self.state().store = store;
     }
 
     /// Sets the counters a mount reports.
@@ -174,7 +181,7 @@ impl MountBackend for MemoryBackend {
     }
 
     fn store_status(&self) -> Option<StoreStatus> {
-        None
+        self.state().store.clone()
     }
 
     fn layer_kind(

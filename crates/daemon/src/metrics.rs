@@ -343,6 +343,43 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
             "Entries in the chunk store",
             gauge(store.entries),
         );
+        if let Some(seed) = &store.seed {
+            registry.register(
+                "store_seed_objects",
+                "Objects in the read-only seed store",
+                gauge(seed.objects),
+            );
+            registry.register(
+                "store_seed_bytes",
+                "Bytes of the objects in the read-only seed store",
+                gauge(seed.bytes),
+            );
+            registry.register(
+                "store_seed_hits",
+                "Reads the live store could not serve and the seed store did",
+                counter(seed.hits),
+            );
+            registry.register(
+                "store_seed_served_bytes",
+                "Bytes of the seed objects served",
+                counter(seed.bytes_served),
+            );
+            registry.register(
+                "store_seed_misses",
+                "Reads that reached the seed store and were not served (absent or bad)",
+                counter(seed.misses),
+            );
+            registry.register(
+                "store_seed_corrupt",
+                "Seed objects found missing, damaged or unreadable (served as misses, fetched)",
+                counter(seed.corrupt),
+            );
+            registry.register(
+                "store_seed_verified",
+                "Seed objects hashed against their key and found good",
+                counter(seed.verified),
+            );
+        }
     }
     if let Some(files) = backend.file_cache_status() {
         registry.register(
@@ -500,6 +537,46 @@ mod tests {
         let text = render(&backend, None).unwrap();
         assert!(!text.contains("/mnt/x"));
         assert!(text.contains("ferry_mounts 0"));
+    }
+
+    #[test]
+    fn the_seed_store_is_reported_only_when_there_is_one() {
+        let backend = MemoryBackend::new();
+        let mut store = crate::mounts::StoreStatus {
+            path: "/var/lib/ferry/store".into(),
+            entries: 2,
+            bytes: 300,
+            max_bytes: 1000,
+            seed: None,
+        };
+        backend.set_store(Some(store.clone()));
+        let text = render(&backend, None).unwrap();
+        assert!(text.contains("ferry_store_entries 2"), "{text}");
+        assert!(!text.contains("ferry_store_seed_"), "{text}");
+        store.seed = Some(ferry_store::SeedStats {
+            path: "/vol/seed".into(),
+            objects: 40,
+            bytes: 4000,
+            images: 1,
+            hits: 7,
+            bytes_served: 700,
+            misses: 3,
+            corrupt: 1,
+            verified: 6,
+        });
+        backend.set_store(Some(store));
+        let text = render(&backend, None).unwrap();
+        for line in [
+            "ferry_store_seed_objects 40",
+            "ferry_store_seed_bytes 4000",
+            "ferry_store_seed_hits_total 7",
+            "ferry_store_seed_served_bytes_total 700",
+            "ferry_store_seed_misses_total 3",
+            "ferry_store_seed_corrupt_total 1",
+            "ferry_store_seed_verified_total 6",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 
     #[test]

@@ -132,6 +132,9 @@ pub struct StoreStatus {
     pub bytes: u64,
     /// The bound.
     pub max_bytes: u64,
+    /// The read-only seed store under it (`[store] seed`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seed: Option<ferry_store::SeedStats>,
 }
 
 /// How a layer can be served lazily.
@@ -1401,6 +1404,7 @@ impl MountBackend for MountManager {
             entries: stats.entries,
             bytes: stats.bytes,
             max_bytes: stats.max_bytes,
+            seed: self.store.seed_stats(),
         })
     }
 
