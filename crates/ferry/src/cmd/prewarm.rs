@@ -103,6 +103,7 @@ pub fn run(args: Args) -> Result<()> {
             &store_path,
             StoreOptions {
                 max_bytes: Some(config.store.max_bytes),
+                seed: config.store.seed.clone(),
                 ..StoreOptions::default()
             },
         )

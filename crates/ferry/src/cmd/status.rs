@@ -118,6 +118,18 @@ fn table(report: &StatusReport) -> String {
             human(s.max_bytes),
             s.entries
         ));
+        if let Some(seed) = &s.seed {
+            out.push_str(&format!(
+                "seed store: {} (read-only; {} objects, {}; {} hits, {} served, {} verified, {} corrupt)\n",
+                seed.path.display(),
+                seed.objects,
+                human(seed.bytes),
+                seed.hits,
+                human(seed.bytes_served),
+                seed.verified,
+                seed.corrupt
+            ));
+        }
     }
     if let Some(c) = &report.file_cache {
         out.push_str(&format!(

@@ -21,6 +21,11 @@ pub struct Args {
     /// $XDG_CACHE_HOME/ferry/store.
     #[arg(long, value_name = "PATH", global = true)]
     store: Option<PathBuf>,
+    /// A read-only seed store under it (a `ferry store export` directory, as the
+    /// daemon's `[store] seed`): checked at open, shown by `du`, hashed by `verify`;
+    /// never written (ls, gc and export see only the live store).
+    #[arg(long, value_name = "PATH", global = true)]
+    seed: Option<PathBuf>,
     #[command(subcommand)]
     command: StoreCommand,
 }
@@ -52,7 +57,8 @@ enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Re-hash every entry, drop the ones that do not match their key, and report them.
+    /// Re-hash every entry, drop the ones that do not match their key, and report them;
+    /// with --seed, also hash every seed object and report the bad ones (never changed).
     Verify {
         /// Print JSON.
         #[arg(long)]
@@ -88,6 +94,7 @@ pub fn run(args: Args) -> Result<()> {
         // Keep the bound the daemon configured; maintenance never shrinks the store.
         max_bytes: None,
         flush_interval: None,
+        seed: args.seed,
         ..StoreOptions::default()
     };
     let store = Store::open_with(&path, options)
@@ -215,6 +222,7 @@ fn du(store: &Store, json: bool) -> Result<()> {
             "pinned_entries": s.pinned_entries,
             "pin_owners": s.pin_owners,
             "owners": owners,
+            "seed": store.seed_stats(),
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
@@ -237,6 +245,15 @@ fn du(store: &Store, json: bool) -> Result<()> {
         s.pinned_entries,
         s.pin_owners
     );
+    if let Some(seed) = store.seed_stats() {
+        println!(
+            "seed     {} (read-only): {} objects, {}, {} image records",
+            seed.path.display(),
+            seed.objects,
+            human(seed.bytes),
+            seed.images
+        );
+    }
     if !owners.is_empty() {
         print!("{}", owners_table(&owners));
     }
@@ -303,8 +320,15 @@ fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<
 
 fn verify(store: &Store, json: bool) -> Result<()> {
     let r = store.verify_all()?;
+    let seed = store.verify_seed();
     if json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        if let Some(seed) = &seed {
+            let mut doc = serde_json::to_value(&r)?;
+            doc["seed"] = serde_json::to_value(seed)?;
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            println!("{}", serde_json::to_string_pretty(&r)?);
+        }
     } else {
         println!(
             "{} entries good ({} hashed), {} dropped",
@@ -316,10 +340,32 @@ fn verify(store: &Store, json: bool) -> Result<()> {
             println!("dropped {k}");
         }
     }
+    if let Some(seed) = &seed
+        && !json
+    {
+        println!(
+            "seed: {} objects good ({} hashed), {} bad",
+            seed.good_entries,
+            human(seed.checked_bytes),
+            seed.dropped.len()
+        );
+        for k in &seed.dropped {
+            println!("bad seed object {k}");
+        }
+    }
     if !r.dropped.is_empty() {
         bail!(
             "{} damaged entries were dropped (they will be fetched again)",
             r.dropped.len()
+        );
+    }
+    if let Some(seed) = seed
+        && !seed.dropped.is_empty()
+    {
+        bail!(
+            "{} seed objects are missing or damaged (a daemon fetches them instead; bake the \
+             seed again to repair it: it is never written)",
+            seed.dropped.len()
         );
     }
     Ok(())
