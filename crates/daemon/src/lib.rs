@@ -1,7 +1,8 @@
 //! # ferry-daemon: the node daemon
 //!
 //! One long-running process per node ([`Daemon::run`]) owns the chunk store (opened
-//! once, exclusively), every lazy mount ([`MountManager`]), containerd's snapshotter
+//! once, exclusively, with the read-only seed store of `[store] seed` under it if one is
+//! configured), every lazy mount ([`MountManager`]), containerd's snapshotter
 //! with lazy layers ([`LazyLayers`]), a control socket for `ferry mount` / `ferry
 //! umount` / `ferry status` ([`control`]) and Prometheus metrics ([`metrics`]).
 //!
