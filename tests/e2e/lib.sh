@@ -146,6 +146,19 @@ wait_for() {
     done
 }
 
+# daemon_start CONFIG LOG: `ferry daemon --config CONFIG` in the background (pid in
+# DAEMON, stopped at exit), logging to LOG; returns once `ferry status` answers (30 s).
+daemon_start() {
+    "$FERRY" --log info daemon --config "$1" >"$2" 2>&1 &
+    DAEMON=$!
+    E2E_PIDS+=("$DAEMON")
+    wait_for 30 "daemon status" "$FERRY" status --config "$1"
+}
+# daemon_stop: stops the daemon daemon_start started last.
+daemon_stop() {
+    kill "$DAEMON" 2>/dev/null || true
+    wait "$DAEMON" 2>/dev/null || true
+}
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }

@@ -68,20 +68,10 @@ background_fill = false
 [trace]
 auto_record = false
 TOML
-start_daemon() { # CONFIG LOG
-    "$FERRY" --log info daemon --config "$1" >"$2" 2>&1 &
-    DAEMON=$!
-    E2E_PIDS+=("$DAEMON")
-    wait_for 30 "daemon status" "$FERRY" status --config "$1"
-}
-stop_daemon() {
-    kill "$DAEMON" 2>/dev/null || true
-    wait "$DAEMON" 2>/dev/null || true
-}
 
 # ---------------------------------------------------------------- 1. through the daemon
 echo "# 1. ferry prewarm through the daemon"
-start_daemon "$CFG" "$E2E_TMP/daemon.log" || { show "$E2E_TMP/daemon.log"; e2e_die "daemon did not start"; }
+daemon_start "$CFG" "$E2E_TMP/daemon.log" || { show "$E2E_TMP/daemon.log"; e2e_die "daemon did not start"; }
 fy "$E2E_TMP/p1.out" "$E2E_TMP/p1.err" prewarm --config "$CFG" --json "$IMAGE"
 F1=$(fetched_of "$E2E_TMP/p1.out" 2>/dev/null || echo 0)
 COV=$(jq -r .report.coverage "$E2E_TMP/p1.out" 2>/dev/null || true)
@@ -102,7 +92,7 @@ else
     fail "second prewarm: exit $RC, fetched $F2, present $PRES2 of $P1"
     show "$E2E_TMP/p2.err"
 fi
-stop_daemon
+daemon_stop
 HOT_BYTES=$(store_bytes "$STORE")
 if ((HOT_BYTES > 0)); then
     pass "the store holds the hot set after the daemon stopped ($HOT_BYTES bytes)"
@@ -268,7 +258,7 @@ for d in $(oci_manifest "$IMG" small | jq -r '.layers[].digest'); do
 done
 CFG2=$E2E_TMP/daemon2.toml
 sed -e "s#path = \"$STORE\"#path = \"$FRESH\"#" -e "s#$SOCK#$E2E_TMP/run2/daemon.sock#" "$CFG" >"$CFG2"
-start_daemon "$CFG2" "$E2E_TMP/daemon2.log" || { show "$E2E_TMP/daemon2.log"; e2e_die "daemon 2 did not start"; }
+daemon_start "$CFG2" "$E2E_TMP/daemon2.log" || { show "$E2E_TMP/daemon2.log"; e2e_die "daemon 2 did not start"; }
 MNT=$E2E_TMP/mnt
 mkdir -p "$MNT"
 fy "$E2E_TMP/m.out" "$E2E_TMP/m.err" mount --config "$CFG2" "oci:$HOLLOW:small" "$MNT"
@@ -287,6 +277,6 @@ else
     fail "$ERRS fetch errors while reading from the imported store"
 fi
 "$FERRY" umount --config "$CFG2" "$MNT" >/dev/null 2>&1 || true
-stop_daemon
+daemon_stop
 
 e2e_summary

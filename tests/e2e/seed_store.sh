@@ -68,15 +68,29 @@ TOML
         printf '[metrics]\naddr = "127.0.0.1:%s"\n' "$5" >>"$1"
     fi
 }
-start_daemon() { # CONFIG LOG
-    "$FERRY" --log info daemon --config "$1" >"$2" 2>&1 &
-    DAEMON=$!
-    E2E_PIDS+=("$DAEMON")
-    wait_for 30 "daemon status" "$FERRY" status --config "$1"
-}
-stop_daemon() {
-    kill "$DAEMON" 2>/dev/null || true
-    wait "$DAEMON" 2>/dev/null || true
+
+# mount_with_seed N SEED OK FAIL: a fresh daemon N (live store live<N>, metrics port
+# MPORT<N>, config CFG<N>) over seed store SEED mounts the image at MNT<N>; passes with
+# OK when every file reads as in the reference tree, fails with FAIL otherwise.
+mount_with_seed() {
+    local n=$1 cfg=$E2E_TMP/daemon$1.toml mnt=$E2E_TMP/mnt$1 port
+    port=$(free_port)
+    printf -v "MPORT$n" %s "$port"
+    printf -v "CFG$n" %s "$cfg"
+    printf -v "LIVE$n" %s "$E2E_TMP/live$n"
+    printf -v "MNT$n" %s "$mnt"
+    daemon_config "$cfg" "$E2E_TMP/live$n" "$2" "$E2E_TMP/run$n/daemon.sock" "$port"
+    daemon_start "$cfg" "$E2E_TMP/daemon$n.log" || { show "$E2E_TMP/daemon$n.log"; e2e_die "daemon $n did not start"; }
+    mkdir -p "$mnt"
+    fy "$E2E_TMP/m$n.out" "$E2E_TMP/m$n.err" mount --config "$cfg" "$IMAGE" "$mnt"
+    if [[ $RC == 0 ]] && is_mounted "$mnt" && tree_equals_ref "$mnt" "$E2E_TMP/mnt$n.sums"; then
+        pass "$3 ($(wc -l <"$E2E_TMP/mnt$n.sums") files)"
+    else
+        fail "$4: mount exit $RC"
+        show "$E2E_TMP/m$n.err"
+        show "$E2E_TMP/mnt$n.sums.err"
+        show "$E2E_TMP/daemon$n.log"
+    fi
 }
 
 # ---------------------------------------------------------------- 1. bake
@@ -167,22 +181,7 @@ for d, _, files in os.walk(sys.argv[1]):
                 f.seek(0)
                 f.write(bytes([b[0] ^ 0xFF]))
 PY
-LIVE1=$E2E_TMP/live1
-MPORT1=$(free_port)
-CFG1=$E2E_TMP/daemon1.toml
-daemon_config "$CFG1" "$LIVE1" "$BADSEED" "$E2E_TMP/run1/daemon.sock" "$MPORT1"
-start_daemon "$CFG1" "$E2E_TMP/daemon1.log" || { show "$E2E_TMP/daemon1.log"; e2e_die "daemon 1 did not start"; }
-MNT1=$E2E_TMP/mnt1
-mkdir -p "$MNT1"
-fy "$E2E_TMP/m1.out" "$E2E_TMP/m1.err" mount --config "$CFG1" "$IMAGE" "$MNT1"
-if [[ $RC == 0 ]] && is_mounted "$MNT1" && tree_equals_ref "$MNT1" "$E2E_TMP/mnt1.sums"; then
-    pass "with every seed object corrupt, every file still reads right ($(wc -l <"$E2E_TMP/mnt1.sums") files)"
-else
-    fail "read with a corrupted seed: mount exit $RC"
-    show "$E2E_TMP/m1.err"
-    show "$E2E_TMP/mnt1.sums.err"
-    show "$E2E_TMP/daemon1.log"
-fi
+mount_with_seed 1 "$BADSEED" "with every seed object corrupt, every file still reads right" "read with a corrupted seed"
 "$FERRY" status --config "$CFG1" --json >"$E2E_TMP/st1.json"
 curl -sf --noproxy '*' "http://127.0.0.1:$MPORT1/metrics" >"$E2E_TMP/metrics1.txt" || true
 CORRUPT=$(jq '.store.seed.corrupt // 0' "$E2E_TMP/st1.json")
@@ -201,7 +200,7 @@ else
     fail "no log line for the bad seed objects"
 fi
 "$FERRY" umount --config "$CFG1" "$MNT1" >/dev/null 2>&1 || true
-stop_daemon
+daemon_stop
 
 # ---------------------------------------------------------------- 3. registry blobs zeroed
 echo "# 3. the registry's layer blobs zeroed: a fresh daemon reads the image from the seed"
@@ -229,22 +228,7 @@ else
     fail "only $ZEROED layer blobs no longer match their digest"
 fi
 
-LIVE2=$E2E_TMP/live2
-MPORT2=$(free_port)
-CFG2=$E2E_TMP/daemon2.toml
-daemon_config "$CFG2" "$LIVE2" "$SEED_RO" "$E2E_TMP/run2/daemon.sock" "$MPORT2"
-start_daemon "$CFG2" "$E2E_TMP/daemon2.log" || { show "$E2E_TMP/daemon2.log"; e2e_die "daemon 2 did not start"; }
-MNT2=$E2E_TMP/mnt2
-mkdir -p "$MNT2"
-fy "$E2E_TMP/m2.out" "$E2E_TMP/m2.err" mount --config "$CFG2" "$IMAGE" "$MNT2"
-if [[ $RC == 0 ]] && is_mounted "$MNT2" && tree_equals_ref "$MNT2" "$E2E_TMP/mnt2.sums"; then
-    pass "every file of the image read right from the seed, layer blobs zeroed ($(wc -l <"$E2E_TMP/mnt2.sums") files)"
-else
-    fail "read from the seed: mount exit $RC"
-    show "$E2E_TMP/m2.err"
-    show "$E2E_TMP/mnt2.sums.err"
-    show "$E2E_TMP/daemon2.log"
-fi
+mount_with_seed 2 "$SEED_RO" "every file of the image read right from the seed, layer blobs zeroed" "read from the seed"
 "$FERRY" status --config "$CFG2" --json >"$E2E_TMP/st2.json"
 "$FERRY" status --config "$CFG2" >"$E2E_TMP/st2.txt"
 curl -sf --noproxy '*' "http://127.0.0.1:$MPORT2/metrics" >"$E2E_TMP/metrics2.txt" || true
@@ -279,7 +263,7 @@ else
     fail "the live store holds $LIVE2_N chunk files after reading seeded objects"
 fi
 "$FERRY" umount --config "$CFG2" "$MNT2" >/dev/null 2>&1 || true
-stop_daemon
+daemon_stop
 
 # ---------------------------------------------------------------- 4. seed unchanged
 echo "# 4. the seed directory is unchanged"
