@@ -225,6 +225,7 @@ impl FerryFs {
                     self.image.read_landed(ino, node, offset, &buf, pid);
                 } else if offset == 0 {
                     self.image.module_landed(node, &buf);
+                    self.image.interpreter_landed(ino, node, &buf, pid);
                 }
                 Ok(buf)
             }

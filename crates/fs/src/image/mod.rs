@@ -238,6 +238,27 @@ impl MountedImage {
         }
     }
 
+    /// A read at the start of file `ino` that did not wait returned `data`: an
+    /// interpreter's binary is still being `exec`ed (its header came local with a
+    /// neighbour's span), and its start is followed all the same
+    /// ([`interpreter`]; once per binary per mount).
+    pub(crate) fn interpreter_landed(
+        self: &Arc<Self>,
+        ino: Ino,
+        node: &Node,
+        data: &[u8],
+        pid: u32,
+    ) {
+        if data.starts_with(b"\x7fELF")
+            && self.nearby.follows_headers()
+            && let Some(loc) = node.data
+            && let Some(path) = self.tree.path_of(ino)
+            && interpreter::is_interpreter(&path)
+        {
+            self.follow_interpreter(loc, &path, pid);
+        }
+    }
+
     /// A read at the start of a file returned `data`, whether it waited or not: a
     /// compiled Python module read whole has its imports followed ([`imports`]) — the
     /// interpreter runs it next — and theirs in turn, ahead of the interpreter.
