@@ -243,12 +243,15 @@ fn process_command_line(pid: u32) -> Option<Vec<String>> {
         .take(MAX_COMMAND_LINE)
         .read_to_end(&mut bytes)
         .ok()?;
-    let args: Vec<String> = bytes
+    // Each argument ends with a NUL: the last split is empty.
+    let mut args: Vec<String> = bytes
         .split(|&b| b == 0)
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
-    let n = args.len() - usize::from(args.last().is_some_and(String::is_empty));
-    Some(args[..n].to_vec())
+    if args.last().is_some_and(String::is_empty) {
+        args.pop();
+    }
+    Some(args)
 }
 
 /// The command line of `pid` once it is an interpreter's ([`command_line`]), watched

@@ -230,18 +230,13 @@ impl MountedImage {
         self.read_landed_loader(ino, node, offset, data);
         if let Some(loc) = node.data {
             self.follow_libraries(loc);
-            if let Some(path) = self.tree.path_of(ino)
-                && interpreter::is_interpreter(&path)
-            {
-                self.follow_interpreter(loc, &path, pid);
-            }
         }
+        self.interpreter_landed(ino, node, data, pid);
     }
 
-    /// A read at the start of file `ino` that did not wait returned `data`: an
-    /// interpreter's binary is still being `exec`ed (its header came local with a
-    /// neighbour's span), and its start is followed all the same
-    /// ([`interpreter`]; once per binary per mount).
+    /// A read at the start of file `ino` returned `data`, whether it waited or not (a
+    /// header may come local with a neighbour's span): an interpreter's binary is being
+    /// `exec`ed, and its start is followed ([`interpreter`]; once per binary per mount).
     pub(crate) fn interpreter_landed(
         self: &Arc<Self>,
         ino: Ino,
