@@ -126,6 +126,7 @@ impl MountManager {
                 layers,
                 coverage: report.coverage.as_str().into(),
                 recorded_ms: now_ms(),
+                metadata: Vec::new(),
             };
             if let Err(e) = self.store.record_image(&record) {
                 tracing::warn!(image = %request.image, error = %e, "cannot record the prewarmed image in the store");
