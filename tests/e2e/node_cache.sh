@@ -15,7 +15,7 @@
 #    killed -9 mid-way (through a proxy adding 150 ms a request, 64 KiB requests, one
 #    at a time), then run again: it completes and fetches only what was missing (less
 #    than the layers' total); a third run fetches nothing.
-# 3. `ferry store export` → a directory with ferry-store.json (format 1, the image
+# 3. `ferry store export` → a directory with ferry-store.json (format 2, the image
 #    recorded with its layers, every object listed); `ferry store import` into a fresh
 #    root verifies and adds every object; a corrupted copy of the export is refused
 #    with nothing imported; an export claiming format 99 is refused by name.
@@ -189,7 +189,7 @@ echo "# 3. ferry store export / import"
 EXP=$E2E_TMP/export
 fy "$E2E_TMP/e.out" "$E2E_TMP/e.err" store --store "$STORE" export --json "$EXP"
 M=$EXP/ferry-store.json
-if [[ $RC == 0 && -f $M ]] && [[ $(jq -r .format "$M") == 1 ]] &&
+if [[ $RC == 0 && -f $M ]] && [[ $(jq -r .format "$M") == 2 ]] &&
     jq -e --arg i "$IMAGE" '.images[] | select(.reference == $i) | .layers | length > 0' "$M" >/dev/null &&
     [[ $(jq '.objects | length' "$M") == $(find "$EXP/objects" -type f | wc -l) ]]; then
     pass "export: $(jq '.objects | length' "$M") objects, $(jq .total_bytes "$M") bytes, image $IMAGE recorded with its layers"

@@ -22,13 +22,16 @@
 //! dropped once its mount has taken it ([`LayerIndexes::taken`]), anything else after
 //! [`RESOLVED_TTL`]. Failures are not kept, so a later Prepare asks again. Every
 //! registry call is bounded by the daemon's fetch timeout. The registry is reached
-//! through [`IndexRegistry`], so this is tested with an in-memory one.
+//! through [`IndexRegistry`], so this is tested with an in-memory one; the daemon's is a
+//! [`StoreFirstRegistry`], which answers from the node's store what it holds (an image
+//! prewarmed or baked into a seed starts with the registry down).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use ferry_fs::backend::stored;
 use ferry_index::ferryidx::LayerIndex;
 use ferry_oci::Descriptor;
 use ferry_oci::media::ANNOTATION_LAYER_DIGEST;
@@ -143,6 +146,146 @@ impl IndexRegistry for ClientIndexRegistry {
 
     async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
         Ok(ferry_fs::backend::fetch_index_blob(&self.client, repo, blob).await?)
+    }
+}
+
+/// [`IndexRegistry`] that reads the node's store first (see
+/// [`ferry_fs::backend::stored`]): a digest reference whose manifest is in the store, the
+/// index blobs of a manifest whose record kept its artifacts, and index blobs the store
+/// holds are answered with no registry request; a tag is resolved from the store's
+/// record only when the registry cannot be reached (refused, timed out, 429/5xx) or does
+/// not answer within [`stored::REGISTRY_ANSWER_TIMEOUT`].
+pub struct StoreFirstRegistry {
+    /// Asked for what the store does not hold.
+    pub registry: Arc<dyn IndexRegistry>,
+    /// The node's store (its seed included).
+    pub store: Arc<ferry_store::Store>,
+}
+
+impl std::fmt::Debug for StoreFirstRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreFirstRegistry")
+            .field("store", &self.store.root())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StoreFirstRegistry {
+    fn stored_manifest(
+        &self,
+        repo: &Repo,
+        reference: &str,
+    ) -> Result<Option<stored::StoredImage>, ResolveError> {
+        let meta = self.store.metadata();
+        let platform = ferry_oci::Platform::host();
+        let found = if ferry_oci::digest::parse_sha256(reference).is_ok() {
+            stored::StoredImage::by_digest(&meta, reference, &platform)?
+        } else {
+            let image = format!("{}/{}:{reference}", repo.registry, repo.repository);
+            stored::StoredImage::by_record(&meta, &image, &platform)?
+        };
+        Ok(found)
+    }
+}
+
+fn stored_answer(image: stored::StoredImage) -> (String, Vec<Descriptor>) {
+    (image.manifest.digest, image.parsed.layers().clone())
+}
+
+/// `registry`'s answer, for a lookup the store could not make (`local`: why, when it
+/// failed rather than missed; said in the error if the registry fails too).
+async fn or_registry<T>(
+    local: Option<ResolveError>,
+    registry: impl std::future::Future<Output = Result<T, ResolveError>>,
+) -> Result<T, ResolveError> {
+    let answer = registry.await;
+    match (answer, local) {
+        (Err(ResolveError::Registry { reason, message }), Some(local)) => {
+            Err(ResolveError::Registry {
+                reason,
+                message: format!("{message} (and the node's store: {local})"),
+            })
+        }
+        (answer, _) => answer,
+    }
+}
+
+/// A store lookup's answer: `Ok(Some)` found, `Ok(None)` not there, `Err` damaged
+/// (logged; the registry is asked instead).
+fn from_store<T>(
+    what: &str,
+    found: Result<Option<T>, ferry_fs::Error>,
+) -> Result<Option<T>, ResolveError> {
+    found.map_err(|e| {
+        tracing::warn!(what, error = %e, "the node's store cannot answer; asking the registry");
+        ResolveError::from(e)
+    })
+}
+
+#[async_trait]
+impl IndexRegistry for StoreFirstRegistry {
+    async fn manifest(
+        &self,
+        repo: &Repo,
+        reference: &str,
+    ) -> Result<(String, Vec<Descriptor>), ResolveError> {
+        let local = match self.stored_manifest(repo, reference) {
+            Ok(Some(local)) => local,
+            Ok(None) => return self.registry.manifest(repo, reference).await,
+            Err(e) => {
+                tracing::warn!(reference, error = %e, "the node's store cannot answer; asking the registry");
+                return or_registry(Some(e), self.registry.manifest(repo, reference)).await;
+            }
+        };
+        if local.record.is_none() {
+            tracing::debug!(repository = %repo.repository, reference, origin = %local.origin, "manifest from the node's store");
+            return Ok(stored_answer(local));
+        }
+        // A tag: the registry says what it names now, unless it cannot be reached.
+        let asked = tokio::time::timeout(
+            stored::REGISTRY_ANSWER_TIMEOUT,
+            self.registry.manifest(repo, reference),
+        )
+        .await;
+        let why = match asked {
+            Ok(Ok(answer)) => return Ok(answer),
+            Ok(Err(e)) if crate::fallback::resolve_reason(&e) == NotLazyReason::Unreachable => {
+                e.to_string()
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_) => format!("no answer within {:?}", stored::REGISTRY_ANSWER_TIMEOUT),
+        };
+        tracing::warn!(
+            repository = %repo.repository,
+            tag = reference,
+            manifest = %local.manifest.digest,
+            origin = %local.origin,
+            registry_error = why,
+            "registry unreachable: tag resolved from the node store's record (tags are mutable: the registry may name another image now)"
+        );
+        Ok(stored_answer(local))
+    }
+
+    async fn index_blobs(
+        &self,
+        repo: &Repo,
+        subject: &str,
+    ) -> Result<Vec<Descriptor>, ResolveError> {
+        let found = stored::stored_index_blobs(&self.store.metadata(), subject);
+        match from_store("index artifacts", found) {
+            Ok(Some(blobs)) => Ok(blobs),
+            Ok(None) => self.registry.index_blobs(repo, subject).await,
+            Err(e) => or_registry(Some(e), self.registry.index_blobs(repo, subject)).await,
+        }
+    }
+
+    async fn index(&self, repo: &Repo, blob: &Descriptor) -> Result<LayerIndex, ResolveError> {
+        let found = stored::stored_index(&self.store.metadata(), blob);
+        match from_store("index blob", found) {
+            Ok(Some(index)) => Ok(index),
+            Ok(None) => self.registry.index(repo, blob).await,
+            Err(e) => or_registry(Some(e), self.registry.index(repo, blob)).await,
+        }
     }
 }
 

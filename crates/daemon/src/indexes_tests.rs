@@ -462,3 +462,188 @@ async fn a_registry_that_never_answers_times_out() {
         .await
         .unwrap();
 }
+
+/// A registry that cannot be reached, counting what it is asked.
+#[derive(Default)]
+struct DownRegistry {
+    asked: Mutex<Vec<String>>,
+}
+
+impl DownRegistry {
+    fn down(&self, what: &str) -> ResolveError {
+        self.asked.lock().unwrap().push(what.to_owned());
+        ResolveError::Registry {
+            reason: NotLazyReason::Unreachable,
+            message: "cannot reach reg.local:5000: connection refused".into(),
+        }
+    }
+}
+
+#[async_trait]
+impl IndexRegistry for DownRegistry {
+    async fn manifest(&self, _: &Repo, _: &str) -> Result<(String, Vec<Descriptor>), ResolveError> {
+        Err(self.down("manifest"))
+    }
+    async fn index_blobs(&self, _: &Repo, _: &str) -> Result<Vec<Descriptor>, ResolveError> {
+        Err(self.down("index_blobs"))
+    }
+    async fn index(&self, _: &Repo, _: &Descriptor) -> Result<LayerIndex, ResolveError> {
+        Err(self.down("index"))
+    }
+}
+
+/// A store holding the metadata of a one-layer indexed image `reg.local:5000/app:v1`,
+/// recorded the way prewarm records it; returns the manifest digest and the layer.
+fn store_with_image(dir: &std::path::Path) -> (Arc<ferry_store::Store>, String, String) {
+    use ferry_fs::backend::stored::{MetadataBlob, keep_metadata, role};
+    let store = Arc::new(
+        ferry_store::Store::open_with(
+            dir,
+            ferry_store::StoreOptions {
+                flush_interval: None,
+                ..ferry_store::StoreOptions::default()
+            },
+        )
+        .unwrap(),
+    );
+    let layer = digest('a', 0);
+    let config = br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":["sha256:00"]}}"#;
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": ferry_oci::media::OCI_MANIFEST,
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": ferry_store::ChunkKey::of(config).to_string(), "size": config.len()},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": layer, "size": 1000}],
+    });
+    let manifest = serde_json::to_vec(&manifest).unwrap();
+    let manifest_digest = ferry_store::ChunkKey::of(&manifest).to_string();
+    let index = LayerIndex {
+        layer_digest: layer.clone(),
+        compression: Compression::None,
+        compressed_size: 1000,
+        // Empty: a valid index needs no checkpoint then.
+        uncompressed_size: 0,
+        span_size: 1 << 20,
+        checkpoints: Vec::new(),
+        span_digests: Vec::new(),
+        entries: Vec::new(),
+        windows: None,
+    }
+    .encode()
+    .unwrap();
+    let artifact = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": ferry_oci::media::OCI_MANIFEST,
+        "artifactType": ferry_oci::media::FERRY_INDEX_ARTIFACT,
+        "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                   "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a", "size": 2},
+        "layers": [{"mediaType": ferry_oci::media::FERRY_LAYER_INDEX,
+                    "digest": ferry_store::ChunkKey::of(&index).to_string(), "size": index.len(),
+                    "annotations": {ANNOTATION_LAYER_DIGEST: layer}}],
+        "subject": {"mediaType": ferry_oci::media::OCI_MANIFEST, "digest": manifest_digest, "size": manifest.len()},
+    });
+    let blobs = [
+        (role::MANIFEST, manifest.clone()),
+        (role::CONFIG, config.to_vec()),
+        (role::INDEX_ARTIFACT, serde_json::to_vec(&artifact).unwrap()),
+        (role::LAYER_INDEX, index),
+    ]
+    .map(|(role, bytes)| MetadataBlob {
+        role,
+        media_type: String::new(),
+        bytes,
+    });
+    let metadata = keep_metadata(&store, &blobs).unwrap();
+    store
+        .record_image(&ferry_store::ImageRecord {
+            reference: "reg.local:5000/app:v1".into(),
+            manifest_digest: manifest_digest.clone(),
+            layers: Vec::new(),
+            coverage: "full".into(),
+            recorded_ms: 1,
+            metadata,
+        })
+        .unwrap();
+    (store, manifest_digest, layer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_digest_the_store_holds_resolves_with_no_registry_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, layer) = store_with_image(dir.path());
+    let down = Arc::new(DownRegistry::default());
+    let registry = Arc::new(StoreFirstRegistry {
+        registry: down.clone(),
+        store,
+    });
+    let indexes = LayerIndexes::new(registry, Duration::from_secs(30));
+    let resolved = indexes
+        .resolve(&repo(), &manifest, &layer, &[])
+        .await
+        .unwrap();
+    assert_eq!(resolved.manifest_digest, manifest);
+    assert_eq!(resolved.index.unwrap().layer_digest, layer);
+    assert_eq!(resolved.layers, vec![(layer.clone(), true)]);
+    assert!(
+        down.asked.lock().unwrap().is_empty(),
+        "the registry was asked"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tag_is_resolved_from_the_record_only_when_the_registry_is_unreachable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, layer) = store_with_image(dir.path());
+    // Down: the record answers, after the registry was asked.
+    let down = Arc::new(DownRegistry::default());
+    let registry = StoreFirstRegistry {
+        registry: down.clone(),
+        store: store.clone(),
+    };
+    let (digest, layers) = registry.manifest(&repo(), "v1").await.unwrap();
+    assert_eq!(digest, manifest);
+    assert_eq!(layers[0].digest().as_ref(), layer);
+    assert_eq!(*down.asked.lock().unwrap(), vec!["manifest".to_owned()]);
+    // Up: the registry's answer wins (the tag may have moved).
+    let (up, _open) = FakeRegistry::new(2, true);
+    let registry = StoreFirstRegistry {
+        registry: up.clone(),
+        store: store.clone(),
+    };
+    let (digest, layers) = registry.manifest(&repo(), "v1").await.unwrap();
+    assert_eq!(digest, up.manifest_digest);
+    assert_eq!(layers.len(), 2);
+    // A tag with no record is the registry's to answer (here: not reachable).
+    let registry = StoreFirstRegistry {
+        registry: down.clone(),
+        store,
+    };
+    assert!(registry.manifest(&repo(), "v2").await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_metadata_blob_is_not_used_and_the_error_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, manifest, _) = store_with_image(dir.path());
+    let key = ferry_store::ChunkKey::parse(&manifest).unwrap();
+    let path = dir.path().join("metadata").join(key.hex());
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[5] ^= 0xff;
+    std::fs::write(&path, &bytes).unwrap();
+    let down = Arc::new(DownRegistry::default());
+    let registry = StoreFirstRegistry {
+        registry: down.clone(),
+        store,
+    };
+    let err = registry.manifest(&repo(), &manifest).await.unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("connection refused"), "{text}");
+    assert!(
+        text.contains(&format!("metadata blob {manifest}")),
+        "{text}"
+    );
+    assert!(text.contains("does not hash"), "{text}");
+    // The registry was asked instead, and nothing in the store was changed.
+    assert_eq!(*down.asked.lock().unwrap(), vec!["manifest".to_owned()]);
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+}

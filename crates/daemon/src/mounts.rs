@@ -43,7 +43,7 @@ use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::fallback::FallbackLog;
 use crate::fdstore::FdHolderClient;
-use crate::indexes::{ClientIndexRegistry, LayerIndexes, ResolvedLayer};
+use crate::indexes::{ClientIndexRegistry, LayerIndexes, ResolvedLayer, StoreFirstRegistry};
 
 #[path = "prewarm.rs"]
 pub mod prewarm;
@@ -630,8 +630,11 @@ impl MountManager {
             }
         };
         let indexes = LayerIndexes::new(
-            Arc::new(ClientIndexRegistry {
-                client: client.clone(),
+            Arc::new(StoreFirstRegistry {
+                registry: Arc::new(ClientIndexRegistry {
+                    client: client.clone(),
+                }),
+                store: store.clone(),
             }),
             config.fetch.timeout,
         );

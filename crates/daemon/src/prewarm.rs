@@ -2,7 +2,9 @@
 //! mount does (same client, store, file cache and trace lookup: node traces, then the
 //! registry's), runs [`ferry_fs::warm::prewarm::prewarm`] over it without mounting
 //! anything, and records the image in the store ([`ferry_store::Store::record_image`])
-//! so `ferry store export` can say what the store covers.
+//! so `ferry store export` can say what the store covers. For a registry image the record
+//! also keeps its metadata (index, manifest, config, ferry index artifact and blobs; see
+//! [`ferry_fs::backend::stored`]), so the node can start it with the registry down.
 //!
 //! Over the control socket (`POST /v1/prewarm`, [`PrewarmRequest`]) the answer is a
 //! stream of JSON lines ([`PrewarmEvent`]): the plan, progress, then the outcome or an
@@ -12,8 +14,11 @@
 
 use std::sync::Arc;
 
+use ferry_fs::backend::stored;
 use ferry_fs::warm::prewarm::{PrewarmProgress, PrewarmReport};
 use ferry_fs::{ImageSource, MountedImage, View};
+use ferry_oci::ImageRef;
+use ferry_registry_client::Repo;
 use ferry_store::{ImageRecord, LayerRecord};
 use serde::{Deserialize, Serialize};
 
@@ -126,6 +131,7 @@ impl MountManager {
                 layers,
                 coverage: report.coverage.as_str().into(),
                 recorded_ms: now_ms(),
+                metadata: self.keep_metadata(&request.image, &manifest),
             };
             if let Err(e) = self.store.record_image(&record) {
                 tracing::warn!(image = %request.image, error = %e, "cannot record the prewarmed image in the store");
@@ -139,6 +145,65 @@ impl MountManager {
             report,
         })
     }
+}
+
+impl MountManager {
+    /// Fetches the metadata of registry image `image` (pinned to `manifest`, the one
+    /// just prewarmed) and keeps it in the store; nothing for an OCI layout. A failure
+    /// is logged, not fatal: the layers are warm, only a start without the registry is
+    /// not possible.
+    fn keep_metadata(&self, image: &str, manifest: &str) -> Vec<ferry_store::MetadataRecord> {
+        let Ok(ImageRef::Registry {
+            registry,
+            repository,
+            tag,
+            digest,
+        }) = ImageRef::parse(image)
+        else {
+            return Vec::new();
+        };
+        let repo = Repo::new(registry, repository);
+        // The reference as asked (a tag keeps its index, if any), unless it has moved
+        // since: then the manifest itself.
+        let reference = digest
+            .map(|d| d.to_string())
+            .or(tag.map(String::from))
+            .unwrap_or_else(|| "latest".into());
+        let kept = self
+            .runtime
+            .handle()
+            .block_on(stored::fetch_image_metadata(
+                &self.client,
+                &repo,
+                &reference,
+            ))
+            .and_then(|blobs| {
+                let moved = !blobs
+                    .iter()
+                    .any(|b| b.role == stored::role::MANIFEST && sha256(&b.bytes) == manifest);
+                if moved {
+                    self.runtime.handle().block_on(stored::fetch_image_metadata(
+                        &self.client,
+                        &repo,
+                        manifest,
+                    ))
+                } else {
+                    Ok(blobs)
+                }
+            })
+            .and_then(|blobs| stored::keep_metadata(&self.store, &blobs));
+        match kept {
+            Ok(records) => records,
+            Err(e) => {
+                tracing::warn!(image, error = %e, "cannot keep the image's metadata in the store: it cannot start without its registry");
+                Vec::new()
+            }
+        }
+    }
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    ferry_store::ChunkKey::of(bytes).to_string()
 }
 
 fn now_ms() -> u64 {

@@ -14,6 +14,12 @@
 //! the snapshotter's staging directory, largest first, as many at once as unpack slots
 //! allow, then adopted in chain order by a staged Prepare.
 //!
+//! The manifest, config and index may come from the node's store instead of the registry
+//! ([`PullOptions::store`]): a digest reference the store holds is resolved without any
+//! registry request, and a tag from the store's record of it when the registry cannot be
+//! reached ([`MetadataSource`], [`PullReport::without_registry`]); the daemon's lazy
+//! mounts read layer indexes and bytes from the same store.
+//!
 //! This crate does no terminal output: progress goes through [`PullProgress`]. It must
 //! not mount anything (the daemon does) or read tar its own way: layers are walked by
 //! `ferry_index::tarwalk`, so an unpacked layer means what the same layer mounted lazily
@@ -30,10 +36,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ferry_oci::ImageRef;
+use ferry_fs::backend::stored::{self, StoredImage};
 use ferry_oci::media;
-use ferry_registry_client::{Client, ClientConfig, ClientError, Repo};
+use ferry_oci::{ImageIndex, ImageRef};
+use ferry_registry_client::{Client, ClientConfig, ClientError, Manifest, Repo};
 use ferry_snapshotter::remote::LABEL_STAGED_DIR;
+use ferry_store::{MetadataOrigin, StoreMetadata};
 use tokio::sync::Semaphore;
 
 use crate::containerd::Containerd;
@@ -143,6 +151,25 @@ pub struct PullOptions {
     pub limits: UnpackLimits,
     /// The platform whose manifest is pulled from an index (default: this machine's).
     pub platform: ferry_oci::Platform,
+    /// The node store's image records and metadata (its seed included), for a start
+    /// without the registry (see [`resolve`]); `None`: the registry only.
+    pub store: Option<StoreMetadata>,
+}
+
+/// Where a pull's manifest and config came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetadataSource {
+    /// The registry.
+    Registry,
+    /// The node's store: a digest reference whose documents are all there (no registry
+    /// request was made), or a tag resolved from the store's record of it because the
+    /// registry could not be reached (`tag_record`: the record's reference, and why).
+    Store {
+        /// Live store or seed.
+        origin: MetadataOrigin,
+        /// For a tag: the record it was resolved through and the registry's failure.
+        tag_record: Option<(String, String)>,
+    },
 }
 
 /// What happened to one layer, for progress display.
@@ -214,6 +241,19 @@ pub struct PullReport {
     pub peak_buffered: u64,
     /// Wall time.
     pub elapsed: Duration,
+    /// Where the manifest and config came from.
+    pub metadata: MetadataSource,
+}
+
+impl PullReport {
+    /// True when nothing of the pull came from the registry: the manifest and config
+    /// from the node's store and every layer already present or served lazily (whose
+    /// bytes and index the daemon reads from its store for an image it holds).
+    pub fn without_registry(&self) -> bool {
+        matches!(self.metadata, MetadataSource::Store { .. })
+            && self.unpacked == 0
+            && self.bytes_downloaded == 0
+    }
 }
 
 /// A unique-enough suffix for keys and staging names of this pull.
@@ -258,14 +298,7 @@ pub async fn pull(
         .unwrap_or_else(|| "latest".into());
 
     // Resolve: manifest (through an index when there is one), config, chain ids.
-    let mut top = client.get_manifest(&repo, &reference, &[]).await?;
-    let mut index_doc = None;
-    if image::is_index(&top.media_type) {
-        let index = image::parse_index(&top.bytes)?;
-        let chosen_digest = image::select_platform(&index, &opts.platform)?;
-        let platform_manifest = client.get_manifest(&repo, &chosen_digest, &[]).await?;
-        index_doc = Some((std::mem::replace(&mut top, platform_manifest), index));
-    }
+    let (top, index_doc, metadata) = resolve(opts, &client, &repo, &reference).await?;
     if image::is_index(&top.media_type) {
         return Err(PullError::Image(format!(
             "{}: the index's platform entry is itself an index (nested indexes are not supported)",
@@ -273,7 +306,28 @@ pub async fn pull(
         )));
     }
     let manifest = image::parse_manifest(&top.bytes)?;
-    let config = fetch_small_blob(&client, &repo, manifest.config()).await?;
+    // The config is content-addressed: the store's verified copy is as good as the
+    // registry's.
+    let stored_config = match (&opts.store, &metadata) {
+        (Some(meta), MetadataSource::Registry) => stored_blob(meta, manifest.config())
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "config not usable from the node's store; asking the registry");
+                None
+            }),
+        (Some(meta), MetadataSource::Store { .. }) => stored_blob(meta, manifest.config())?,
+        (None, _) => None,
+    };
+    let config = match stored_config {
+        Some(bytes) => bytes,
+        None if matches!(metadata, MetadataSource::Store { .. }) => {
+            return Err(PullError::Image(format!(
+                "config {} of {} is not in the node's store, and the registry is not used for this pull",
+                manifest.config().digest(),
+                top.digest
+            )));
+        }
+        None => fetch_small_blob(&client, &repo, manifest.config()).await?,
+    };
     let diff_ids = image::diff_ids(&config, manifest.layers().len())?;
     let chain_ids = image::chain_ids(&diff_ids);
     progress.resolved(&name, &top.digest, manifest.layers());
@@ -341,7 +395,104 @@ pub async fn pull(
         bytes_downloaded: counts.bytes,
         peak_buffered: counts.peak_buffered,
         elapsed: started.elapsed(),
+        metadata,
     })
+}
+
+/// A document the pull works from, and the index it was chosen from (with its parsed
+/// form), if any.
+type Resolved = (Manifest, Option<(Manifest, ImageIndex)>, MetadataSource);
+
+/// The image's manifest (through its index, if any): from the node's store for a digest
+/// reference it holds, without asking the registry; else from the registry, and for a
+/// tag the store's record of it when the registry cannot be reached (refused, reset,
+/// timed out: [`stored::registry_unreachable`]) or does not answer within
+/// [`stored::REGISTRY_ANSWER_TIMEOUT`].
+async fn resolve(
+    opts: &PullOptions,
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+) -> Result<Resolved, PullError> {
+    let is_digest = ferry_oci::digest::parse_sha256(reference).is_ok();
+    let found = match &opts.store {
+        Some(meta) if is_digest => StoredImage::by_digest(meta, reference, &opts.platform),
+        Some(meta) => StoredImage::by_record(meta, &opts.image, &opts.platform),
+        None => Ok(None),
+    };
+    let local = match found {
+        Ok(Some(local)) => local,
+        Ok(None) => return from_registry(opts, client, repo, reference).await,
+        Err(local) => {
+            // Damaged in the store: the registry may still answer; say both if not.
+            tracing::warn!(error = %local, "the node's store cannot resolve the image; asking the registry");
+            return from_registry(opts, client, repo, reference)
+                .await
+                .map_err(|e| PullError::Image(format!("{e} (and the node's store: {local})")));
+        }
+    };
+    if local.record.is_none() {
+        let origin = local.origin;
+        return Ok(from_store(local, origin, None));
+    }
+    let why = match tokio::time::timeout(
+        stored::REGISTRY_ANSWER_TIMEOUT,
+        from_registry(opts, client, repo, reference),
+    )
+    .await
+    {
+        Ok(Ok(resolved)) => return Ok(resolved),
+        Ok(Err(PullError::Registry(e))) if stored::registry_unreachable(&e) => e.to_string(),
+        Ok(Err(e)) => return Err(e),
+        Err(_) => format!("no answer within {:?}", stored::REGISTRY_ANSWER_TIMEOUT),
+    };
+    let origin = local.origin;
+    let record = local.record.clone().unwrap_or_default();
+    Ok(from_store(local, origin, Some((record, why))))
+}
+
+fn from_store(
+    local: StoredImage,
+    origin: MetadataOrigin,
+    tag_record: Option<(String, String)>,
+) -> Resolved {
+    let index = local.index.and_then(|doc| {
+        image::parse_index(&doc.bytes)
+            .ok()
+            .map(|parsed| (doc, parsed))
+    });
+    (
+        local.manifest,
+        index,
+        MetadataSource::Store { origin, tag_record },
+    )
+}
+
+async fn from_registry(
+    opts: &PullOptions,
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+) -> Result<Resolved, PullError> {
+    let mut top = client.get_manifest(repo, reference, &[]).await?;
+    let mut index_doc = None;
+    if image::is_index(&top.media_type) {
+        let index = image::parse_index(&top.bytes)?;
+        let chosen_digest = image::select_platform(&index, &opts.platform)?;
+        let platform_manifest = client.get_manifest(repo, &chosen_digest, &[]).await?;
+        index_doc = Some((std::mem::replace(&mut top, platform_manifest), index));
+    }
+    Ok((top, index_doc, MetadataSource::Registry))
+}
+
+/// Blob `desc` from the node's store, verified; `None` when it is not there.
+fn stored_blob(meta: &StoreMetadata, desc: &Descriptor) -> Result<Option<Vec<u8>>, PullError> {
+    let Ok(key) = ferry_store::ChunkKey::parse(desc.digest().as_ref()) else {
+        return Ok(None);
+    };
+    meta.blob(&key)
+        .map(|found| found.map(|(bytes, _)| bytes))
+        .map_err(|e| PullError::Image(format!("the node's store: {e}")))
 }
 
 /// Refuses option values the pull cannot work with, before any network call.

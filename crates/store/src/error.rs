@@ -71,7 +71,7 @@ pub enum Error {
     InvalidKey(String),
     /// An export is of a format version this build does not read.
     #[error(
-        "{} is a store export of format {found}; this ferry reads format {supported} (import it with the ferry that wrote it, or export again with this one)",
+        "{} is a store export of format {found}; this ferry reads formats {oldest} to {supported} (import it with the ferry that wrote it, or export again with this one)",
         path.display()
     )]
     ExportFormat {
@@ -79,8 +79,10 @@ pub enum Error {
         path: PathBuf,
         /// The version found.
         found: u64,
-        /// The version this build reads.
+        /// The newest version this build reads.
         supported: u32,
+        /// The oldest version this build reads.
+        oldest: u32,
     },
     /// An export's manifest is missing, malformed or beyond the bounds.
     #[error("{}: {reason}", path.display())]
@@ -96,6 +98,17 @@ pub enum Error {
         /// The object's key.
         key: ChunkKey,
         /// Its file in the export.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A metadata blob (manifest, config, index…) of the store or its seed is damaged:
+    /// it is not served.
+    #[error("metadata blob {key} ({}) is {reason}; it is not used (prewarm the image again, or rebake the seed)", path.display())]
+    CorruptMetadata {
+        /// The blob's digest.
+        key: ChunkKey,
+        /// Its file.
         path: PathBuf,
         /// What is wrong.
         reason: String,

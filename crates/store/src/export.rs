@@ -31,13 +31,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
+use super::image_meta::{
+    MAX_METADATA_BLOBS, MAX_METADATA_BYTES, MetadataRecord, live_images, metadata_path, read_blob,
+};
 use super::{BusyGuard, Store, hash_file};
 use crate::diskcache::{Durability, TempFile};
 use crate::error::{Error, Result};
 use crate::key::ChunkKey;
 
-/// The one export format this build writes and reads.
-pub const EXPORT_FORMAT: u32 = 1;
+/// The export format this build writes: 2 added image metadata blobs (`metadata/`).
+pub const EXPORT_FORMAT: u32 = 2;
+/// The oldest export format this build reads (1: objects and image records only).
+pub const OLDEST_EXPORT_FORMAT: u32 = 1;
 /// The manifest's file name inside an export directory.
 pub const MANIFEST_NAME: &str = "ferry-store.json";
 /// What the manifest's `kind` field says.
@@ -53,7 +58,7 @@ pub const MAX_LAYERS: usize = 1024;
 /// Longest string in an image record, in bytes.
 pub const MAX_RECORD_STRING: usize = 1024;
 /// Largest image record file read from the store.
-const MAX_RECORD_FILE: u64 = 1 << 20;
+pub(crate) const MAX_RECORD_FILE: u64 = 1 << 20;
 
 /// An image whose data a store holds (or held when it was recorded).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +77,10 @@ pub struct ImageRecord {
     /// When it was recorded, ms since the epoch.
     #[serde(default)]
     pub recorded_ms: u64,
+    /// The blobs that start it without a registry, kept by [`Store::put_metadata`]
+    /// (empty in records written before they were kept).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub metadata: Vec<MetadataRecord>,
 }
 
 /// One layer of an [`ImageRecord`].
@@ -97,9 +106,23 @@ impl ImageRecord {
                 self.layers.len()
             ));
         }
+        if self.metadata.len() > MAX_METADATA_BLOBS {
+            return Err(format!(
+                "image {} lists {} metadata blobs (at most {MAX_METADATA_BLOBS})",
+                short(&self.reference),
+                self.metadata.len()
+            ));
+        }
+        if let Some(m) = self.metadata.iter().find(|m| m.size > MAX_METADATA_BYTES) {
+            return Err(format!(
+                "metadata blob {} of {} bytes (at most {MAX_METADATA_BYTES})",
+                m.digest, m.size
+            ));
+        }
         let strings = [&self.reference, &self.manifest_digest, &self.coverage]
             .into_iter()
-            .chain(self.layers.iter().map(|l| &l.digest));
+            .chain(self.layers.iter().map(|l| &l.digest))
+            .chain(self.metadata.iter().flat_map(|m| [&m.role, &m.media_type]));
         for s in strings {
             if s.len() > MAX_RECORD_STRING {
                 return Err(format!(
@@ -117,6 +140,15 @@ impl ImageRecord {
             "{}.json",
             hex::encode(Sha256::digest(self.reference.as_bytes()))
         )
+    }
+}
+
+/// Import's refusal of a metadata blob of the export that is not usable.
+fn unusable_metadata(key: ChunkKey, path: &Path, why: &str) -> Error {
+    Error::CorruptObject {
+        key,
+        path: path.to_path_buf(),
+        reason: format!("a metadata blob that is {why}"),
     }
 }
 
@@ -150,6 +182,10 @@ pub struct ExportManifest {
     pub objects: Vec<ObjectRecord>,
     /// The sum of the objects' sizes.
     pub total_bytes: u64,
+    /// The image records' metadata blobs (`metadata/<64 hex>`), sorted by key; none in
+    /// format 1.
+    #[serde(default)]
+    pub metadata: Vec<ObjectRecord>,
 }
 
 /// Only the version, read first so a newer format is named as such rather than as a
@@ -181,12 +217,14 @@ impl ExportManifest {
             return Err(bad(format!("kind is not {EXPORT_KIND:?}")));
         }
         match probe.format {
-            Some(f) if f == u64::from(EXPORT_FORMAT) => {}
+            Some(f)
+                if (u64::from(OLDEST_EXPORT_FORMAT)..=u64::from(EXPORT_FORMAT)).contains(&f) => {}
             Some(f) => {
                 return Err(Error::ExportFormat {
                     path: path.to_path_buf(),
                     found: f,
                     supported: EXPORT_FORMAT,
+                    oldest: OLDEST_EXPORT_FORMAT,
                 });
             }
             None => return Err(bad("no format version".into())),
@@ -218,6 +256,24 @@ impl ExportManifest {
                 .checked_add(o.size)
                 .ok_or_else(|| bad("object sizes overflow".into()))?;
         }
+        if m.metadata.len() > MAX_OBJECTS {
+            return Err(bad(format!(
+                "{} metadata blobs (at most {MAX_OBJECTS})",
+                m.metadata.len()
+            )));
+        }
+        let mut seen_metadata = HashSet::with_capacity(m.metadata.len());
+        for o in &m.metadata {
+            if !seen_metadata.insert(o.key) {
+                return Err(bad(format!("metadata blob {} listed twice", o.key)));
+            }
+            if o.size > MAX_METADATA_BYTES {
+                return Err(bad(format!(
+                    "metadata blob {} of {} bytes (at most {MAX_METADATA_BYTES})",
+                    o.key, o.size
+                )));
+            }
+        }
         if total != m.total_bytes {
             return Err(bad(format!(
                 "objects add up to {total} bytes, the manifest says {}",
@@ -239,6 +295,8 @@ pub struct ExportReport {
     pub bytes: u64,
     /// Image records included.
     pub images: u64,
+    /// Metadata blobs written.
+    pub metadata: u64,
     /// Entries listed but gone before they could be copied (evicted meanwhile).
     pub skipped: u64,
 }
@@ -256,6 +314,8 @@ pub struct ImportReport {
     pub present_bytes: u64,
     /// Image records added or replaced.
     pub images: u64,
+    /// Metadata blobs verified and kept.
+    pub metadata: u64,
 }
 
 /// An object's file in the export (or seed) at `root`.
@@ -333,41 +393,10 @@ impl Store {
             .map_err(|e| Error::io(&path, e))
     }
 
-    /// The image records, sorted by reference; unreadable or malformed ones are skipped
-    /// (logged).
+    /// The live store's image records, sorted by reference; unreadable or malformed
+    /// ones are skipped (logged). [`Store::metadata`] adds the seed's.
     pub fn images(&self) -> Vec<ImageRecord> {
-        let dir = self.inner.root.join("images");
-        let Ok(entries) = fs::read_dir(&dir) else {
-            return Vec::new();
-        };
-        let mut out: Vec<ImageRecord> = entries
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
-            .take(MAX_IMAGES)
-            .filter_map(|e| {
-                let path = e.path();
-                let read = File::open(&path).and_then(|f| {
-                    let mut buf = Vec::new();
-                    f.take(MAX_RECORD_FILE).read_to_end(&mut buf)?;
-                    Ok(buf)
-                });
-                let parsed = read
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| {
-                        serde_json::from_slice::<ImageRecord>(&b).map_err(|e| e.to_string())
-                    })
-                    .and_then(|r| r.check().map(|()| r));
-                match parsed {
-                    Ok(r) => Some(r),
-                    Err(error) => {
-                        tracing::warn!(path = %path.display(), error, "unreadable image record skipped");
-                        None
-                    }
-                }
-            })
-            .collect();
-        out.sort_by(|a, b| a.reference.cmp(&b.reference));
-        out
+        live_images(&self.inner.root)
     }
 
     /// Copies every committed entry and the image records into `dest` (a new or empty
@@ -417,6 +446,7 @@ impl Store {
         let mut objects: Vec<ObjectRecord> = copied.into_iter().flatten().collect();
         objects.sort_by_key(|o| o.key);
         let images = self.images();
+        let metadata = self.export_metadata(&images, dest)?;
         let manifest = ExportManifest {
             format: EXPORT_FORMAT,
             kind: EXPORT_KIND.into(),
@@ -424,6 +454,7 @@ impl Store {
             total_bytes: objects.iter().map(|o| o.size).sum(),
             images,
             objects,
+            metadata,
         };
         let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::ExportDestination {
             path: dest.to_path_buf(),
@@ -443,8 +474,53 @@ impl Store {
             objects: manifest.objects.len() as u64,
             bytes: manifest.total_bytes,
             images: manifest.images.len() as u64,
+            metadata: manifest.metadata.len() as u64,
             skipped,
         })
+    }
+
+    /// Copies the metadata blobs `images` list into `dest/metadata/`, each read back
+    /// verified (a damaged or missing one is left out, logged: the record still names
+    /// it, and a reader of the export finds it missing rather than wrong).
+    fn export_metadata(&self, images: &[ImageRecord], dest: &Path) -> Result<Vec<ObjectRecord>> {
+        let mut keys: Vec<ChunkKey> = images
+            .iter()
+            .flat_map(|i| i.metadata.iter().map(|m| m.digest))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let dir = dest.join("metadata");
+        crate::private_dir(&dir).map_err(|e| Error::io(&dir, e))?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let from = metadata_path(&self.inner.root, &key);
+            let bytes = match read_blob(&from, &key, None) {
+                Ok(Some(bytes)) => bytes,
+                Ok(None) => {
+                    tracing::warn!(%key, "metadata blob of an image record missing; not exported");
+                    continue;
+                }
+                Err(reason) => {
+                    tracing::warn!(%key, reason, "damaged metadata blob not exported");
+                    continue;
+                }
+            };
+            let to = metadata_path(dest, &key);
+            (|| -> io::Result<()> {
+                let mut f = crate::new_private_file().open(&to)?;
+                std::io::Write::write_all(&mut f, &bytes)?;
+                f.sync_all()
+            })()
+            .map_err(|e| Error::io(&to, e))?;
+            out.push(ObjectRecord {
+                key,
+                size: bytes.len() as u64,
+            });
+        }
+        Ok(out)
     }
 
     /// Reads and checks the manifest of the export at `src`.
@@ -534,6 +610,18 @@ impl Store {
             }
             Ok((*o, temp))
         })?;
+        // Metadata blobs: verified into staging too, before anything is placed.
+        let mut staged_metadata = Vec::with_capacity(manifest.metadata.len());
+        for o in &manifest.metadata {
+            let from = metadata_path(src, &o.key);
+            let bytes = match read_blob(&from, &o.key, Some(o.size)) {
+                Ok(Some(bytes)) => bytes,
+                Ok(None) => return Err(unusable_metadata(o.key, &from, "missing")),
+                Err(why) => return Err(unusable_metadata(o.key, &from, &why)),
+            };
+            let (temp, ()) = inner.write_temp(|f| std::io::Write::write_all(f, &bytes))?;
+            staged_metadata.push((o.key, temp));
+        }
         for (o, temp) in staged {
             let Some(guard): Option<BusyGuard<'_>> = inner.claim(&o.key) else {
                 report.present += 1;
@@ -545,6 +633,16 @@ impl Store {
             report.imported_bytes += o.size;
         }
         inner.flush()?;
+        if !staged_metadata.is_empty() {
+            let dir = inner.root.join("metadata");
+            crate::private_dir(&dir).map_err(|e| Error::io(&dir, e))?;
+        }
+        for (key, temp) in staged_metadata {
+            let path = metadata_path(&inner.root, &key);
+            temp.commit(&path, Durability::Synced)
+                .map_err(|e| Error::io(&path, e))?;
+            report.metadata += 1;
+        }
         for image in &manifest.images {
             self.record_image(image)?;
             report.images += 1;
@@ -591,6 +689,7 @@ mod tests {
             }],
             coverage: "trace".into(),
             recorded_ms: 1,
+            metadata: Vec::new(),
         }
     }
 
@@ -682,11 +781,11 @@ mod tests {
         let (_, dest) = exported(dir.path());
         let path = dest.join(MANIFEST_NAME);
         let text = fs::read_to_string(&path).unwrap();
-        fs::write(&path, text.replace("\"format\": 1", "\"format\": 2")).unwrap();
+        fs::write(&path, text.replace("\"format\": 2", "\"format\": 3")).unwrap();
         let fresh = open(&dir.path().join("b"));
         let err = fresh.import(&dest).unwrap_err();
-        assert!(matches!(err, Error::ExportFormat { found: 2, .. }), "{err}");
-        assert!(err.to_string().contains("reads format 1"), "{err}");
+        assert!(matches!(err, Error::ExportFormat { found: 3, .. }), "{err}");
+        assert!(err.to_string().contains("reads formats 1 to 2"), "{err}");
 
         for bad in [
             "{}".to_string(),

@@ -29,16 +29,23 @@
 //! Privacy: the store's directories are 0700 and its files 0600 (see [`private_dir`]);
 //! a store made with wider modes is tightened when opened.
 //!
-//! Store images: [`Store::export`] writes every entry and the store's image records
-//! ([`Store::record_image`]: opaque names of what filled it) to a versioned,
-//! self-describing directory, and [`Store::import`] brings one in, every object hashed
-//! in staging before any is renamed into place (see `export.rs`).
+//! Store images: [`Store::export`] writes every entry, the store's image records
+//! ([`Store::record_image`]: opaque names of what filled it) and their metadata blobs to
+//! a versioned, self-describing directory, and [`Store::import`] brings one in, every
+//! object and blob hashed in staging before any is renamed into place (see `export.rs`).
+//!
+//! Image metadata ([`Store::put_metadata`], `image_meta.rs`): the manifest, config and
+//! index documents an image needs to start without its registry, kept as opaque blobs
+//! named by their SHA-256, never evicted, hashed on every read (a damaged one is
+//! [`Error::CorruptMetadata`]); [`StoreMetadata`] reads records and blobs (the seed's
+//! too) without opening the store, for processes other than the one holding it.
 //!
 //! Seed store: [`StoreOptions::seed`] (`[store] seed = PATH`) puts a read-only store
 //! export under the live store, used in place (see `seed.rs`): reads the live store cannot
 //! serve are served from it, each object hashed on its first read, a bad one a counted
 //! miss; writes, eviction, gc, verify and export touch only the live store; nothing in
 //! the seed's directory is ever written ([`Store::seed_stats`] counts what it served).
+//! Its image records and metadata blobs are served read-only the same way.
 //!
 //! Trust: an entry is hashed on its first read after the store is opened by a process,
 //! and trusted for the rest of that process's life (entries it wrote itself are trusted
@@ -60,7 +67,10 @@ pub use key::{ChunkKey, Hashed};
 pub use private::{PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, new_private_file, private_dir, tighten};
 pub use store::export::{
     EXPORT_FORMAT, ExportManifest, ExportReport, ImageRecord, ImportReport, LayerRecord,
-    MANIFEST_NAME, ObjectRecord,
+    MANIFEST_NAME, OLDEST_EXPORT_FORMAT, ObjectRecord,
+};
+pub use store::image_meta::{
+    MAX_METADATA_BLOBS, MAX_METADATA_BYTES, MetadataOrigin, MetadataRecord, StoreMetadata,
 };
 pub use store::seed::SeedStats;
 pub use store::{

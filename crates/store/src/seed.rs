@@ -18,11 +18,13 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
 use super::export::object_path;
+use super::image_meta::SeedMetadata;
 use super::{
     ChunkFile, Store, Unservable, VerifyReport, bump, check_entry, open_entry, read_entry,
 };
@@ -82,6 +84,8 @@ pub(crate) struct Seed {
     bytes: u64,
     images: u64,
     counters: Counters,
+    /// Its image records and metadata blobs.
+    pub(crate) metadata: Arc<SeedMetadata>,
 }
 
 impl Seed {
@@ -137,6 +141,7 @@ impl Seed {
             bytes: manifest.total_bytes,
             images: manifest.images.len() as u64,
             counters: Counters::default(),
+            metadata: Arc::new(SeedMetadata::of(root, manifest)),
         })
     }
 
@@ -569,7 +574,7 @@ mod tests {
         let (_, seed) = baked(dir.path());
         let manifest = seed.join(crate::MANIFEST_NAME);
         let text = std::fs::read_to_string(&manifest).unwrap();
-        std::fs::write(&manifest, text.replace("\"format\": 1", "\"format\": 7")).unwrap();
+        std::fs::write(&manifest, text.replace("\"format\": 2", "\"format\": 7")).unwrap();
         let err = Store::open_with(&live, options(1 << 20, Some(&seed))).unwrap_err();
         assert!(err.to_string().contains("format 7"), "{err}");
         std::fs::write(&manifest, text).unwrap();

@@ -1639,6 +1639,9 @@ pub(crate) mod export;
 #[path = "seed.rs"]
 pub(crate) mod seed;
 
+#[path = "image_meta.rs"]
+pub(crate) mod image_meta;
+
 use seed::Seed;
 
 #[cfg(test)]

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use ferry_pull::image::Descriptor;
 use ferry_pull::unpack::UnpackLimits;
-use ferry_pull::{LayerEvent, PullOptions, PullProgress};
+use ferry_pull::{LayerEvent, MetadataSource, PullOptions, PullProgress};
 use ferry_registry_client::{ClientConfig, Credentials, RegistryConfig};
+use ferry_store::StoreMetadata;
 use indicatif::{MultiProgress, ProgressBar};
 use parking_lot::Mutex;
 
@@ -81,6 +82,16 @@ pub struct Args {
     /// The platform to pull from a multi-platform image (default: this machine's).
     #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     platform: Option<ferry_oci::Platform>,
+    /// The node daemon's config file: its store (`[store] path`, `seed`) holds image
+    /// metadata a pull uses without the registry (default: the daemon's default store).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// The node's store directory, instead of the config's.
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+    /// Never use the node's store: manifest and config come from the registry.
+    #[arg(long)]
+    no_store: bool,
 }
 
 /// Runs `ferry pull`.
@@ -118,6 +129,7 @@ pub fn run(args: Args) -> Result<()> {
             },
         );
     }
+    let store = node_store(&args)?;
     let opts = PullOptions {
         image: args.image.clone(),
         address: args.address,
@@ -133,6 +145,7 @@ pub fn run(args: Args) -> Result<()> {
         max_buffer: args.max_buffer,
         limits: UnpackLimits::default(),
         platform: args.platform.unwrap_or_else(ferry_oci::Platform::host),
+        store,
     };
     let progress = Arc::new(Bars::new(std::io::stderr().is_terminal()));
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
@@ -154,6 +167,27 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         String::new()
     };
+    if let MetadataSource::Store { origin, tag_record } = &report.metadata {
+        if let Some((record, why)) = tag_record {
+            eprintln!(
+                "ferry pull: warning: the registry could not be reached ({why}); tag resolved from \
+                 the node's {origin} record of {record} to {} (tags are mutable: the registry \
+                 may name another image now)",
+                report.manifest_digest
+            );
+        }
+        if report.without_registry() {
+            println!(
+                "{}: from the node's {origin}: manifest, config, indexes and layers local, no registry traffic",
+                report.name
+            );
+        } else {
+            println!(
+                "{}: manifest and config from the node's {origin}; {} layers came from the registry",
+                report.name, report.unpacked
+            );
+        }
+    }
     println!(
         "{}: {} layers ({} lazy, {} unpacked, {} already present), {} downloaded{buffered}, {:.1}s",
         report.name,
@@ -165,6 +199,26 @@ pub fn run(args: Args) -> Result<()> {
         report.elapsed.as_secs_f64()
     );
     Ok(())
+}
+
+/// The node store's metadata (its seed included), as the daemon's config names the store;
+/// read without opening the store, so a running daemon does not stand in the way.
+fn node_store(args: &Args) -> Result<Option<StoreMetadata>> {
+    if args.no_store {
+        return Ok(None);
+    }
+    let mut config = super::daemon::load_config(args.config.as_deref())?;
+    if args.store.is_some() {
+        config.store_path_flag = args.store.clone();
+    }
+    let root = config.store_path();
+    let meta = StoreMetadata::open(&root, config.store.seed.as_deref()).with_context(|| {
+        format!(
+            "reading the node store's image records ({})",
+            root.display()
+        )
+    })?;
+    Ok(Some(meta))
 }
 
 /// One bar per layer on a terminal; otherwise one log line per state change.

@@ -1,13 +1,15 @@
 //! The backend layer: where an image's manifest, indexes and layer bytes come from (an
 //! OCI layout on disk or a registry over HTTP Range, [`range_source::HttpRangeSource`]),
 //! and where its startup trace is found ([`find_trace`]: beside the index artifact, the
-//! same way). The mounted image ([`crate::image`]) wires what it offers through the
+//! same way), and an image's metadata kept in the node's store for a start without the
+//! registry ([`stored`]). The mounted image ([`crate::image`]) wires what it offers through the
 //! device and cache layers.
 //!
 //! It must not know the device, the tree or the mount: nothing here imports them.
 
 pub mod range_source;
 mod registry;
+pub mod stored;
 
 use std::path::Path;
 use std::sync::Arc;

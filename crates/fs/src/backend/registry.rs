@@ -59,7 +59,7 @@ pub async fn fetch_registry_manifest(
     Ok((desc, manifest))
 }
 
-fn is_index(bytes: &[u8]) -> bool {
+pub(crate) fn is_index(bytes: &[u8]) -> bool {
     #[derive(serde::Deserialize)]
     struct Probe {
         #[serde(default)]
@@ -111,32 +111,46 @@ pub async fn registry_index_blobs(
         let doc = client
             .get_manifest(repo, referrer.digest().as_ref(), &[])
             .await?;
-        if doc.bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+        out.extend(artifact_index_blobs(subject, &doc.digest, &doc.bytes)?);
+    }
+    Ok(out)
+}
+
+/// The ferry index blobs an index artifact manifest (`bytes`, of digest `digest`) lists
+/// for manifest `subject`; none when it is too large or refers to another subject.
+/// Shared by the registry's and the node store's lookups, so both read an artifact the
+/// same way.
+pub(crate) fn artifact_index_blobs(
+    subject: &str,
+    digest: &str,
+    bytes: &[u8],
+) -> Result<Vec<Descriptor>> {
+    if bytes.len() as u64 > MAX_DOCUMENT_BYTES {
+        return Ok(Vec::new());
+    }
+    let artifact: ImageManifest = serde_json::from_slice(bytes)
+        .map_err(|e| Error::Invalid(format!("index artifact {digest}: {e}")))?;
+    if artifact
+        .subject()
+        .as_ref()
+        .map(|s| s.digest().to_string())
+        .as_deref()
+        != Some(subject)
+    {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for blob in artifact.layers() {
+        if blob.media_type().to_string() != FERRY_LAYER_INDEX {
             continue;
         }
-        let artifact: ImageManifest = serde_json::from_slice(&doc.bytes)
-            .map_err(|e| Error::Invalid(format!("index artifact {}: {e}", doc.digest)))?;
-        if artifact
-            .subject()
-            .as_ref()
-            .map(|s| s.digest().to_string())
-            .as_deref()
-            != Some(subject)
-        {
-            continue;
+        if blob.size() > MAX_INDEX_BYTES as u64 {
+            return Err(Error::Invalid(format!(
+                "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
+                blob.digest()
+            )));
         }
-        for blob in artifact.layers() {
-            if blob.media_type().to_string() != FERRY_LAYER_INDEX {
-                continue;
-            }
-            if blob.size() > MAX_INDEX_BYTES as u64 {
-                return Err(Error::Invalid(format!(
-                    "index blob {} is larger than {MAX_INDEX_BYTES} bytes",
-                    blob.digest()
-                )));
-            }
-            out.push(blob.clone());
-        }
+        out.push(blob.clone());
     }
     Ok(out)
 }
