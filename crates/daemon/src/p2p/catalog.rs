@@ -1,10 +1,11 @@
-//! Which layer blobs this node can serve pieces of, and how a blob's byte ranges map to
-//! the chunk store's span entries.
+//! Which blobs this node can serve pieces of, and how a blob's byte ranges map to the
+//! chunk store's entries.
 //!
-//! The store knows spans by their SHA-256 only; a peer asks for bytes of a blob. The
-//! catalog keeps, per layer blob the node has mounted lazily, the span table of its
-//! index and the registries it was resolved from (a peer's pull right is checked
-//! against one of those, never against a registry the peer names freely).
+//! The store knows spans and inflate windows by their SHA-256 only; a peer asks for
+//! bytes of a blob. The catalog keeps, per layer blob the node has mounted lazily (and
+//! per windows blob of such a layer's version-2 index), the table of its verified pieces
+//! and the registries it was resolved from (a peer's pull right is checked against one
+//! of those, never against a registry the peer names freely).
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
@@ -18,9 +19,21 @@ use parking_lot::Mutex;
 /// Most registries remembered per blob.
 const MAX_REGISTRIES_PER_BLOB: usize = 8;
 
-/// A blob's spans: sorted, back-to-back compressed ranges and the SHA-256 of each.
+/// What a blob served to and fetched from peers is, for the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlobKind {
+    /// A layer blob; its pieces are the index's compressed spans.
+    Layer,
+    /// The windows blob of a version-2 index; its pieces are the inflate windows.
+    Windows,
+}
+
+/// A blob's spans (a layer's compressed spans, or a windows blob's windows): sorted,
+/// non-overlapping ranges and the SHA-256 of each, the digest the chunk store keeps the
+/// piece under.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpanTable {
+    kind: BlobKind,
     size: u64,
     ranges: Vec<Range<u64>>,
     keys: Vec<ChunkKey>,
@@ -38,7 +51,12 @@ impl SpanTable {
             end = r.end;
         }
         let (ranges, keys) = spans.into_iter().unzip();
-        Some(SpanTable { size, ranges, keys })
+        Some(SpanTable {
+            kind: BlobKind::Layer,
+            size,
+            ranges,
+            keys,
+        })
     }
 
     /// The table of a ferry index's spans over a blob of `size` bytes.
@@ -50,6 +68,29 @@ impl SpanTable {
             })
             .collect::<Option<Vec<_>>>()?;
         SpanTable::new(size, spans)
+    }
+
+    /// The windows blob of a version-2 index and the table of its windows (each window's
+    /// range and SHA-256, as the index names them: what the device verifies a window
+    /// against and keys it by in the store); `None` when the index keeps no windows blob
+    /// or its windows do not lie inside it in order.
+    pub fn of_windows(index: &LayerIndex) -> Option<(Digest, SpanTable)> {
+        let blob = index.windows.as_ref()?;
+        let digest = ferry_oci::digest::parse_sha256(&blob.digest).ok()?;
+        let spans = index
+            .checkpoints
+            .iter()
+            .filter_map(|cp| cp.window.as_ref())
+            .map(|w| (w.range(), ChunkKey::from_raw(w.sha256)))
+            .collect();
+        let mut table = SpanTable::new(blob.size, spans)?;
+        table.kind = BlobKind::Windows;
+        Some((digest, table))
+    }
+
+    /// What the blob is.
+    pub fn kind(&self) -> BlobKind {
+        self.kind
     }
 
     /// The blob's size.
