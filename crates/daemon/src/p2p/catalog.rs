@@ -28,9 +28,10 @@ pub enum BlobKind {
     Windows,
 }
 
-/// A blob's spans (a layer's compressed spans, or a windows blob's windows): sorted,
-/// non-overlapping ranges and the SHA-256 of each, the digest the chunk store keeps the
-/// piece under.
+/// A blob's spans (a layer's compressed spans, or a windows blob's windows): sorted
+/// ranges and the SHA-256 of each, the digest the chunk store keeps the piece under.
+/// Neighbours may share one byte: a gzip checkpoint that starts mid-byte starts its
+/// span at the byte the previous span ends with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpanTable {
     kind: BlobKind,
@@ -41,14 +42,18 @@ pub struct SpanTable {
 
 impl SpanTable {
     /// A table of `spans` in a blob of `size` bytes; `None` unless the spans are
-    /// non-empty, sorted, non-overlapping and inside the blob.
+    /// non-empty, sorted, inside the blob, and overlap their neighbours by one byte at
+    /// most.
     pub fn new(size: u64, spans: Vec<(Range<u64>, ChunkKey)>) -> Option<SpanTable> {
-        let mut end = 0;
+        let mut prev: Option<&Range<u64>> = None;
         for (r, _) in &spans {
-            if r.start < end || r.end <= r.start || r.end > size {
+            let follows = prev.is_none_or(|p| {
+                r.start > p.start && r.end > p.end && r.start.saturating_add(1) >= p.end
+            });
+            if !follows || r.end <= r.start || r.end > size {
                 return None;
             }
-            end = r.end;
+            prev = Some(r);
         }
         let (ranges, keys) = spans.into_iter().unzip();
         Some(SpanTable {
@@ -98,15 +103,30 @@ impl SpanTable {
         self.size
     }
 
-    /// The spans overlapping `range` (empty when none do).
+    /// The fewest consecutive spans that hold `range`'s bytes, as far as spans do
+    /// (empty when none overlap it): a byte two spans share is taken from the later one
+    /// at the start and from the earlier one at the end, so a range that is exactly a
+    /// span is that span alone. Starts and ends are both strictly increasing
+    /// ([`Self::new`]), which the searches rely on.
     pub fn covering(&self, range: &Range<u64>) -> Range<usize> {
-        let first = self.ranges.partition_point(|r| r.end <= range.start);
-        let last = self.ranges.partition_point(|r| r.start < range.end);
-        first..last.max(first)
+        let n = self.ranges.len();
+        let mut first = self
+            .ranges
+            .partition_point(|r| r.start <= range.start)
+            .saturating_sub(1);
+        if self.ranges.get(first).is_some_and(|r| r.end <= range.start) {
+            first += 1;
+        }
+        if range.start >= range.end || self.ranges.get(first).is_none_or(|r| r.start >= range.end) {
+            return first.min(n)..first.min(n);
+        }
+        let last = (self.ranges.partition_point(|r| r.end < range.end) + 1).min(n);
+        first..last.max(first + 1)
     }
 
     /// The spans that make up exactly `range` (its ends on span boundaries, no gap
-    /// between them); `None` otherwise. Only such a range can be verified span by span.
+    /// between them, a byte two of them share counted once); `None` otherwise. Only such
+    /// a range can be verified span by span.
     pub fn exactly(&self, range: &Range<u64>) -> Option<Range<usize>> {
         let ks = self.covering(range);
         if ks.is_empty()
@@ -117,7 +137,7 @@ impl SpanTable {
         }
         let contiguous = self.ranges[ks.clone()]
             .windows(2)
-            .all(|w| w[0].end == w[1].start);
+            .all(|w| w[1].start <= w[0].end);
         contiguous.then_some(ks)
     }
 

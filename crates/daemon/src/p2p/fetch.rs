@@ -360,9 +360,9 @@ impl PeerFetcher {
     }
 
     /// `range` of `blob` (a layer or a windows blob, as `table` says) from a peer,
-    /// verified against `table`; `None` when this daemon
-    /// should read the registry instead (a root, a range that is not whole spans, or no
-    /// peer served it within the deadline).
+    /// verified against `table`; `None` when this daemon should read the registry
+    /// instead (a root, a range that is not whole spans, or no peer served it within the
+    /// deadline).
     pub async fn fetch(
         &self,
         repo: &Repo,

@@ -1059,7 +1059,7 @@ fn span_tables_and_the_catalog_are_bounded_and_exact() {
     assert!(
         SpanTable::new(
             10,
-            vec![(0..5, ChunkKey::of(b"")), (4..10, ChunkKey::of(b""))]
+            vec![(0..5, ChunkKey::of(b"")), (3..10, ChunkKey::of(b""))]
         )
         .is_none()
     );
@@ -1075,6 +1075,52 @@ fn span_tables_and_the_catalog_are_bounded_and_exact() {
         catalog.register(ferry_oci::sha256_digest(&[i]), REGISTRY, t.clone());
     }
     assert_eq!(catalog.len(), 2);
+}
+
+#[test]
+fn spans_sharing_a_byte_as_gzip_checkpoints_do_make_one_table() {
+    // A gzip checkpoint that starts mid-byte starts its span at the previous span's
+    // last byte: such a layer's spans are routed, verified and served like any.
+    let (bytes, _, _) = blob();
+    let ranges = [0..1000u64, 999..2000, 1999..3000];
+    let spans = ranges
+        .iter()
+        .map(|r| {
+            let piece = &bytes[r.start as usize..r.end as usize];
+            (r.clone(), ChunkKey::of(piece))
+        })
+        .collect();
+    let table = SpanTable::new(3000, spans).unwrap();
+    assert_eq!(table.exactly(&(0..3000)), Some(0..3));
+    assert_eq!(table.exactly(&(999..2000)), Some(1..2));
+    assert_eq!(table.exactly(&(1000..2000)), None);
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open_with(dir.path(), StoreOptions::default()).unwrap();
+    for k in 0..3 {
+        let (r, key) = table.span(k);
+        store
+            .put(key, &bytes[r.start as usize..r.end as usize])
+            .unwrap();
+    }
+    assert_eq!(read_verified(&store, &table, 0..3000).unwrap(), bytes);
+    assert_eq!(
+        read_verified(&store, &table, 500..2500).unwrap(),
+        bytes[500..2500]
+    );
+    // The fewest spans: a byte two share is not a reason to need both.
+    assert_eq!(table.covering(&(999..1500)), 1..2);
+    assert_eq!(table.covering(&(500..1000)), 0..1);
+    assert_eq!(table.covering(&(500..1001)), 0..2);
+    assert_eq!(table.covering(&(3000..3001)), 3..3);
+    // More than one byte shared, or a span inside its neighbour: not a table.
+    let key = ChunkKey::of(b"");
+    for bad in [
+        vec![(0..1000, key), (998..2000, key)],
+        vec![(0..1000, key), (999..1000, key)],
+        vec![(5..6, key), (5..10, key)],
+    ] {
+        assert!(SpanTable::new(3000, bad).is_none());
+    }
 }
 
 #[test]
