@@ -428,7 +428,10 @@ impl PeerFetcher {
         .flatten();
         match got {
             Some(bytes) => {
-                P2pStats::add(self.stats.from_peers(table.kind()), bytes.len() as u64);
+                P2pStats::add(
+                    self.stats.fetched_from_peers(table.kind()),
+                    bytes.len() as u64,
+                );
                 Some(bytes)
             }
             None => {
@@ -512,7 +515,7 @@ impl PeerRangeSource {
     }
 
     fn count_origin(&self, n: u64) {
-        P2pStats::add(self.fetcher.stats.from_origin(self.table.kind()), n);
+        P2pStats::add(self.fetcher.stats.fetched_from_origin(self.table.kind()), n);
     }
 
     fn ask_peers(&self, range: &Range<u64>) -> io::Result<Option<Vec<u8>>> {

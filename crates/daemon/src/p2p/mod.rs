@@ -98,7 +98,7 @@ impl P2pStats {
     }
 
     /// The counter of bytes of a `kind` blob fetched from peers.
-    pub(crate) fn from_peers(&self, kind: BlobKind) -> &AtomicU64 {
+    pub(crate) fn fetched_from_peers(&self, kind: BlobKind) -> &AtomicU64 {
         match kind {
             BlobKind::Layer => &self.bytes_from_peers,
             BlobKind::Windows => &self.windows_bytes_from_peers,
@@ -106,7 +106,7 @@ impl P2pStats {
     }
 
     /// The counter of bytes of a `kind` blob fetched from the registry.
-    pub(crate) fn from_origin(&self, kind: BlobKind) -> &AtomicU64 {
+    pub(crate) fn fetched_from_origin(&self, kind: BlobKind) -> &AtomicU64 {
         match kind {
             BlobKind::Layer => &self.bytes_from_origin,
             BlobKind::Windows => &self.windows_bytes_from_origin,

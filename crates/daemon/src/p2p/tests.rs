@@ -1247,7 +1247,9 @@ fn a_layers_windows_come_from_a_peer_through_its_sibling() {
     assert_eq!(windows.len(), 3000);
     assert_eq!(windows.read_range(0..2000).unwrap(), f.windows[..2000]);
     assert_eq!(
-        windows.read_ranges(&[0..1000]).unwrap(),
+        windows
+            .read_ranges(std::slice::from_ref(&(0..1000)))
+            .unwrap(),
         vec![f.windows[..1000].to_vec()]
     );
     // Neither the registry's windows blob nor the layer was read.
