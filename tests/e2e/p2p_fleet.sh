@@ -34,9 +34,9 @@
 #    byte lies in, so a root of that piece fetches the whole merged request — readahead
 #    2 MiB — from the registry, later pieces included: with 256K pieces this went to 4.8
 #    copies. Keep piece_size at least the request size.)
-#    The layers are uncompressed tar: a gzip layer's index has a windows blob (about
-#    half the layer for random data) that every daemon reads from the registry, not
-#    through peers (docs/p2p.md), which would swamp the layer's own account.
+#    The layers are uncompressed tar, so that the account is the layer's alone: a gzip
+#    layer's index has a windows blob (about half the layer for random data), routed
+#    through peers as well; p2p_windows.sh checks that.
 # 3. Deaths mid-transfer: all 16 mount layer B (16 MiB random) and read it slowly (1 MiB
 #    per 0.25 s); once a reader is past 2 MiB, with every reader still short of the end,
 #    4 daemons get kill -9 and their veths go down (a dead machine: connects to it hang);

@@ -194,17 +194,36 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         gauge(backend.list().len() as u64),
     );
     if let Some(p) = backend.p2p_status() {
-        let series: [(&str, &str, u64); 9] = [
-            ("p2p_served_bytes", "Bytes served to peers", p.bytes_served),
+        let series: [(&str, &str, u64); 12] = [
+            (
+                "p2p_served_bytes",
+                "Layer bytes served to peers",
+                p.bytes_served,
+            ),
             (
                 "p2p_from_peers_bytes",
-                "Verified bytes fetched from peers",
+                "Verified layer bytes fetched from peers",
                 p.bytes_from_peers,
             ),
             (
                 "p2p_from_origin_bytes",
-                "Bytes peer-routed layers fetched from the registry (as roots or after falling back)",
+                "Layer bytes peer-routed layers fetched from the registry (as roots or after falling back)",
                 p.bytes_from_origin,
+            ),
+            (
+                "p2p_windows_served_bytes",
+                "Windows blob bytes (gzip inflate windows) served to peers",
+                p.windows_bytes_served,
+            ),
+            (
+                "p2p_windows_from_peers_bytes",
+                "Verified windows blob bytes fetched from peers",
+                p.windows_bytes_from_peers,
+            ),
+            (
+                "p2p_windows_from_origin_bytes",
+                "Windows blob bytes peer-routed layers fetched from the registry",
+                p.windows_bytes_from_origin,
             ),
             (
                 "p2p_refused_unauthenticated",

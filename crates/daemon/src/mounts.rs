@@ -669,9 +669,10 @@ impl MountManager {
         &self.client
     }
 
-    /// The layer of `repo` through peers: its spans registered for serving, its reads
-    /// asked of peers first. Layers without a ferry index (no span digests to verify a
-    /// peer's bytes against) are left alone.
+    /// The layer of `repo` through peers: its spans (and its index's windows, when the
+    /// index keeps them in a windows blob) registered for serving, its reads asked of
+    /// peers first. Layers without a ferry index (no span digests to verify a peer's
+    /// bytes against) are left alone.
     fn through_peers(&self, repo: &Repo, spec: LayerSpec) -> LayerSpec {
         let (Some(p2p), Some(index)) = (&self.p2p, &spec.index) else {
             return spec;
@@ -683,11 +684,20 @@ impl MountManager {
         let table = Arc::new(table);
         p2p.catalog
             .register(blob.clone(), &repo.registry, table.clone());
+        let windows = crate::p2p::SpanTable::of_windows(index).map(|(blob, table)| {
+            let table = Arc::new(table);
+            p2p.catalog
+                .register(blob.clone(), &repo.registry, table.clone());
+            (blob, table)
+        });
         let (fetcher, repo) = (p2p.fetcher.clone(), repo.clone());
         spec.route_through(move |origin| {
-            Arc::new(crate::p2p::fetch::PeerRangeSource::new(
-                origin, fetcher, repo, blob, table,
-            ))
+            let source =
+                crate::p2p::fetch::PeerRangeSource::new(origin, fetcher, repo, blob, table);
+            Arc::new(match windows {
+                Some((blob, table)) => source.with_windows(blob, table),
+                None => source,
+            })
         })
     }
 

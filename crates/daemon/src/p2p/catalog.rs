@@ -1,10 +1,11 @@
-//! Which layer blobs this node can serve pieces of, and how a blob's byte ranges map to
-//! the chunk store's span entries.
+//! Which blobs this node can serve pieces of, and how a blob's byte ranges map to the
+//! chunk store's entries.
 //!
-//! The store knows spans by their SHA-256 only; a peer asks for bytes of a blob. The
-//! catalog keeps, per layer blob the node has mounted lazily, the span table of its
-//! index and the registries it was resolved from (a peer's pull right is checked
-//! against one of those, never against a registry the peer names freely).
+//! The store knows spans and inflate windows by their SHA-256 only; a peer asks for
+//! bytes of a blob. The catalog keeps, per layer blob the node has mounted lazily (and
+//! per windows blob of such a layer's version-2 index), the table of its verified pieces
+//! and the registries it was resolved from (a peer's pull right is checked against one
+//! of those, never against a registry the peer names freely).
 
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
@@ -18,9 +19,22 @@ use parking_lot::Mutex;
 /// Most registries remembered per blob.
 const MAX_REGISTRIES_PER_BLOB: usize = 8;
 
-/// A blob's spans: sorted, back-to-back compressed ranges and the SHA-256 of each.
+/// What a blob served to and fetched from peers is, for the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlobKind {
+    /// A layer blob; its pieces are the index's compressed spans.
+    Layer,
+    /// The windows blob of a version-2 index; its pieces are the inflate windows.
+    Windows,
+}
+
+/// A blob's spans (a layer's compressed spans, or a windows blob's windows): sorted
+/// ranges and the SHA-256 of each, the digest the chunk store keeps the piece under.
+/// Neighbours may share one byte: a gzip checkpoint that starts mid-byte starts its
+/// span at the byte the previous span ends with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpanTable {
+    kind: BlobKind,
     size: u64,
     ranges: Vec<Range<u64>>,
     keys: Vec<ChunkKey>,
@@ -28,17 +42,26 @@ pub struct SpanTable {
 
 impl SpanTable {
     /// A table of `spans` in a blob of `size` bytes; `None` unless the spans are
-    /// non-empty, sorted, non-overlapping and inside the blob.
+    /// non-empty, sorted, inside the blob, and overlap their neighbours by one byte at
+    /// most.
     pub fn new(size: u64, spans: Vec<(Range<u64>, ChunkKey)>) -> Option<SpanTable> {
-        let mut end = 0;
+        let mut prev: Option<&Range<u64>> = None;
         for (r, _) in &spans {
-            if r.start < end || r.end <= r.start || r.end > size {
+            let follows = prev.is_none_or(|p| {
+                r.start > p.start && r.end > p.end && r.start.saturating_add(1) >= p.end
+            });
+            if !follows || r.end <= r.start || r.end > size {
                 return None;
             }
-            end = r.end;
+            prev = Some(r);
         }
         let (ranges, keys) = spans.into_iter().unzip();
-        Some(SpanTable { size, ranges, keys })
+        Some(SpanTable {
+            kind: BlobKind::Layer,
+            size,
+            ranges,
+            keys,
+        })
     }
 
     /// The table of a ferry index's spans over a blob of `size` bytes.
@@ -52,20 +75,58 @@ impl SpanTable {
         SpanTable::new(size, spans)
     }
 
+    /// The windows blob of a version-2 index and the table of its windows (each window's
+    /// range and SHA-256, as the index names them: what the device verifies a window
+    /// against and keys it by in the store); `None` when the index keeps no windows blob
+    /// or its windows do not lie inside it in order.
+    pub fn of_windows(index: &LayerIndex) -> Option<(Digest, SpanTable)> {
+        let blob = index.windows.as_ref()?;
+        let digest = ferry_oci::digest::parse_sha256(&blob.digest).ok()?;
+        let spans = index
+            .checkpoints
+            .iter()
+            .filter_map(|cp| cp.window.as_ref())
+            .map(|w| (w.range(), ChunkKey::from_raw(w.sha256)))
+            .collect();
+        let mut table = SpanTable::new(blob.size, spans)?;
+        table.kind = BlobKind::Windows;
+        Some((digest, table))
+    }
+
+    /// What the blob is.
+    pub fn kind(&self) -> BlobKind {
+        self.kind
+    }
+
     /// The blob's size.
     pub fn size(&self) -> u64 {
         self.size
     }
 
-    /// The spans overlapping `range` (empty when none do).
+    /// The fewest consecutive spans that hold `range`'s bytes, as far as spans do
+    /// (empty when none overlap it): a byte two spans share is taken from the later one
+    /// at the start and from the earlier one at the end, so a range that is exactly a
+    /// span is that span alone. Starts and ends are both strictly increasing
+    /// ([`Self::new`]), which the searches rely on.
     pub fn covering(&self, range: &Range<u64>) -> Range<usize> {
-        let first = self.ranges.partition_point(|r| r.end <= range.start);
-        let last = self.ranges.partition_point(|r| r.start < range.end);
-        first..last.max(first)
+        let n = self.ranges.len();
+        let mut first = self
+            .ranges
+            .partition_point(|r| r.start <= range.start)
+            .saturating_sub(1);
+        if self.ranges.get(first).is_some_and(|r| r.end <= range.start) {
+            first += 1;
+        }
+        if range.start >= range.end || self.ranges.get(first).is_none_or(|r| r.start >= range.end) {
+            return first.min(n)..first.min(n);
+        }
+        let last = (self.ranges.partition_point(|r| r.end < range.end) + 1).min(n);
+        first..last.max(first + 1)
     }
 
     /// The spans that make up exactly `range` (its ends on span boundaries, no gap
-    /// between them); `None` otherwise. Only such a range can be verified span by span.
+    /// between them, a byte two of them share counted once); `None` otherwise. Only such
+    /// a range can be verified span by span.
     pub fn exactly(&self, range: &Range<u64>) -> Option<Range<usize>> {
         let ks = self.covering(range);
         if ks.is_empty()
@@ -76,7 +137,7 @@ impl SpanTable {
         }
         let contiguous = self.ranges[ks.clone()]
             .windows(2)
-            .all(|w| w[0].end == w[1].start);
+            .all(|w| w[1].start <= w[0].end);
         contiguous.then_some(ks)
     }
 

@@ -8,6 +8,12 @@
 //! checks them once more before storing); a peer that timed out, failed, or served
 //! bytes that did not verify is skipped for `penalty`. A root of the piece, and a range
 //! that is not whole spans (nothing to verify it against), go to the registry directly.
+//!
+//! The windows blob of a layer's version-2 index (its inflate windows, fetched by Range
+//! beside the layer: [`RangeSource::sibling`]) goes the same way through a
+//! [`PeerRangeSource`] of its own, its windows as the spans, each checked against the
+//! SHA-256 the index names for it; the device's fallback for windows that do not verify
+//! stays the registry's windows blob.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -353,9 +359,10 @@ impl PeerFetcher {
         self.penalised(peer, Instant::now())
     }
 
-    /// `range` of `blob` from a peer, verified against `table`; `None` when this daemon
-    /// should read the registry instead (a root, a range that is not whole spans, or no
-    /// peer served it within the deadline).
+    /// `range` of `blob` (a layer or a windows blob, as `table` says) from a peer,
+    /// verified against `table`; `None` when this daemon should read the registry
+    /// instead (a root, a range that is not whole spans, or no peer served it within the
+    /// deadline).
     pub async fn fetch(
         &self,
         repo: &Repo,
@@ -421,7 +428,10 @@ impl PeerFetcher {
         .flatten();
         match got {
             Some(bytes) => {
-                P2pStats::add(&self.stats.bytes_from_peers, bytes.len() as u64);
+                P2pStats::add(
+                    self.stats.fetched_from_peers(table.kind()),
+                    bytes.len() as u64,
+                );
                 Some(bytes)
             }
             None => {
@@ -454,13 +464,17 @@ fn verify(table: &SpanTable, ks: Range<usize>, start: u64, bytes: &[u8]) -> bool
     expected == bytes.len() as u64
 }
 
-/// A layer's [`RangeSource`] that asks peers before its registry source.
+/// A layer's (or its windows blob's) [`RangeSource`] that asks peers before its
+/// registry source.
 pub struct PeerRangeSource {
     origin: Arc<dyn RangeSource>,
     fetcher: Arc<PeerFetcher>,
     repo: Repo,
     blob: Digest,
     table: Arc<SpanTable>,
+    /// The layer's windows blob and its windows, routed through peers too when the
+    /// device asks for the blob as a sibling.
+    windows: Option<(Digest, Arc<SpanTable>)>,
 }
 
 impl fmt::Debug for PeerRangeSource {
@@ -488,7 +502,20 @@ impl PeerRangeSource {
             repo,
             blob,
             table,
+            windows: None,
         }
+    }
+
+    /// Routes the layer's windows blob `blob` (laid out as `table`, from
+    /// [`SpanTable::of_windows`]) through the same peers when it is read as this
+    /// source's sibling.
+    pub fn with_windows(mut self, blob: Digest, table: Arc<SpanTable>) -> PeerRangeSource {
+        self.windows = Some((blob, table));
+        self
+    }
+
+    fn count_origin(&self, n: u64) {
+        P2pStats::add(self.fetcher.stats.fetched_from_origin(self.table.kind()), n);
     }
 
     fn ask_peers(&self, range: &Range<u64>) -> io::Result<Option<Vec<u8>>> {
@@ -525,7 +552,7 @@ impl RangeSource for PeerRangeSource {
             return Ok(bytes);
         }
         let bytes = self.origin.read_range(range)?;
-        P2pStats::add(&self.fetcher.stats.bytes_from_origin, bytes.len() as u64);
+        self.count_origin(bytes.len() as u64);
         Ok(bytes)
     }
 
@@ -553,7 +580,7 @@ impl RangeSource for PeerRangeSource {
                     let bytes = fetched
                         .next()
                         .ok_or_else(|| io::Error::other("a range went unanswered"))?;
-                    P2pStats::add(&self.fetcher.stats.bytes_from_origin, bytes.len() as u64);
+                    self.count_origin(bytes.len() as u64);
                     Ok(bytes)
                 }
             })
@@ -565,7 +592,19 @@ impl RangeSource for PeerRangeSource {
     }
 
     fn sibling(&self, digest: &str, size: u64) -> Option<Arc<dyn RangeSource>> {
-        // Windows blobs are read from the registry in this slice.
-        self.origin.sibling(digest, size)
+        let origin = self.origin.sibling(digest, size)?;
+        match &self.windows {
+            Some((blob, table)) if blob.as_ref() == digest && table.size() == size => {
+                Some(Arc::new(PeerRangeSource::new(
+                    origin,
+                    self.fetcher.clone(),
+                    self.repo.clone(),
+                    blob.clone(),
+                    table.clone(),
+                )))
+            }
+            // Any other blob beside the layer: nothing to verify a peer's bytes against.
+            _ => Some(origin),
+        }
     }
 }

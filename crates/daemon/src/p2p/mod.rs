@@ -3,8 +3,9 @@
 //!
 //! * [`server`]: `HEAD`/`GET /v2/<name>/blobs/<digest>?ns=<registry>` with `Range`, a
 //!   registry's own semantics, answered only from spans present and verified in the
-//!   node's chunk store ([`BlobCatalog`] maps a layer blob's ranges to its spans); a
-//!   range not wholly held is a 404, so the caller goes elsewhere.
+//!   node's chunk store ([`BlobCatalog`] maps a layer blob's ranges to its spans, and a
+//!   version-2 index's windows blob's ranges to its inflate windows); a range not
+//!   wholly held is a 404, so the caller goes elsewhere.
 //! * [`auth`]: two layers. The cluster token (`Authorization: Bearer`, compared in
 //!   constant time) says the caller is a daemon of this cluster; the registry credential
 //!   it forwards (`X-Ferry-Registry-Authorization`) says it may pull the repository it
@@ -13,7 +14,8 @@
 //!   piece's parent in its [`ferry_p2p::PieceTree`], then its fallbacks, then the
 //!   registry, within one peer deadline; it checks every span against the layer index
 //!   before handing bytes up (the device checks them again), and skips a peer that timed
-//!   out or served bad bytes for a while.
+//!   out or served bad bytes for a while. The layer's windows blob is routed the same
+//!   way, its windows checked against their digests in the index.
 //! * [`tls`]: TLS between peers from a cluster CA, optionally mutual; the token is still
 //!   required.
 //! * [`dns`]: membership from DNS (a headless service), re-resolved periodically.
@@ -38,23 +40,31 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
-pub use catalog::{BlobCatalog, SpanTable};
+pub use catalog::{BlobCatalog, BlobKind, SpanTable};
 
 /// The header a peer forwards its registry `Authorization` value in.
 pub const REGISTRY_AUTHORIZATION: &str = "x-ferry-registry-authorization";
 /// Longest forwarded credential accepted (a registry token is a few KiB at most).
 pub const MAX_CREDENTIAL_LEN: usize = 16 << 10;
 
-/// The node's peer counters, shared by the server and every peer-routed layer.
+/// The node's peer counters, shared by the server and every peer-routed layer. Byte
+/// counts are kept apart by [`BlobKind`]: `bytes_*` are layer bytes, `windows_bytes_*`
+/// bytes of windows blobs.
 #[derive(Debug, Default)]
 pub struct P2pStats {
-    /// Bytes served to peers.
+    /// Layer bytes served to peers.
     pub bytes_served: AtomicU64,
-    /// Bytes fetched from peers (verified).
+    /// Layer bytes fetched from peers (verified).
     pub bytes_from_peers: AtomicU64,
-    /// Bytes fetched from the registry by peer-routed layers (as roots or after
+    /// Layer bytes fetched from the registry by peer-routed layers (as roots or after
     /// falling back).
     pub bytes_from_origin: AtomicU64,
+    /// Windows blob bytes served to peers.
+    pub windows_bytes_served: AtomicU64,
+    /// Windows blob bytes fetched from peers (verified).
+    pub windows_bytes_from_peers: AtomicU64,
+    /// Windows blob bytes fetched from the registry by peer-routed layers.
+    pub windows_bytes_from_origin: AtomicU64,
     /// Requests refused for want of a valid cluster token (401).
     pub refused_unauthenticated: AtomicU64,
     /// Requests refused for want of pull rights (403).
@@ -79,6 +89,30 @@ impl P2pStats {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// The counter of bytes of a `kind` blob served to peers.
+    pub(crate) fn served(&self, kind: BlobKind) -> &AtomicU64 {
+        match kind {
+            BlobKind::Layer => &self.bytes_served,
+            BlobKind::Windows => &self.windows_bytes_served,
+        }
+    }
+
+    /// The counter of bytes of a `kind` blob fetched from peers.
+    pub(crate) fn fetched_from_peers(&self, kind: BlobKind) -> &AtomicU64 {
+        match kind {
+            BlobKind::Layer => &self.bytes_from_peers,
+            BlobKind::Windows => &self.windows_bytes_from_peers,
+        }
+    }
+
+    /// The counter of bytes of a `kind` blob fetched from the registry.
+    pub(crate) fn fetched_from_origin(&self, kind: BlobKind) -> &AtomicU64 {
+        match kind {
+            BlobKind::Layer => &self.bytes_from_origin,
+            BlobKind::Windows => &self.windows_bytes_from_origin,
+        }
+    }
+
     /// A copy of the counters.
     pub fn snapshot(&self) -> P2pSnapshot {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -86,6 +120,9 @@ impl P2pStats {
             bytes_served: get(&self.bytes_served),
             bytes_from_peers: get(&self.bytes_from_peers),
             bytes_from_origin: get(&self.bytes_from_origin),
+            windows_bytes_served: get(&self.windows_bytes_served),
+            windows_bytes_from_peers: get(&self.windows_bytes_from_peers),
+            windows_bytes_from_origin: get(&self.windows_bytes_from_origin),
             refused_unauthenticated: get(&self.refused_unauthenticated),
             refused_forbidden: get(&self.refused_forbidden),
             refused_busy: get(&self.refused_busy),
@@ -118,6 +155,13 @@ pub struct P2pSnapshot {
     pub bytes_served: u64,
     pub bytes_from_peers: u64,
     pub bytes_from_origin: u64,
+    /// Windows blob bytes (the other three are layer bytes); absent from older daemons.
+    #[serde(default)]
+    pub windows_bytes_served: u64,
+    #[serde(default)]
+    pub windows_bytes_from_peers: u64,
+    #[serde(default)]
+    pub windows_bytes_from_origin: u64,
     pub refused_unauthenticated: u64,
     pub refused_forbidden: u64,
     pub refused_busy: u64,

@@ -1,5 +1,7 @@
 //! The peer server: a registry's blob reads (`HEAD`/`GET /v2/<name>/blobs/<digest>`,
-//! one `Range` per request) answered from the verified spans in the node's chunk store.
+//! one `Range` per request) answered from the verified spans in the node's chunk store:
+//! a layer blob's compressed spans, or a windows blob's inflate windows (stored under
+//! their SHA-256 like spans), under the same rules.
 //!
 //! The registry a blob is read for is named by the `ns` query parameter, as containerd
 //! names it to a mirror. Answers, in the order they are decided:
@@ -261,7 +263,7 @@ async fn answer(
         Ok(Some(b)) => b,
         _ => return status(StatusCode::NOT_FOUND),
     };
-    P2pStats::add(&s.stats.bytes_served, bytes.len() as u64);
+    P2pStats::add(s.stats.served(table.kind()), bytes.len() as u64);
     let mut r = (code, bytes).into_response();
     if code == StatusCode::PARTIAL_CONTENT
         && let Ok(v) =

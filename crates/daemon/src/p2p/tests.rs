@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use ferry_index::ferryidx::{Checkpoint, Compression, LayerIndex};
 use ferry_index::source::{MemSource, RangeSource};
 use ferry_oci::Digest;
 use ferry_p2p::PeerId;
@@ -19,7 +20,7 @@ use ferry_store::{ChunkKey, Store, StoreOptions};
 use parking_lot::Mutex;
 
 use super::auth::{ClusterToken, PullCheckError, PullGate, PullRights};
-use super::catalog::{BlobCatalog, SpanTable};
+use super::catalog::{BlobCatalog, BlobKind, SpanTable};
 use super::fetch::{
     FetcherConfig, OriginCredentials, PeerError, PeerFetcher, PeerRangeSource, PeerRequest,
     PeerTransport,
@@ -51,6 +52,38 @@ fn seeded_blob(seed: usize) -> (Vec<u8>, Digest, SpanTable) {
         .collect();
     let table = SpanTable::new(bytes.len() as u64, spans).unwrap();
     (bytes, digest, table)
+}
+
+/// A gzip layer's index whose three windows (`SPAN` bytes each, from [`seeded_blob`]'s
+/// bytes of `seed`) are split out into a windows blob; and the blob's bytes.
+fn index_with_windows(seed: usize) -> (LayerIndex, Vec<u8>) {
+    let (bytes, _, _) = seeded_blob(seed);
+    let mut checkpoints = vec![Checkpoint {
+        member_start: true,
+        ..Checkpoint::default()
+    }];
+    for k in 0..3 {
+        checkpoints.push(Checkpoint {
+            in_offset: (k as u64 + 1) * 100,
+            out_offset: (k as u64 + 1) * 1000,
+            window_deflate: bytes[k * SPAN..(k + 1) * SPAN].to_vec(),
+            ..Checkpoint::default()
+        });
+    }
+    let mut index = LayerIndex {
+        layer_digest: ferry_oci::sha256_digest(b"layer").to_string(),
+        compression: Compression::Gzip,
+        compressed_size: 400,
+        uncompressed_size: 4000,
+        span_size: 1000,
+        checkpoints,
+        span_digests: vec![[0; 32]; 4],
+        entries: Vec::new(),
+        windows: None,
+    };
+    let windows = index.split_windows();
+    assert_eq!(windows, bytes);
+    (index, windows)
 }
 
 pub(super) fn repo(name: &str) -> Repo {
@@ -106,16 +139,36 @@ async fn serve(limits: ServerLimits, hold: Option<Arc<tokio::sync::Notify>>) -> 
     serve_with(limits, hold, None).await
 }
 
+/// A peer server holding every window of [`index_with_windows`]'s windows blob (the
+/// layer itself not at all), which the registry lets `Bearer alice` read in `team/app`.
+async fn serve_windows() -> Served {
+    let (index, bytes) = index_with_windows(0);
+    let (digest, table) = SpanTable::of_windows(&index).unwrap();
+    serve_table(limits(), None, None, (bytes, digest, table), 0..3).await
+}
+
 /// [`serve`], over TLS with `tls` (handshakes bounded by `tls`'s timeout).
 pub(super) async fn serve_with(
     limits: ServerLimits,
     hold: Option<Arc<tokio::sync::Notify>>,
     tls: Option<(super::tls::PeerTls, Duration)>,
 ) -> Served {
+    serve_table(limits, hold, tls, blob(), 0..2).await
+}
+
+/// A peer server of blob `digest` (`bytes`, laid out as `table`) holding its pieces
+/// `held`, which the registry lets `Bearer alice` read in `team/app` and `Bearer eve`
+/// read nothing of.
+async fn serve_table(
+    limits: ServerLimits,
+    hold: Option<Arc<tokio::sync::Notify>>,
+    tls: Option<(super::tls::PeerTls, Duration)>,
+    (bytes, digest, table): (Vec<u8>, Digest, SpanTable),
+    held: Range<usize>,
+) -> Served {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(Store::open_with(dir.path(), StoreOptions::default()).unwrap());
-    let (bytes, digest, table) = blob();
-    for k in 0..2 {
+    for k in held {
         let (r, key) = table.span(k);
         store
             .put(key, &bytes[r.start as usize..r.end as usize])
@@ -365,6 +418,71 @@ async fn a_caller_with_pull_rights_gets_verified_bytes_and_the_yes_is_cached() {
         resp.headers()["docker-content-digest"],
         s.digest.to_string().as_str()
     );
+}
+
+#[tokio::test]
+async fn windows_are_served_only_to_a_caller_with_pull_rights_on_their_blob() {
+    let s = serve_windows().await;
+    // Anonymous, and eve (who may pull nothing here): 403 and not a byte.
+    for credential in [None, Some("Bearer eve")] {
+        let (status, body, _) = get(
+            &s,
+            Ask {
+                credential,
+                ..Ask::default()
+            },
+        )
+        .await;
+        assert_eq!((status, body.is_empty()), (403, true), "{credential:?}");
+    }
+    // Without the cluster token: 401, before any pull check.
+    let calls = s.rights.calls.load(Ordering::SeqCst);
+    let (status, body, _) = get(
+        &s,
+        Ask {
+            token: None,
+            ..Ask::default()
+        },
+    )
+    .await;
+    assert_eq!((status, body.is_empty()), (401, true));
+    assert_eq!(s.rights.calls.load(Ordering::SeqCst), calls);
+    let refused = s.stats.snapshot();
+    assert_eq!(refused.windows_bytes_served, 0);
+    assert_eq!(refused.refused_forbidden, 2);
+    // Alice, who may pull the windows blob in team/app: the stored windows, counted as
+    // windows.
+    let (status, body, content_range) = get(&s, Ask::default()).await;
+    assert_eq!(status, 206);
+    assert_eq!(body, s.bytes[..2000]);
+    assert_eq!(content_range.as_deref(), Some("bytes 0-1999/3000"));
+    let served = s.stats.snapshot();
+    assert_eq!(
+        (served.windows_bytes_served, served.bytes_served),
+        (2000, 0)
+    );
+}
+
+#[test]
+fn a_windows_table_is_the_index_s_windows_in_order() {
+    let (index, bytes) = index_with_windows(3);
+    let (digest, table) = SpanTable::of_windows(&index).unwrap();
+    assert_eq!(digest, ferry_oci::sha256_digest(&bytes));
+    assert_eq!((table.kind(), table.size()), (BlobKind::Windows, 3000));
+    for k in 0..3 {
+        let (r, key) = table.span(k);
+        assert_eq!(*r, (k * SPAN) as u64..((k + 1) * SPAN) as u64);
+        assert_eq!(*key, ChunkKey::of(&bytes[k * SPAN..(k + 1) * SPAN]));
+    }
+    assert_eq!(table.exactly(&(1000..3000)), Some(1..3));
+    // An index without a windows blob (windows inline, or none) has no table.
+    let mut inline = index.clone();
+    inline.windows = None;
+    assert!(SpanTable::of_windows(&inline).is_none());
+    // A windows blob that does not hold its windows (a size too small) has none either.
+    let mut short = index;
+    short.windows.as_mut().unwrap().size = 2999;
+    assert!(SpanTable::of_windows(&short).is_none());
 }
 
 #[tokio::test]
@@ -626,6 +744,12 @@ enum Peer {
     Corrupt(Vec<u8>),
     Dead,
     Lacks,
+    /// Refuses our pull right (403).
+    Refuses,
+}
+
+fn refuses(_: Vec<u8>) -> Peer {
+    Peer::Refuses
 }
 
 fn dead(_: Vec<u8>) -> Peer {
@@ -640,6 +764,8 @@ fn lacks(_: Vec<u8>) -> Peer {
 struct MemPeers {
     peers: HashMap<PeerId, Peer>,
     asked: Mutex<Vec<(PeerId, Option<String>)>>,
+    /// The blob of each request, in order.
+    blobs: Mutex<Vec<Digest>>,
 }
 
 #[async_trait]
@@ -648,6 +774,7 @@ impl PeerTransport for MemPeers {
         self.asked
             .lock()
             .push((peer.clone(), req.registry_authorization.map(str::to_owned)));
+        self.blobs.lock().push(req.blob.clone());
         let r = req.range.start as usize..req.range.end as usize;
         match self.peers.get(peer) {
             Some(Peer::Serves(b)) => Ok(b[r].to_vec()),
@@ -658,6 +785,7 @@ impl PeerTransport for MemPeers {
             }
             Some(Peer::Dead) => std::future::pending().await,
             Some(Peer::Lacks) | None => Err(PeerError::NotHeld),
+            Some(Peer::Refuses) => Err(PeerError::Refused(403)),
         }
     }
 }
@@ -672,10 +800,21 @@ impl OriginCredentials for Creds {
     }
 }
 
-/// The origin: the blob, counting reads.
+/// The origin: the blob, counting reads, and the blob beside it when it has one.
 struct Origin {
     bytes: MemSource,
     reads: AtomicUsize,
+    sibling: Option<(Digest, Arc<Origin>)>,
+}
+
+impl Origin {
+    fn new(bytes: Vec<u8>) -> Origin {
+        Origin {
+            bytes: MemSource(bytes),
+            reads: AtomicUsize::new(0),
+            sibling: None,
+        }
+    }
 }
 
 impl RangeSource for Origin {
@@ -685,6 +824,12 @@ impl RangeSource for Origin {
     fn read_range(&self, range: Range<u64>) -> std::io::Result<Vec<u8>> {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.bytes.read_range(range)
+    }
+    /// The sibling by digest alone (whatever size is asked for: so a test sees what the
+    /// peer routing does with a size the index does not name).
+    fn sibling(&self, digest: &str, _size: u64) -> Option<Arc<dyn RangeSource>> {
+        let (d, origin) = self.sibling.as_ref()?;
+        (d.as_ref() == digest).then(|| origin.clone() as _)
     }
 }
 
@@ -701,16 +846,17 @@ struct Fleet {
     _rt: tokio::runtime::Runtime,
 }
 
-/// This node ("me:1") with two peers, R = 1, F = 1, a piece per span, and a blob for
-/// which this node is the last rank of span 0's piece (its parent and one fallback are
-/// asked, in that order); `behave` says how each of them behaves.
-fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+fn fleet_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
-        .unwrap();
-    let config = FetcherConfig {
+        .unwrap()
+}
+
+/// This node ("me:1") with two peers, R = 1, F = 1, a piece per span.
+fn fleet_config(peer_timeout: Duration) -> FetcherConfig {
+    FetcherConfig {
         self_name: "me:1".into(),
         peers: vec!["a:1".into(), "b:1".into()],
         roots: 1,
@@ -719,8 +865,17 @@ fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
         piece_size: SPAN as u64,
         peer_timeout,
         penalty: Duration::from_secs(3600),
-    };
-    // Which peers are asked depends on the digest's ranking; compute them first.
+    }
+}
+
+/// The first of `blob(0)`, `blob(1)`, … whose digest (the second of the pair) makes
+/// this node the last rank of the piece at 0 (its parent and one fallback are asked, in
+/// that order), and those two: which peers are asked depends on the digest's ranking.
+fn ranked_last<T>(
+    config: &FetcherConfig,
+    rt: &tokio::runtime::Runtime,
+    blob: impl Fn(usize) -> (T, Digest),
+) -> (T, Digest, Vec<PeerId>) {
     let probe = PeerFetcher::new(
         config.clone(),
         Arc::new(MemPeers::default()),
@@ -729,15 +884,25 @@ fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
         rt.handle().clone(),
     )
     .unwrap();
-    // The ranking depends on the digest: take the first blob that gives two candidates.
-    let (bytes, digest, table, candidates) = (0..)
-        .map(seeded_blob)
-        .map(|(b, d, t)| {
+    (0..)
+        .map(blob)
+        .map(|(t, d)| {
             let c = probe.candidates(&d, 0);
-            (b, d, t, c)
+            (t, d, c)
         })
-        .find(|(_, _, _, c)| c.len() == 2)
-        .unwrap();
+        .find(|(_, _, c)| c.len() == 2)
+        .unwrap()
+}
+
+/// [`fleet_config`]'s node and a blob it is the last rank of (see [`ranked_last`]);
+/// `behave` says how each of the two peers asked behaves.
+fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
+    let rt = fleet_runtime();
+    let config = fleet_config(peer_timeout);
+    let ((bytes, table), digest, candidates) = ranked_last(&config, &rt, |seed| {
+        let (b, d, t) = seeded_blob(seed);
+        ((b, t), d)
+    });
     let mut peers = MemPeers::default();
     for (peer, b) in candidates.iter().zip(behave) {
         peers.peers.insert(peer.clone(), b(bytes.clone()));
@@ -753,10 +918,7 @@ fn fleet(behave: &[fn(Vec<u8>) -> Peer], peer_timeout: Duration) -> Fleet {
         )
         .unwrap(),
     );
-    let origin = Arc::new(Origin {
-        bytes: MemSource(bytes.clone()),
-        reads: AtomicUsize::new(0),
-    });
+    let origin = Arc::new(Origin::new(bytes.clone()));
     let source = PeerRangeSource::new(
         origin.clone(),
         fetcher.clone(),
@@ -897,7 +1059,7 @@ fn span_tables_and_the_catalog_are_bounded_and_exact() {
     assert!(
         SpanTable::new(
             10,
-            vec![(0..5, ChunkKey::of(b"")), (4..10, ChunkKey::of(b""))]
+            vec![(0..5, ChunkKey::of(b"")), (3..10, ChunkKey::of(b""))]
         )
         .is_none()
     );
@@ -913,6 +1075,52 @@ fn span_tables_and_the_catalog_are_bounded_and_exact() {
         catalog.register(ferry_oci::sha256_digest(&[i]), REGISTRY, t.clone());
     }
     assert_eq!(catalog.len(), 2);
+}
+
+#[test]
+fn spans_sharing_a_byte_as_gzip_checkpoints_do_make_one_table() {
+    // A gzip checkpoint that starts mid-byte starts its span at the previous span's
+    // last byte: such a layer's spans are routed, verified and served like any.
+    let (bytes, _, _) = blob();
+    let ranges = [0..1000u64, 999..2000, 1999..3000];
+    let spans = ranges
+        .iter()
+        .map(|r| {
+            let piece = &bytes[r.start as usize..r.end as usize];
+            (r.clone(), ChunkKey::of(piece))
+        })
+        .collect();
+    let table = SpanTable::new(3000, spans).unwrap();
+    assert_eq!(table.exactly(&(0..3000)), Some(0..3));
+    assert_eq!(table.exactly(&(999..2000)), Some(1..2));
+    assert_eq!(table.exactly(&(1000..2000)), None);
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open_with(dir.path(), StoreOptions::default()).unwrap();
+    for k in 0..3 {
+        let (r, key) = table.span(k);
+        store
+            .put(key, &bytes[r.start as usize..r.end as usize])
+            .unwrap();
+    }
+    assert_eq!(read_verified(&store, &table, 0..3000).unwrap(), bytes);
+    assert_eq!(
+        read_verified(&store, &table, 500..2500).unwrap(),
+        bytes[500..2500]
+    );
+    // The fewest spans: a byte two share is not a reason to need both.
+    assert_eq!(table.covering(&(999..1500)), 1..2);
+    assert_eq!(table.covering(&(500..1000)), 0..1);
+    assert_eq!(table.covering(&(500..1001)), 0..2);
+    assert_eq!(table.covering(&(3000..3001)), 3..3);
+    // More than one byte shared, or a span inside its neighbour: not a table.
+    let key = ChunkKey::of(b"");
+    for bad in [
+        vec![(0..1000, key), (998..2000, key)],
+        vec![(0..1000, key), (999..1000, key)],
+        vec![(5..6, key), (5..10, key)],
+    ] {
+        assert!(SpanTable::new(3000, bad).is_none());
+    }
 }
 
 #[test]
@@ -956,4 +1164,149 @@ fn a_password_is_never_forwarded_to_peers() {
     assert_eq!(source.read_range(0..1000).unwrap(), f.bytes[..1000]);
     assert!(f.peers.asked.lock().is_empty());
     assert_eq!(f.origin.reads.load(Ordering::SeqCst), 1);
+}
+
+// ---------------------------------------------------------------- windows blobs
+
+struct WindowsFleet {
+    /// The layer's source, routed through peers with its windows blob.
+    layer: PeerRangeSource,
+    layer_origin: Arc<Origin>,
+    windows_origin: Arc<Origin>,
+    fetcher: Arc<PeerFetcher>,
+    peers: Arc<MemPeers>,
+    /// The windows blob's bytes and digest.
+    windows: Vec<u8>,
+    digest: Digest,
+    /// The candidates of the windows blob's piece at 0, in order.
+    candidates: Vec<PeerId>,
+    _rt: tokio::runtime::Runtime,
+}
+
+/// A peer-routed layer whose index keeps its windows in a windows blob (beside the
+/// layer at the origin) of which this node is the last rank at 0, as in [`fleet`];
+/// `behave` says how the two peers asked behave, given the windows blob's bytes.
+fn windows_fleet(behave: &[fn(Vec<u8>) -> Peer]) -> WindowsFleet {
+    let rt = fleet_runtime();
+    let config = fleet_config(Duration::from_secs(30));
+    let ((index, windows), digest, candidates) = ranked_last(&config, &rt, |seed| {
+        let (index, windows) = index_with_windows(seed);
+        let digest = ferry_oci::sha256_digest(&windows);
+        ((index, windows), digest)
+    });
+    let (blob_digest, table) = SpanTable::of_windows(&index).unwrap();
+    assert_eq!(blob_digest, digest);
+    let mut peers = MemPeers::default();
+    for (peer, b) in candidates.iter().zip(behave) {
+        peers.peers.insert(peer.clone(), b(windows.clone()));
+    }
+    let peers = Arc::new(peers);
+    let fetcher = Arc::new(
+        PeerFetcher::new(
+            config,
+            peers.clone(),
+            Arc::new(Creds),
+            Arc::new(P2pStats::default()),
+            rt.handle().clone(),
+        )
+        .unwrap(),
+    );
+    let windows_origin = Arc::new(Origin::new(windows.clone()));
+    // (seeded_blob has 251 distinct blobs; the windows' seed is far below 250.)
+    let (layer_bytes, layer_digest, layer_table) = seeded_blob(250);
+    assert_ne!(layer_digest, digest);
+    let layer_origin = Arc::new(Origin {
+        sibling: Some((digest.clone(), windows_origin.clone())),
+        ..Origin::new(layer_bytes)
+    });
+    let layer = PeerRangeSource::new(
+        layer_origin.clone(),
+        fetcher.clone(),
+        repo("team/app"),
+        layer_digest,
+        Arc::new(layer_table),
+    )
+    .with_windows(digest.clone(), Arc::new(table));
+    WindowsFleet {
+        layer,
+        layer_origin,
+        windows_origin,
+        fetcher,
+        peers,
+        windows,
+        digest,
+        candidates,
+        _rt: rt,
+    }
+}
+
+#[test]
+fn a_layers_windows_come_from_a_peer_through_its_sibling() {
+    let f = windows_fleet(&[Peer::Serves, Peer::Serves]);
+    let windows = f.layer.sibling(f.digest.as_ref(), 3000).unwrap();
+    assert_eq!(windows.len(), 3000);
+    assert_eq!(windows.read_range(0..2000).unwrap(), f.windows[..2000]);
+    assert_eq!(
+        windows
+            .read_ranges(std::slice::from_ref(&(0..1000)))
+            .unwrap(),
+        vec![f.windows[..1000].to_vec()]
+    );
+    // Neither the registry's windows blob nor the layer was read.
+    assert_eq!(f.windows_origin.reads.load(Ordering::SeqCst), 0);
+    assert_eq!(f.layer_origin.reads.load(Ordering::SeqCst), 0);
+    // The parent was asked, for the windows blob, with our credential.
+    assert_eq!(*f.peers.blobs.lock(), vec![f.digest.clone(); 2]);
+    assert_eq!(
+        f.peers.asked.lock()[0],
+        (f.candidates[0].clone(), Some("Bearer mine".into()))
+    );
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!(
+        (s.windows_bytes_from_peers, s.windows_bytes_from_origin),
+        (3000, 0)
+    );
+    assert_eq!((s.bytes_from_peers, s.fallbacks_to_origin), (0, 0));
+    // A blob beside the layer that is not its windows blob as the index names it (here:
+    // another size) is the origin's, not routed through peers.
+    let unrouted = f.layer.sibling(f.digest.as_ref(), 2999).unwrap();
+    assert_eq!(unrouted.read_range(0..1000).unwrap(), f.windows[..1000]);
+    assert_eq!(f.windows_origin.reads.load(Ordering::SeqCst), 1);
+    assert_eq!(f.peers.asked.lock().len(), 2);
+}
+
+#[test]
+fn a_peer_serving_corrupt_windows_is_caught_and_the_registry_read() {
+    let f = windows_fleet(&[Peer::Corrupt, Peer::Corrupt]);
+    let windows = f.layer.sibling(f.digest.as_ref(), 3000).unwrap();
+    assert_eq!(windows.read_range(0..2000).unwrap(), f.windows[..2000]);
+    assert_eq!(f.windows_origin.reads.load(Ordering::SeqCst), 1);
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!(s.peer_corrupt as usize, f.candidates.len());
+    assert_eq!(s.fallbacks_to_origin, 1);
+    assert_eq!(
+        (s.windows_bytes_from_peers, s.windows_bytes_from_origin),
+        (0, 2000)
+    );
+    assert_eq!(s.bytes_from_origin, 0);
+    for c in &f.candidates {
+        assert!(f.fetcher.is_penalised(c));
+    }
+}
+
+#[test]
+fn windows_a_peer_refuses_us_come_from_the_registry_and_the_peer_is_not_penalised() {
+    let f = windows_fleet(&[refuses, refuses]);
+    let windows = f.layer.sibling(f.digest.as_ref(), 3000).unwrap();
+    assert_eq!(windows.read_range(0..1000).unwrap(), f.windows[..1000]);
+    assert_eq!(f.windows_origin.reads.load(Ordering::SeqCst), 1);
+    assert_eq!(f.peers.asked.lock().len(), 2);
+    for c in &f.candidates {
+        assert!(!f.fetcher.is_penalised(c));
+    }
+    let s = f.fetcher.stats().snapshot();
+    assert_eq!(
+        (s.windows_bytes_from_origin, s.windows_bytes_from_peers),
+        (1000, 0)
+    );
 }

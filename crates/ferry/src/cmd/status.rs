@@ -145,10 +145,13 @@ fn table(report: &StatusReport) -> String {
     }
     if let Some(p) = &report.p2p {
         out.push_str(&format!(
-            "peers: {} from peers, {} from the registry, {} served; refused {} (401) {} (403) {} (503); {} peer failures ({} corrupt), {} fallbacks to the registry\n",
+            "peers: layers {} from peers, {} from the registry, {} served; windows {} from peers, {} from the registry, {} served; refused {} (401) {} (403) {} (503); {} peer failures ({} corrupt), {} fallbacks to the registry\n",
             human(p.bytes_from_peers),
             human(p.bytes_from_origin),
             human(p.bytes_served),
+            human(p.windows_bytes_from_peers),
+            human(p.windows_bytes_from_origin),
+            human(p.windows_bytes_served),
             p.refused_unauthenticated,
             p.refused_forbidden,
             p.refused_busy,
