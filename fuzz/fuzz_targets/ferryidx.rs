@@ -1,7 +1,7 @@
-//! Fuzzes the ferry index decoder, both versions: arbitrary bytes must decode or fail
+//! Fuzzes the ferry index decoder, every version: arbitrary bytes must decode or fail
 //! cleanly, never panic or allocate what a count claims. Inputs whose trailer checksum is
-//! wrong are re-signed half of the time (as version 1 or 2, by the first byte) so the
-//! structural checks behind it are reached.
+//! wrong are re-signed half of the time (as version 1, 2 or 3, by the first byte) so the
+//! structural checks behind it, and version 3's library records, are reached.
 //!
 //! Asserted for whatever decodes: decode → encode → decode gives the same index; the
 //! window references of a version-2 index lie back to back and fill its windows blob;
@@ -57,7 +57,7 @@ fuzz_target!(|data: &[u8]| {
     if data.len() > 152 && data[0] & 1 == 1 {
         let mut body = data.to_vec();
         body[..8].copy_from_slice(b"FERRYIDX");
-        body[8] = if data[0] & 2 == 2 { 2 } else { 1 };
+        body[8] = 1 + (data[0] >> 1) % 3;
         body[9] = 0;
         let n = body.len();
         let sum = ferry_index::ferryidx::checksum(&body[..n - 32]);

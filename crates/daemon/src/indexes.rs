@@ -465,6 +465,36 @@ impl LayerIndexes {
         })
     }
 
+    /// Every layer of the image in manifest order, each with its index when it has one
+    /// (fetched at once, or taken from the cache and the flights already under way).
+    /// What a layer's mount needs to follow a program's libraries or a Python import
+    /// into the layers below and above it: containerd mounts each layer on its own, and
+    /// the loader's `libc` is rarely in the layer of the program it loads.
+    pub async fn layers_with_indexes(
+        &self,
+        repo: &Repo,
+        reference: &str,
+    ) -> Result<Vec<(Descriptor, Option<Arc<LayerIndex>>)>, ResolveError> {
+        let image = image(&self.inner, repo, reference).await?;
+        let fetched = futures_util::future::join_all(image.layers.iter().map(|d| {
+            let blob = image.index_blobs.get(d.digest().as_ref()).cloned();
+            let (inner, repo) = (self.inner.clone(), repo.clone());
+            async move {
+                match blob {
+                    Some(blob) => fetch_index(inner, repo, blob).await.map(Some),
+                    None => Ok(None),
+                }
+            }
+        }))
+        .await;
+        image
+            .layers
+            .iter()
+            .zip(fetched)
+            .map(|(layer, index)| Ok((layer.clone(), index?)))
+            .collect()
+    }
+
     /// The mount of `layer` (of `repo`) holds its index now: the cache lets go of it
     /// (a later Prepare of the same layer fetches it again).
     pub fn taken(&self, repo: &Repo, layer: &ResolvedLayer) {

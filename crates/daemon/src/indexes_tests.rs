@@ -149,6 +149,7 @@ impl IndexRegistry for FakeRegistry {
             span_digests: Vec::new(),
             entries: Vec::new(),
             windows: None,
+            libraries: Vec::new(),
         })
     }
 }
@@ -528,6 +529,7 @@ fn store_with_image(dir: &std::path::Path) -> (Arc<ferry_store::Store>, String, 
         span_digests: Vec::new(),
         entries: Vec::new(),
         windows: None,
+        libraries: Vec::new(),
     }
     .encode()
     .unwrap();
@@ -646,4 +648,41 @@ async fn a_damaged_metadata_blob_is_not_used_and_the_error_says_so() {
     // The registry was asked instead, and nothing in the store was changed.
     assert_eq!(*down.asked.lock().unwrap(), vec!["manifest".to_owned()]);
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
+}
+
+/// A layer's mount gets the image's other layers with their indexes (to follow a
+/// program's libraries into them): every layer in manifest order, from the lookups the
+/// Prepares made, with no new registry request; another repository gets nothing from
+/// this one's cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_mount_gets_every_layer_with_its_index_without_asking_again() {
+    let n = 4;
+    let (registry, _open) = FakeRegistry::new(n, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(n);
+    let manifest = registry.manifest_digest.clone();
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    eventually("every index fetched", || registry.index_fetches() == n).await;
+    let before = registry.asked();
+    let all = indexes
+        .layers_with_indexes(&repo(), &manifest)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), n);
+    for ((desc, index), digest) in all.iter().zip(&layers) {
+        assert_eq!(desc.digest().as_ref(), digest.as_str());
+        assert_eq!(&index.as_ref().unwrap().layer_digest, digest);
+    }
+    assert_eq!(registry.asked(), before, "the registry was asked again");
+    let other = Repo::parse("reg.local:5000", "private").unwrap();
+    assert!(
+        indexes
+            .layers_with_indexes(&other, &manifest)
+            .await
+            .is_err(),
+        "another repository's mount got this one's layers"
+    );
 }

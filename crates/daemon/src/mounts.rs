@@ -206,6 +206,9 @@ pub trait MountBackend: Send + Sync {
 /// One layer as last opened: descriptor, ferry index, range source.
 type TemplateLayer = (Descriptor, Option<Arc<LayerIndex>>, Arc<dyn RangeSource>);
 
+/// A registry image's layers with their indexes (if any), in manifest order.
+type SiblingLayers = Arc<Vec<(Descriptor, Option<Arc<LayerIndex>>)>>;
+
 /// An image's layers as last opened.
 struct ImageTemplate {
     opened: Instant,
@@ -405,6 +408,10 @@ pub struct MountManager {
     /// Registry images' layers and indexes, resolved once per image and shared by the
     /// Prepares of its layers.
     indexes: LayerIndexes,
+    /// Per registry image (repository and manifest digest), its layers with their
+    /// indexes, resolved at the first of its layers' mounts and given to every
+    /// one of them (see [`Self::with_siblings`]); kept [`IMAGE_CACHE_TTL`].
+    siblings: Mutex<HashMap<(Repo, String), (Instant, SiblingLayers)>>,
     /// Startup traces looked up (and recorded) per image manifest, kept as long as
     /// opened images (longer while recording), so the layers of one image (one mount
     /// each under the snapshotter) ask once and record into one trace.
@@ -649,6 +656,7 @@ impl MountManager {
             mounts: Mutex::new(BTreeMap::new()),
             pending: Mutex::new(HashSet::new()),
             images: Mutex::new(HashMap::new()),
+            siblings: Mutex::new(HashMap::new()),
             traces: Mutex::new(HashMap::new()),
             file_cache,
             holder: None,
@@ -1060,8 +1068,6 @@ impl MountManager {
             .cloned()
     }
 
-    /// The source to mount: the whole image for a merged view; for one layer only that
-    /// layer (so the other layers are not touched), resolved once per image.
     /// The pull of manifest `manifest` of `image` brings in its `layers` (digest, and
     /// whether it is mounted lazily), but for the lazy ones this node serves already
     /// (shared with an image pulled before): its prefetch waits for them
@@ -1086,28 +1092,105 @@ impl MountManager {
             .expect(lazy, unpacked);
     }
 
+    /// `spec` (a layer of registry image `image` in `repo`, manifest `manifest`) with
+    /// the image's other indexed layers around it, in manifest order, for a mount that
+    /// shows `spec`'s layer only. The mount reads nothing of the others by itself: its
+    /// followers resolve a program's libraries and a Python import in the whole image
+    /// and fetch them through these (containerd mounts each layer on its own, and
+    /// `libc` or the standard library is rarely in the layer of the program that loads
+    /// it). Resolved once per image, at its first layer's mount, from the indexes its
+    /// Prepares fetch anyway; when that fails the mount has its own layer only.
+    fn with_siblings(
+        &self,
+        image: &str,
+        repo: &Repo,
+        manifest: &str,
+        spec: LayerSpec,
+    ) -> Vec<LayerSpec> {
+        let key = (repo.clone(), manifest.to_owned());
+        let known = {
+            let mut siblings = self.siblings.lock();
+            siblings.retain(|_, (at, _)| at.elapsed() < IMAGE_CACHE_TTL);
+            siblings.get(&key).map(|(_, s)| s.clone())
+        };
+        let siblings = match known {
+            Some(s) => s,
+            None => {
+                let resolved = self
+                    .runtime
+                    .handle()
+                    .block_on(self.indexes.layers_with_indexes(repo, manifest));
+                match resolved {
+                    Ok(found) => {
+                        let found = Arc::new(found);
+                        let mut siblings = self.siblings.lock();
+                        if siblings.len() < IMAGE_CACHE_ENTRIES {
+                            siblings.insert(key, (Instant::now(), found.clone()));
+                        }
+                        found
+                    }
+                    Err(e) => {
+                        tracing::debug!(image, error = %e, "a layer mounted without the image's other layers");
+                        return vec![spec];
+                    }
+                }
+            }
+        };
+        let mut layers = Vec::with_capacity(siblings.len());
+        let mut own = Some(spec);
+        for (desc, index) in siblings.iter() {
+            if let Some(spec) = own.take_if(|s| s.descriptor.digest() == desc.digest()) {
+                layers.push(spec);
+                continue;
+            }
+            let Some(index) = index else { continue };
+            match LayerSpec::from_registry(
+                &self.client,
+                repo,
+                desc.clone(),
+                Some(index.clone()),
+                &self.runtime,
+            ) {
+                Ok(s) => layers.push(self.through_peers(repo, s)),
+                Err(e) => tracing::debug!(image, error = %e, "a sibling layer left out"),
+            }
+        }
+        // Not in the manifest resolved (cannot happen for a layer resolved from it):
+        // the layer alone.
+        match own {
+            Some(spec) => vec![spec],
+            None => layers,
+        }
+    }
+
+    /// The source to mount: the whole image for a merged view; for one layer that layer
+    /// and the image's other indexed layers, which the mount shows nothing of and reads
+    /// only for its followers (see [`Self::with_siblings`]); resolved once per image.
     fn source_for(&self, image: &str, layer: Option<&str>) -> Result<ImageSource> {
         let Some(layer) = layer else {
             return Ok(ImageSource::open(image, &self.client, &self.runtime)?);
         };
         if let Some((repo, resolved)) = self.registry_layer(image, layer, &[])? {
-            self.indexes.taken(&repo, &resolved);
             self.expect_layers(image, &resolved.manifest_digest, &resolved.layers);
             let spec = LayerSpec::from_registry(
                 &self.client,
                 &repo,
-                resolved.descriptor,
-                resolved.index,
+                resolved.descriptor.clone(),
+                resolved.index.clone(),
                 &self.runtime,
             )?;
             let spec = self.through_peers(&repo, spec);
+            // The siblings are looked up while the cache still holds this layer's
+            // index, so it is not fetched a second time; then the cache lets go of it.
+            let layers = self.with_siblings(image, &repo, &resolved.manifest_digest, spec);
+            self.indexes.taken(&repo, &resolved);
             return Ok(ImageSource {
                 manifest_digest: resolved.manifest_digest,
-                layers: vec![spec],
+                layers,
             });
         }
         if let Some(template) = self.cached(image)
-            && let Some((desc, index, source)) = template
+            && let Some((desc, index, _)) = template
                 .layers
                 .iter()
                 .find(|(d, _, _)| d.digest().as_ref() == layer)
@@ -1124,16 +1207,28 @@ impl MountManager {
                 })
                 .collect();
             self.expect_layers(image, &template.manifest_digest, &layers);
+            // The layer, and the image's other indexed layers for its followers (see
+            // `with_siblings`).
+            let layers = template
+                .layers
+                .iter()
+                .filter(|(d, i, _)| d.digest().as_ref() == layer || i.is_some())
+                .map(|(d, i, s)| LayerSpec::new(d.clone(), i.clone(), s.clone()))
+                .collect();
             return Ok(ImageSource {
                 manifest_digest: template.manifest_digest.clone(),
-                layers: vec![LayerSpec::new(desc.clone(), index.clone(), source.clone())],
+                layers,
             });
         }
         let mut source = self.open_image(image)?;
         source
             .layers
-            .retain(|l| l.descriptor.digest().as_ref() == layer);
-        if source.layers.is_empty() {
+            .retain(|l| l.descriptor.digest().as_ref() == layer || l.index.is_some());
+        if !source
+            .layers
+            .iter()
+            .any(|l| l.descriptor.digest().as_ref() == layer)
+        {
             return Err(Error::InvalidRequest(format!(
                 "image {image} has no layer {layer}"
             )));

@@ -16,10 +16,17 @@
 //! digests; a window is fetched when its span is first read. Version 1 (windows inline)
 //! is still decoded so old indexes keep mounting.
 //!
+//! Version 3 is version 2 plus, after the file table, each ELF file's libraries
+//! ([`Library`]): what its loader will open, found while the layer streamed past, so a
+//! mount fetches a program's whole library chain at its first read instead of reading
+//! each library's `.dynamic` in turn, a round trip per link. An index without any is
+//! written as version 2.
+//!
 //! This module owns the model and the bytes; it must not fetch anything (readers ask a
 //! [`crate::windows::WindowSource`]). The byte layout is documented in
 //! `docs/formats.md`; encoding is deterministic.
 
+use crate::elf::Dependencies;
 use crate::entry::Entry;
 
 /// How the indexed layer blob is compressed.
@@ -122,6 +129,20 @@ pub struct LayerIndex {
     /// The windows blob the checkpoints' [`WindowRef`]s point into; `None` when the
     /// windows are inline or no checkpoint needs one.
     pub windows: Option<WindowsBlob>,
+    /// The ELF files' libraries, in entry order, at most one per entry (version 3; empty
+    /// in an older index).
+    pub libraries: Vec<Library>,
+}
+
+/// What an ELF file of the layer asks its loader for, recorded by `ferry index`
+/// ([`crate::elf::dependencies`]): names as the file gives them, resolved at mount time
+/// in the whole image (a library may be in another layer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Library {
+    /// The file: its position in [`LayerIndex::entries`], a regular file.
+    pub entry: u32,
+    /// Its interpreter, `DT_NEEDED` names and run path.
+    pub deps: Dependencies,
 }
 
 impl LayerIndex {
@@ -206,8 +227,11 @@ use std::collections::BTreeMap;
 
 /// First bytes of every ferry index blob.
 pub const MAGIC: &[u8; 8] = b"FERRYIDX";
-/// The format version this build writes (windows in a separate blob).
+/// The format version this build writes (windows in a separate blob), for an index
+/// without [`Library`] records.
 pub const VERSION: u16 = 2;
+/// Version 2 plus the [`Library`] records after the file table.
+pub const VERSION_LIBRARIES: u16 = 3;
 /// The older version, windows inline, still decoded (and written for an index whose
 /// windows were never split out).
 pub const VERSION_INLINE_WINDOWS: u16 = 1;
@@ -231,6 +255,12 @@ const TABLE_ZSTD_LEVEL: i32 = 9;
 /// (the same for both versions: a window-less v2 record is as long as an empty v1 one).
 const MIN_CHECKPOINT_LEN: usize = 8 + 8 + 1 + 1 + 4 + 32;
 const MIN_ENTRY_LEN: usize = 1 + 4 * 3 + 8 + 4 + 8 * 3 + 4 * 2 + 4 * 4 + 4;
+/// Smallest encoded [`Library`]: entry, machine, class, empty interpreter, no names.
+const MIN_LIBRARY_LEN: usize = 4 + 2 + 1 + 4 + 4 + 4;
+/// Longest interpreter, library name or run-path directory accepted (as the ELF reader's).
+const MAX_LIBRARY_STRING: usize = 4096;
+/// Run-path directories kept per file, at most.
+pub const MAX_SEARCH_DIRS: usize = 64;
 
 fn compression_code(c: Compression) -> u8 {
     match c {
@@ -247,7 +277,9 @@ fn put_str(out: &mut Vec<u8>, s: &[u8]) {
 impl LayerIndex {
     /// Encodes the index in the versioned binary format: version 2 when the windows are
     /// in a windows blob (after [`LayerIndex::split_windows`]) or there are none, version
-    /// 1 when they are inline. Deterministic: the same index always gives the same bytes.
+    /// 3 when it also has [`Library`] records, version 1 when the windows are inline (an
+    /// index with libraries must split its windows first). Deterministic: the same index
+    /// always gives the same bytes.
     pub fn encode(&self) -> Result<Vec<u8>> {
         let raw_digest = parse_digest_raw(&self.layer_digest)?;
         if self.span_digests.len() != self.checkpoints.len() {
@@ -263,10 +295,17 @@ impl LayerIndex {
                 "windows are both inline and in a windows blob".into(),
             ));
         }
+        if inline && !self.libraries.is_empty() {
+            return Err(Error::Index(
+                "an index with library records keeps its windows in a windows blob".into(),
+            ));
+        }
         let version = if inline {
             VERSION_INLINE_WINDOWS
-        } else {
+        } else if self.libraries.is_empty() {
             VERSION
+        } else {
+            VERSION_LIBRARIES
         };
         let per_checkpoint = if inline { 16_000 } else { 100 };
         let mut out = Vec::with_capacity(
@@ -283,7 +322,7 @@ impl LayerIndex {
         out.extend_from_slice(&self.span_size.to_le_bytes());
         out.extend_from_slice(&(self.checkpoints.len() as u32).to_le_bytes());
         out.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
-        if version == VERSION {
+        if version != VERSION_INLINE_WINDOWS {
             let (size, digest) = match &self.windows {
                 Some(w) => (w.size, parse_digest_raw(&w.digest)?),
                 None => (0, Sha256::digest([]).into()),
@@ -296,7 +335,7 @@ impl LayerIndex {
             out.extend_from_slice(&cp.out_offset.to_le_bytes());
             out.push(cp.bits);
             out.push(u8::from(cp.member_start));
-            if version == VERSION {
+            if version != VERSION_INLINE_WINDOWS {
                 // Offsets are implied: windows lie in checkpoint order, back to back.
                 match &cp.window {
                     Some(w) => {
@@ -334,6 +373,25 @@ impl LayerIndex {
                 put_str(&mut table, v);
             }
         }
+        if version == VERSION_LIBRARIES {
+            table.extend_from_slice(&(self.libraries.len() as u32).to_le_bytes());
+            for lib in &self.libraries {
+                let d = &lib.deps;
+                table.extend_from_slice(&lib.entry.to_le_bytes());
+                table.extend_from_slice(&d.machine.to_le_bytes());
+                table.push(u8::from(d.wide));
+                put_str(
+                    &mut table,
+                    d.interpreter.as_deref().unwrap_or("").as_bytes(),
+                );
+                for names in [&d.needed, &d.search] {
+                    table.extend_from_slice(&(names.len() as u32).to_le_bytes());
+                    for n in names {
+                        put_str(&mut table, n.as_bytes());
+                    }
+                }
+            }
+        }
         let packed = zstd::bulk::compress(&table, TABLE_ZSTD_LEVEL)
             .map_err(|e| Error::Index(format!("compressing the file table: {e}")))?;
         out.extend_from_slice(&(table.len() as u64).to_le_bytes());
@@ -367,10 +425,10 @@ impl LayerIndex {
         }
         let mut r = Cursor { buf: body, pos: 8 };
         let version = r.u16()?;
-        if version != VERSION && version != VERSION_INLINE_WINDOWS {
+        if !(VERSION_INLINE_WINDOWS..=VERSION_LIBRARIES).contains(&version) {
             return Err(Error::Index(format!(
                 "format version {version} is not supported (this ferry reads \
-                 {VERSION_INLINE_WINDOWS} and {VERSION})"
+                 {VERSION_INLINE_WINDOWS} to {VERSION_LIBRARIES}; a newer ferry wrote it)"
             )));
         }
         let compression = match r.u8()? {
@@ -387,7 +445,7 @@ impl LayerIndex {
         let span_size = r.u64()?;
         let n_checkpoints_raw = r.u32()?;
         let n_entries = r.u32()? as usize;
-        let windows = if version == VERSION {
+        let windows = if version != VERSION_INLINE_WINDOWS {
             let size = r.u64()?;
             let digest: [u8; 32] = r.array()?;
             if size > MAX_WINDOWS_BYTES {
@@ -430,7 +488,7 @@ impl LayerIndex {
                 1 => true,
                 f => return Err(Error::Index(format!("checkpoint {i}: bad flags {f}"))),
             };
-            let (window_deflate, window) = if version == VERSION {
+            let (window_deflate, window) = if version != VERSION_INLINE_WINDOWS {
                 let len = r.u32()?;
                 if len as usize > MAX_WINDOW_DEFLATE {
                     return Err(Error::Index(format!(
@@ -541,6 +599,51 @@ impl LayerIndex {
                 xattrs,
             });
         }
+        let mut libraries = Vec::new();
+        if version == VERSION_LIBRARIES {
+            let n = r.count(MIN_LIBRARY_LEN, "library records")?;
+            libraries.reserve(n);
+            for _ in 0..n {
+                let entry = r.u32()?;
+                let machine = r.u16()?;
+                let wide = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    c => {
+                        return Err(Error::Index(format!(
+                            "library record of entry {entry}: bad class {c}"
+                        )));
+                    }
+                };
+                let interpreter = r.string(MAX_LIBRARY_STRING, "interpreter")?;
+                let mut lists = [Vec::new(), Vec::new()];
+                for (list, (max, what)) in lists.iter_mut().zip([
+                    (crate::elf::MAX_NEEDED, "library names"),
+                    (MAX_SEARCH_DIRS, "run-path directories"),
+                ]) {
+                    let k = r.count(4, what)?;
+                    if k > max {
+                        return Err(Error::Index(format!(
+                            "library record of entry {entry}: {k} {what}, more than {max}"
+                        )));
+                    }
+                    for _ in 0..k {
+                        list.push(r.string(MAX_LIBRARY_STRING, what)?);
+                    }
+                }
+                let [needed, search] = lists;
+                libraries.push(Library {
+                    entry,
+                    deps: Dependencies {
+                        interpreter: (!interpreter.is_empty()).then_some(interpreter),
+                        needed,
+                        search,
+                        machine,
+                        wide,
+                    },
+                });
+            }
+        }
         if r.remaining() != 0 {
             return Err(Error::Index(format!(
                 "{} unexpected bytes inside the file table",
@@ -557,6 +660,7 @@ impl LayerIndex {
             span_digests,
             entries,
             windows,
+            libraries,
         };
         index.validate()?;
         Ok(index)
@@ -620,6 +724,32 @@ impl LayerIndex {
                     .is_none_or(|end| end > self.uncompressed_size)
             {
                 return bad(format!("data of {:?} lies outside the layer", e.path));
+            }
+        }
+        let mut last = None;
+        for lib in &self.libraries {
+            if last.is_some_and(|l| lib.entry <= l) {
+                return bad(format!(
+                    "library record of entry {} out of order",
+                    lib.entry
+                ));
+            }
+            last = Some(lib.entry);
+            let d = &lib.deps;
+            let file = self
+                .entries
+                .get(lib.entry as usize)
+                .is_some_and(|e| e.kind == EntryKind::File);
+            if !file
+                || d.interpreter.as_ref().is_some_and(|i| !i.starts_with('/'))
+                || d.needed.iter().any(|n| n.is_empty() || n.contains('/'))
+                || d.needed.len() > crate::elf::MAX_NEEDED
+                || d.search.len() > MAX_SEARCH_DIRS
+            {
+                return bad(format!(
+                    "library record of entry {} is not one a file could have",
+                    lib.entry
+                ));
             }
         }
         Ok(())
@@ -784,6 +914,7 @@ mod tests {
                 },
             ],
             windows: None,
+            libraries: Vec::new(),
         }
     }
 
@@ -825,12 +956,12 @@ mod tests {
         flipped[100] ^= 1;
         assert!(LayerIndex::decode(&flipped).is_err());
         let mut v3 = bytes.clone();
-        v3[8] = 3;
+        v3[8] = 4;
         let n = v3.len();
         let sum = Sha256::digest(&v3[..n - 32]);
         v3[n - 32..].copy_from_slice(&sum);
         match LayerIndex::decode(&v3) {
-            Err(Error::Index(m)) => assert!(m.contains("version 3"), "{m}"),
+            Err(Error::Index(m)) => assert!(m.contains("version 4"), "{m}"),
             other => panic!("expected a version error, got {other:?}"),
         }
         Ok(())
@@ -996,5 +1127,97 @@ mod tests {
         assert_eq!(idx.span_for(5000), None);
         assert_eq!(idx.span_range(0), Some(0..400));
         assert_eq!(idx.span_range(1), Some(399..1000));
+    }
+
+    /// [`sample`] with its windows in a blob and library records for its one file.
+    fn sample_with_libraries() -> LayerIndex {
+        let mut idx = sample();
+        idx.split_windows();
+        let file = idx
+            .entries
+            .iter()
+            .position(|e| e.kind == EntryKind::File)
+            .expect("a file");
+        idx.libraries = vec![Library {
+            entry: file as u32,
+            deps: Dependencies {
+                interpreter: Some("/lib64/ld-linux-x86-64.so.2".into()),
+                needed: vec!["libm.so.6".into(), "libc.so.6".into()],
+                search: vec!["$ORIGIN/../lib".into()],
+                machine: 62,
+                wide: true,
+            },
+        }];
+        idx
+    }
+
+    #[test]
+    fn library_records_write_version_3_and_round_trip() -> Result<()> {
+        let idx = sample_with_libraries();
+        let bytes = idx.encode()?;
+        assert_eq!(u16::from_le_bytes([bytes[8], bytes[9]]), VERSION_LIBRARIES);
+        assert_eq!(bytes, idx.clone().encode()?, "deterministic");
+        assert_eq!(LayerIndex::decode(&bytes)?, idx);
+        // Without records the same index is version 2, which every ferry reads.
+        let mut plain = idx.clone();
+        plain.libraries.clear();
+        let v2 = plain.encode()?;
+        assert_eq!(u16::from_le_bytes([v2[8], v2[9]]), VERSION);
+        assert_eq!(LayerIndex::decode(&v2)?, plain);
+        // Every cut and a flipped byte are refused.
+        for cut in 0..bytes.len() {
+            assert!(LayerIndex::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        // Records need the windows out of the index.
+        let mut inline = sample_with_windows();
+        inline.libraries = idx.libraries.clone();
+        assert!(inline.encode().is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn library_records_a_file_could_not_have_are_refused() -> Result<()> {
+        let dir = sample()
+            .entries
+            .iter()
+            .position(|e| e.kind == EntryKind::Dir)
+            .expect("a dir") as u32;
+        type Mutation = Box<dyn Fn(&mut LayerIndex)>;
+        let cases: Vec<(&str, Mutation)> = vec![
+            ("a directory", Box::new(move |i| i.libraries[0].entry = dir)),
+            ("no such entry", Box::new(|i| i.libraries[0].entry = 999)),
+            (
+                "a relative interpreter",
+                Box::new(|i| i.libraries[0].deps.interpreter = Some("ld.so".into())),
+            ),
+            (
+                "a path as a name",
+                Box::new(|i| i.libraries[0].deps.needed.push("../x/libc.so".into())),
+            ),
+            (
+                "an empty name",
+                Box::new(|i| i.libraries[0].deps.needed.push(String::new())),
+            ),
+            (
+                "too many names",
+                Box::new(|i| {
+                    i.libraries[0].deps.needed = vec!["l.so".into(); crate::elf::MAX_NEEDED + 1]
+                }),
+            ),
+            (
+                "two records for one file",
+                Box::new(|i| i.libraries.push(i.libraries[0].clone())),
+            ),
+        ];
+        for (what, mutate) in cases {
+            let mut idx = sample_with_libraries();
+            mutate(&mut idx);
+            assert!(idx.validate().is_err(), "{what} was accepted");
+            assert!(
+                LayerIndex::decode(&idx.encode()?).is_err(),
+                "{what} was decoded"
+            );
+        }
+        Ok(())
     }
 }

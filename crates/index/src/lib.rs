@@ -19,6 +19,7 @@
 //! recency; the crate offers one weight bound and its own eviction order, and the map
 //! holds tens of entries behind one short lock, so a port would add no speed.
 
+pub mod elf;
 pub mod entry;
 pub mod error;
 pub mod estargz;

@@ -86,6 +86,17 @@ impl MergedImage {
         }
     }
 
+    /// Stacks `layers` (lowest first) over `table`, their merged table as
+    /// [`merge_tables`] made it (shared with other views of the same stack).
+    pub fn with_table(layers: Vec<LayerReader>, table: Arc<BTreeMap<String, Location>>) -> Self {
+        MergedImage { layers, table }
+    }
+
+    /// The merged path table, shared.
+    pub fn shared_table(&self) -> &Arc<BTreeMap<String, Location>> {
+        &self.table
+    }
+
     /// The layers, lowest first.
     pub fn layers(&self) -> &[LayerReader] {
         &self.layers

@@ -220,6 +220,7 @@ pub fn pack_dir<W: Write + Send>(
         span_digests: written.span_digests,
         entries,
         windows: None,
+        libraries: Vec::new(),
     };
     Ok(PackOutput {
         index,

@@ -138,6 +138,32 @@ impl LayerReader {
         }
     }
 
+    /// What `ferry index` recorded of the libraries of entry `entry` (a regular file):
+    /// `Some(Some(deps))` for a dynamically linked ELF file, `Some(None)` for a file it
+    /// found none in (not ELF, static, or malformed), and `None` when the index has no
+    /// records to say (an older index, another format, a file larger than
+    /// [`crate::indexer::MAX_ELF_BYTES`]): then only the file's bytes tell.
+    pub fn recorded_libraries(&self, entry: usize) -> Option<Option<&crate::elf::Dependencies>> {
+        let LayerFormat::Indexed(index) = &self.format else {
+            return None;
+        };
+        let file = index.entries.get(entry)?;
+        if index.libraries.is_empty()
+            || file.kind != crate::entry::EntryKind::File
+            || file.size > crate::indexer::MAX_ELF_BYTES
+        {
+            return None;
+        }
+        let at = u32::try_from(entry).ok()?;
+        Some(
+            index
+                .libraries
+                .binary_search_by_key(&at, |l| l.entry)
+                .ok()
+                .map(|k| &index.libraries[k].deps),
+        )
+    }
+
     /// The format.
     pub fn format(&self) -> &LayerFormat {
         &self.format

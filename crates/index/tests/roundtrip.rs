@@ -613,3 +613,64 @@ fn corrupt_or_missing_window_fails_the_read() {
         .expect_err("no windows source");
     assert!(err.to_string().contains("windows blob"), "{err}");
 }
+
+/// A tar of `files` (path, bytes) as regular files.
+fn tar_of(files: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in files {
+        let mut h = header(tar::EntryType::Regular, data.len() as u64);
+        tar.append_data(&mut h, path, &data[..]).expect("file");
+    }
+    tar.into_inner().expect("tar")
+}
+
+#[test]
+fn indexing_records_each_elf_files_libraries_and_nothing_else() {
+    use ferry_index::elf::test_program;
+    let program = {
+        let mut f = test_program(Some("/lib64/ld.so"), &["libfoo.so.1", "libc.so.6"], 300_000);
+        f.resize(300_000, 7);
+        f
+    };
+    let library = test_program(None, &["libbar.so"], 4096);
+    // A static file: ELF, no interpreter, no `.dynamic` names.
+    let static_file = test_program(None, &[], 4096);
+    // ELF magic, then garbage: data, not an error.
+    let mut garbage = b"\x7fELF".to_vec();
+    garbage.resize(5000, 0xff);
+    let mut truncated_headers = library.clone();
+    truncated_headers.truncate(70);
+    let files = [
+        ("etc/motd", b"hello\n".to_vec()),
+        ("usr/bin/prog", program),
+        ("usr/lib/libfoo.so.1", library),
+        ("usr/bin/static", static_file),
+        ("data/garbage", garbage),
+        ("data/short", truncated_headers),
+    ];
+    let tar = tar_of(&files);
+    for index in [
+        index_gzip(&gzip(&tar, 6, None)[..], 64 << 10, None).expect("gzip index"),
+        index_tar(&tar[..], 64 << 10, None).expect("tar index"),
+    ] {
+        let recorded: Vec<(&str, &ferry_index::elf::Dependencies)> = index
+            .libraries
+            .iter()
+            .map(|l| (index.entries[l.entry as usize].path.as_str(), &l.deps))
+            .collect();
+        assert_eq!(recorded.len(), 2, "{recorded:?}");
+        assert_eq!(recorded[0].0, "usr/bin/prog");
+        assert_eq!(recorded[0].1.interpreter.as_deref(), Some("/lib64/ld.so"));
+        assert_eq!(recorded[0].1.needed, vec!["libfoo.so.1", "libc.so.6"]);
+        assert_eq!((recorded[0].1.machine, recorded[0].1.wide), (62, true));
+        assert_eq!(recorded[1].0, "usr/lib/libfoo.so.1");
+        assert_eq!(recorded[1].1.needed, vec!["libbar.so"]);
+        // The records survive the encoding.
+        let mut split = index.clone();
+        split.split_windows();
+        let back = LayerIndex::decode(&split.encode().expect("encode")).expect("decode");
+        assert_eq!(back.libraries, index.libraries);
+        let n = index.entries.len();
+        assert_eq!(n, files.len(), "every file is in the table");
+    }
+}

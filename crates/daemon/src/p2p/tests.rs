@@ -80,6 +80,7 @@ fn index_with_windows(seed: usize) -> (LayerIndex, Vec<u8>) {
         span_digests: vec![[0; 32]; 4],
         entries: Vec::new(),
         windows: None,
+        libraries: Vec::new(),
     };
     let windows = index.split_windows();
     assert_eq!(windows, bytes);

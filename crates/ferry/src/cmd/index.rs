@@ -231,7 +231,7 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
                 total_windows += windows;
                 total_spans += i.checkpoints.len();
                 println!(
-                    "{:<20} {:>10} {:>12} {:>7} {:>10} {:>6.2}% {:>10}  {} files",
+                    "{:<20} {:>10} {:>12} {:>7} {:>10} {:>6.2}% {:>10}  {} files, {} with libraries",
                     short(d.layer.digest().as_ref()),
                     human(size),
                     human(i.uncompressed_size),
@@ -239,7 +239,8 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
                     human(bytes),
                     100.0 * bytes as f64 / size.max(1) as f64,
                     human(windows),
-                    i.entries.len()
+                    i.entries.len(),
+                    i.libraries.len()
                 );
             }
             None => println!(

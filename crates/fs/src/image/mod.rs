@@ -14,7 +14,7 @@
 //! It must not speak to a registry or a layout itself (that is [`crate::backend`]) nor
 //! know the transport ([`crate::fuse`] sits on top of it).
 
-pub mod elf;
+pub use ferry_index::elf;
 mod imports;
 mod interpreter;
 pub mod nearby;
@@ -100,19 +100,28 @@ impl MountedImage {
         let mut readers = Vec::new();
         let mut sources = Vec::new();
         let mut chosen = None;
+        let mut key = Vec::new();
         for (i, layer) in source.layers.into_iter().enumerate() {
-            if let View::Layer(d) = view
-                && layer.descriptor.digest().as_ref() == d.as_str()
-            {
+            let shown = match view {
+                View::Layer(d) => layer.descriptor.digest().as_ref() == d.as_str(),
+                View::Merged => true,
+            };
+            if shown && matches!(view, View::Layer(_)) {
                 chosen = Some(i);
             }
-            MountStats::add(&stats.bytes_total, layer.descriptor.size());
+            if shown {
+                MountStats::add(&stats.bytes_total, layer.descriptor.size());
+            }
+            key.push(layer.descriptor.digest().to_string());
             let (reader, source) =
                 layer_reader(layer, store.clone(), limiter.clone(), config, stats.clone())?;
             readers.push(reader);
             sources.push(source);
         }
-        let image = MergedImage::new(readers);
+        let image = match view {
+            View::Layer(_) if readers.len() > 1 => shared_merged(key, readers),
+            _ => MergedImage::new(readers),
+        };
         let tree = match view {
             View::Merged => InodeTree::merged(&image),
             View::Layer(d) => {
@@ -376,6 +385,36 @@ impl MountedImage {
     pub fn layer_source(&self, layer: usize) -> Option<&Arc<LayerSource>> {
         self.sources.get(layer)?.as_ref()
     }
+}
+
+/// A layer stack's merged table, keyed by its layers' digests and entry counts.
+type TableKey = Vec<(String, usize)>;
+
+/// A merged table, as mounts share it.
+type SharedTable = std::sync::Weak<std::collections::BTreeMap<String, Location>>;
+
+/// Merged tables of layer stacks, each kept while a mount holds it.
+static MERGED_TABLES: std::sync::LazyLock<
+    parking_lot::Mutex<std::collections::HashMap<TableKey, SharedTable>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// `readers` (layers `digests`, lowest first) merged over one table shared by every
+/// mount of the same stack: each layer's mount of an image holds the image's other
+/// layers too (for its followers), and the table of a 40,000-path image is several MB
+/// and tens of milliseconds to build, which five mounts need not repeat.
+fn shared_merged(digests: Vec<String>, readers: Vec<LayerReader>) -> MergedImage {
+    let key: TableKey = digests
+        .into_iter()
+        .zip(readers.iter().map(|r| r.entries().len()))
+        .collect();
+    let mut tables = MERGED_TABLES.lock();
+    if let Some(table) = tables.get(&key).and_then(std::sync::Weak::upgrade) {
+        return MergedImage::with_table(readers, table);
+    }
+    tables.retain(|_, t| t.strong_count() > 0);
+    let image = MergedImage::new(readers);
+    tables.insert(key, Arc::downgrade(image.shared_table()));
+    image
 }
 
 /// Default bound of the process's inflated-span cache ([`inflated_spans`]).

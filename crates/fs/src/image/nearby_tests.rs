@@ -25,6 +25,8 @@ use crate::stats::GuessBytes;
 struct LogBackend {
     blob: Vec<u8>,
     log: Mutex<Vec<Range<u64>>>,
+    /// Reads touching these ranges fail (a registry that cannot serve them).
+    failing: Mutex<Vec<Range<u64>>>,
 }
 
 impl RangeSource for LogBackend {
@@ -34,6 +36,16 @@ impl RangeSource for LogBackend {
 
     fn read_range(&self, range: Range<u64>) -> std::io::Result<Vec<u8>> {
         self.log.lock().unwrap().push(range.clone());
+        let failing = self.failing.lock().unwrap();
+        if failing
+            .iter()
+            .any(|f| f.start < range.end && range.start < f.end)
+        {
+            return Err(std::io::Error::other(
+                "the test's registry fails this range",
+            ));
+        }
+        drop(failing);
         MemSource(self.blob.clone()).read_range(range)
     }
 }
@@ -72,8 +84,22 @@ fn rig(whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
 
 /// A rig over a layer of `files` (in that order); spans of 64 KiB, no readahead.
 fn rig_of(files: &[(String, Vec<u8>)], whole_file_bytes: u64, nearby_bytes: u64) -> Rig {
+    rig_with(files, whole_file_bytes, nearby_bytes, true)
+}
+
+/// [`rig_of`], its index with the ELF files' libraries `ferry index` records or, when
+/// not `recorded`, without (as an index older than format 3).
+fn rig_with(
+    files: &[(String, Vec<u8>)],
+    whole_file_bytes: u64,
+    nearby_bytes: u64,
+    recorded: bool,
+) -> Rig {
     let named: Vec<(&str, Vec<u8>)> = files.iter().map(|(p, d)| (p.as_str(), d.clone())).collect();
-    let (blob, index) = indexed_gzip_layer(&named);
+    let (blob, mut index) = indexed_gzip_layer(&named);
+    if !recorded {
+        index.libraries.clear();
+    }
     let backend = Arc::new(LogBackend {
         blob: blob.clone(),
         ..Default::default()
@@ -641,17 +667,18 @@ fn a_packages_first_miss_brings_its_subpackages_inits_beyond_the_nearest_files()
     assert!(rig.missing(&format!("pkg/core/deep/{init}")));
 }
 
-#[test]
-fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
-    // prog → interpreter + libfoo (in the multiarch dir) → libbar (in /usr/lib);
-    // libbaz is named by nothing.
-    let elf = |interp: Option<&str>, needed: &[&str], len: usize, seed: u64| {
-        let mut f = noise(len, seed);
-        let head = crate::image::elf::test_program(interp, needed, len as u64);
-        f[..head.len()].copy_from_slice(&head);
-        f
-    };
-    let files: Vec<(String, Vec<u8>)> = vec![
+/// An ELF file of `len` bytes (noise after its headers) naming `interp` and `needed`.
+fn elf(interp: Option<&str>, needed: &[&str], len: usize, seed: u64) -> Vec<u8> {
+    let mut f = noise(len, seed);
+    let head = crate::image::elf::test_program(interp, needed, len as u64);
+    f[..head.len()].copy_from_slice(&head);
+    f
+}
+
+/// prog → interpreter + libfoo (in the multiarch dir) → libbar (in /usr/lib); libbaz
+/// is named by nothing. 100 KiB each, 300 KiB of padding between them.
+fn program_and_libraries() -> Vec<(String, Vec<u8>)> {
+    vec![
         (
             "usr/bin/prog".into(),
             elf(Some("/lib64/ld.so"), &["libfoo.so.1"], 100 << 10, 1),
@@ -667,34 +694,85 @@ fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
         ("usr/lib/libbar.so".into(), elf(None, &[], 100 << 10, 7)),
         ("pad3".into(), noise(300 << 10, 8)),
         ("usr/lib/libbaz.so".into(), elf(None, &[], 100 << 10, 9)),
-    ];
-    let rig = rig_of(&files, 8 << 20, 0);
-    // The program's own read: it came whole, as a first read does.
-    rig.read("usr/bin/prog", 0, 4096);
-    assert!(rig.missing("usr/lib/libbar.so"));
-    let ino = rig.image.tree.resolve("usr/bin/prog").unwrap();
-    let loc = rig.image.tree.get(ino).unwrap().data.unwrap();
-    rig.image.follow_libraries(loc);
-    assert!(wait_idle(Duration::from_secs(30)));
-    for lib in [
-        "lib64/ld.so",
-        "usr/lib/x86_64-linux-gnu/libfoo.so.1",
-        "usr/lib/libbar.so",
-    ] {
-        assert!(!rig.missing(lib), "{lib} was not fetched");
+    ]
+}
+
+#[test]
+fn a_programs_libraries_are_followed_through_the_image_and_fetched() {
+    for recorded in [true, false] {
+        let rig = rig_with(&program_and_libraries(), 8 << 20, 0, recorded);
+        // The program's own read: it came whole, as a first read does.
+        rig.read("usr/bin/prog", 0, 4096);
+        assert!(rig.missing("usr/lib/libbar.so"));
+        let ino = rig.image.tree.resolve("usr/bin/prog").unwrap();
+        let loc = rig.image.tree.get(ino).unwrap().data.unwrap();
+        rig.image.follow_libraries(loc);
+        assert!(wait_idle(Duration::from_secs(30)));
+        for lib in [
+            "lib64/ld.so",
+            "usr/lib/x86_64-linux-gnu/libfoo.so.1",
+            "usr/lib/libbar.so",
+        ] {
+            assert!(!rig.missing(lib), "{lib} was not fetched");
+        }
+        assert!(
+            rig.missing("usr/lib/libbaz.so"),
+            "a library nobody names came"
+        );
+        let stats = rig.image.stats.snapshot();
+        assert_eq!(stats.read_waits, 1, "only the program's own read waited");
+        assert!(stats.guesses.rest.fetched > 0, "{stats:?}");
+        // Once per file: following again fetches nothing.
+        let calls = rig.calls();
+        rig.image.follow_libraries(loc);
+        assert!(wait_idle(Duration::from_secs(30)));
+        assert_eq!(rig.calls(), calls);
     }
-    assert!(
-        rig.missing("usr/lib/libbaz.so"),
-        "a library nobody names came"
-    );
-    let stats = rig.image.stats.snapshot();
-    assert_eq!(stats.read_waits, 1, "only the program's own read waited");
-    assert!(stats.guesses.rest.fetched > 0, "{stats:?}");
-    // Once per file: following again fetches nothing.
-    let calls = rig.calls();
-    rig.image.follow_libraries(loc);
-    assert!(wait_idle(Duration::from_secs(30)));
-    assert_eq!(rig.calls(), calls);
+}
+
+#[test]
+fn recorded_libraries_follow_a_chain_without_reading_each_link() {
+    // libfoo cannot be fetched: its own `.dynamic` cannot name libbar. The names
+    // `ferry index` recorded still can, so libbar comes all the same: a chain's links
+    // are asked for together, not each after the one before has landed.
+    for recorded in [true, false] {
+        let rig = rig_with(&program_and_libraries(), 8 << 20, 0, recorded);
+        let prog = rig.image.tree.resolve("usr/bin/prog").unwrap();
+        let prog = rig.image.tree.get(prog).unwrap().data.unwrap();
+        let layer = &rig.image.image.layers()[prog.layer];
+        let names = layer.recorded_libraries(prog.entry);
+        if recorded {
+            let deps = names
+                .flatten()
+                .expect("the program's libraries were recorded");
+            assert_eq!(deps.interpreter.as_deref(), Some("/lib64/ld.so"));
+            assert_eq!(deps.needed, vec!["libfoo.so.1"]);
+        } else {
+            assert_eq!(names, None, "an index without records says nothing");
+        }
+        let foo = rig
+            .image
+            .tree
+            .resolve("usr/lib/x86_64-linux-gnu/libfoo.so.1");
+        let foo = rig.image.tree.get(foo.unwrap()).unwrap();
+        let foo_loc = foo.data.unwrap();
+        *rig.backend.failing.lock().unwrap() = layer.ranges_for(foo_loc.entry, 0, foo.size);
+        // The program's first read landed; its libraries are followed.
+        rig.read("usr/bin/prog", 0, 4096);
+        rig.image.follow_libraries(prog);
+        assert!(wait_idle(Duration::from_secs(30)));
+        assert!(rig.missing("usr/lib/x86_64-linux-gnu/libfoo.so.1"));
+        assert!(!rig.missing("lib64/ld.so"), "the interpreter did not come");
+        assert_eq!(
+            rig.missing("usr/lib/libbar.so"),
+            !recorded,
+            "recorded {recorded}: libbar comes exactly when the index names it"
+        );
+        assert!(
+            rig.missing("usr/lib/libbaz.so"),
+            "a library nobody names came"
+        );
+    }
 }
 
 #[test]
@@ -766,4 +844,111 @@ fn an_interpreters_start_and_its_command_lines_imports_are_fetched_before_it_rea
     rig.image.follow_interpreter(loc, "/usr/bin/python3.11", 0);
     assert!(wait_idle(Duration::from_secs(30)));
     assert_eq!(rig.calls(), calls);
+}
+
+/// A layer of `files` as the daemon gives a mount: descriptor, index, logging backend.
+fn layer_of(files: &[(&str, Vec<u8>)]) -> (LayerSpec, Arc<LogBackend>, String) {
+    let (blob, index) = indexed_gzip_layer(files);
+    let backend = Arc::new(LogBackend {
+        blob: blob.clone(),
+        ..Default::default()
+    });
+    let digest = ferry_oci::sha256_digest(&blob);
+    let d = descriptor(LAYER_TAR_GZIP, digest.clone(), blob.len() as u64, &[]);
+    let spec = LayerSpec::new(d, Some(Arc::new(index)), backend.clone());
+    (spec, backend, digest.to_string())
+}
+
+#[test]
+fn a_layer_mounts_program_follows_its_libraries_into_the_layer_below() {
+    // containerd mounts each layer on its own: the program is in the upper layer, its
+    // library in the lower one, which this mount shows nothing of.
+    let elf = |needed: &[&str], len: usize, seed: u64| {
+        let mut f = noise(len, seed);
+        let head = crate::image::elf::test_program(None, needed, len as u64);
+        f[..head.len()].copy_from_slice(&head);
+        f
+    };
+    let lower = [
+        ("usr/lib/x86_64-linux-gnu/libc.so.6", elf(&[], 100 << 10, 1)),
+        ("pad", noise(300 << 10, 2)),
+        (
+            "usr/lib/x86_64-linux-gnu/libunused.so",
+            elf(&[], 100 << 10, 3),
+        ),
+    ];
+    let upper = [("usr/bin/prog", elf(&["libc.so.6"], 100 << 10, 4))];
+    let config = FetchConfig {
+        readahead_bytes: 0,
+        whole_file_bytes: 8 << 20,
+        nearby_bytes: 0,
+        ..FetchConfig::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path());
+    let mount = |view_upper: bool| {
+        let (l0, b0, d0) = layer_of(&lower);
+        let (l1, b1, d1) = layer_of(&upper);
+        let source = ImageSource {
+            manifest_digest: "sha256:test".into(),
+            layers: vec![l0, l1],
+        };
+        let view = View::Layer(if view_upper { d1 } else { d0 });
+        let image =
+            Arc::new(MountedImage::new(source, Some(store.clone()), config, &view).unwrap());
+        (image, b0, b1)
+    };
+    let (image, lower_backend, upper_backend) = mount(true);
+    assert!(
+        image
+            .tree
+            .resolve("usr/lib/x86_64-linux-gnu/libc.so.6")
+            .is_none(),
+        "the layer mount shows only its own layer"
+    );
+    let ino = image.tree.resolve("usr/bin/prog").unwrap();
+    let loc = image.tree.get(ino).unwrap().data.unwrap();
+    image.follow_libraries(loc);
+    assert!(wait_idle(Duration::from_secs(30)));
+    let missing = |path: &str| {
+        let at = image.image.lookup(path, true).unwrap();
+        let layer = &image.image.layers()[at.layer];
+        let size = layer.entries()[at.entry].size;
+        let source = image.layer_source(at.layer).unwrap();
+        layer
+            .ranges_for(at.entry, 0, size)
+            .into_iter()
+            .any(|r| source.range_missing(r))
+    };
+    assert!(
+        !missing("usr/lib/x86_64-linux-gnu/libc.so.6"),
+        "the library below was not fetched"
+    );
+    assert!(missing("usr/lib/x86_64-linux-gnu/libunused.so"));
+    assert!(!lower_backend.log.lock().unwrap().is_empty());
+    // The lower layer's own mount finds the library in the shared store, and both
+    // mounts of the stack share one merged table.
+    let (below, below_backend, _) = mount(false);
+    assert!(Arc::ptr_eq(
+        below.image.shared_table(),
+        image.image.shared_table()
+    ));
+    let at = below
+        .image
+        .lookup("usr/lib/x86_64-linux-gnu/libc.so.6", true)
+        .unwrap();
+    let source = below.layer_source(at.layer).unwrap();
+    let size = below.image.layers()[at.layer].entries()[at.entry].size;
+    assert!(
+        below.image.layers()[at.layer]
+            .ranges_for(at.entry, 0, size)
+            .into_iter()
+            .all(|r| !source.range_missing(r))
+    );
+    assert!(below_backend.log.lock().unwrap().is_empty());
+    // The mount's size is its own layer's.
+    assert_eq!(
+        image.stats.snapshot().bytes_total,
+        upper_backend.blob.len() as u64
+    );
 }

@@ -12,6 +12,11 @@
 //! `ld-linux` and `libc` to `libopenblas` → `libgfortran` → `libquadmath`. Resolved
 //! from the image's own files, the whole chain travels at once.
 //!
+//! An index written by `ferry index` since format 3 holds each ELF file's names
+//! ([`ferry_index::ferryidx::Library`]): then a file's libraries are resolved and handed
+//! to the pool before its own bytes arrive, so the chain costs one round trip, not one
+//! per link. Otherwise they are read from the fetched file.
+//!
 //! The guesses are files' rests ([`Guess::Rest`]), within the same budget
 //! ([`crate::image::nearby::Nearby::within_rest_budget`]); each file is followed once per mount,
 //! at most [`crate::image::nearby::MAX_LIBRARIES`], [`MAX_DEPTH`] deep. It reads only ELF
@@ -155,6 +160,11 @@ fn fetch_guess(source: &crate::device::LayerSource, stats: &MountStats, r: Range
 
 /// Follows the file at `loc`: fetches it first unless it is the file whose read asked
 /// (`fetch_own`), then its libraries, each as a task of its own.
+///
+/// When the layer's index recorded the file's libraries, they are resolved and handed
+/// to the pool before the file's own bytes are fetched, so a whole chain (`libopenblas`
+/// → `libgfortran` → `libquadmath`) is asked for at once; otherwise they are read from
+/// the file, one link after the other.
 fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool) {
     let Some(image) = image.upgrade() else {
         return;
@@ -163,35 +173,71 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
         return;
     };
     let (size, path) = (entry.size, entry.path.clone());
-    let whole = image.nearby.whole_file_bytes();
+    let Some(layer) = image.image.layers().get(loc.layer) else {
+        return;
+    };
     if fetch_own {
         let spent = crate::image::nearby::Spent::of(&image.stats);
         if !image
             .nearby
             .within_rest_budget(spent.rest_unused, spent.served)
         {
+            tracing::debug!(path, "nearby: library not followed, over the guess budget");
             return;
         }
-        if size <= whole {
-            image.make_local(loc, 0, size);
-        } else {
-            image.make_local(loc, 0, HEAD_BYTES.min(size));
-        }
     }
-    let Some(layer) = image.image.layers().get(loc.layer) else {
+    if let Some(recorded) = layer.recorded_libraries(loc.entry) {
+        if let Some(deps) = recorded {
+            follow_dependencies(&image, deps, &path, depth, true);
+        }
+        if fetch_own {
+            fetch_library(&image, loc, size);
+        }
+        return;
+    }
+    let head = if fetch_own {
+        fetch_library(&image, loc, size)
+    } else {
+        read_head(&image, loc, size)
+    };
+    let Some(head) = head.filter(|h| h.starts_with(b"\x7fELF")) else {
         return;
     };
+    let mut read = |off: u64, len: usize| -> Option<Vec<u8>> {
+        let len = (len as u64).min(size.saturating_sub(off));
+        image.make_local(loc, off, len);
+        let mut buf = vec![0u8; len as usize];
+        let n = layer.read_at(loc.entry, off, &mut buf).ok()?;
+        buf.truncate(n);
+        Some(buf)
+    };
+    match crate::image::elf::dependencies(&head, size, &mut read) {
+        Ok(deps) => follow_dependencies(&image, &deps, &path, depth, false),
+        Err(e) => tracing::debug!(path, error = %e, "no dependencies read from an ELF file"),
+    }
+}
+
+/// The first bytes of the file at `loc` (its program headers), read from what is local
+/// or fetched; `None` when they cannot be had.
+fn read_head(image: &MountedImage, loc: Location, size: u64) -> Option<Vec<u8>> {
+    let layer = image.image.layers().get(loc.layer)?;
     let mut head = vec![0u8; HEAD_BYTES.min(size) as usize];
-    match layer.read_at(loc.entry, 0, &mut head) {
-        Ok(n) => head.truncate(n),
-        Err(_) => return,
+    let n = layer.read_at(loc.entry, 0, &mut head).ok()?;
+    head.truncate(n);
+    Some(head)
+}
+
+/// Fetches a library the loader will map: whole when it is small, else its head and
+/// (on the pool) the segments the loader touches. Returns its head.
+fn fetch_library(image: &MountedImage, loc: Location, size: u64) -> Option<Vec<u8>> {
+    let whole = image.nearby.whole_file_bytes();
+    if size <= whole {
+        image.make_local(loc, 0, size);
+        return read_head(image, loc, size);
     }
-    if !head.starts_with(b"\x7fELF") {
-        return;
-    }
-    if fetch_own
-        && size > whole
-        && let Ok(segments) = crate::image::elf::loader_ranges(&head, size)
+    image.make_local(loc, 0, HEAD_BYTES.min(size));
+    let head = read_head(image, loc, size)?;
+    if let Ok(segments) = crate::image::elf::loader_ranges(&head, size)
         && let Some(source) = image.layer_source(loc.layer)
     {
         let ranges = image
@@ -205,46 +251,56 @@ fn follow(image: &Weak<MountedImage>, loc: Location, depth: u8, fetch_own: bool)
             crate::image::nearby::Urgency::Now,
         );
     }
-    let mut read = |off: u64, len: usize| -> Option<Vec<u8>> {
-        let len = (len as u64).min(size.saturating_sub(off));
-        image.make_local(loc, off, len);
-        let mut buf = vec![0u8; len as usize];
-        let n = layer.read_at(loc.entry, off, &mut buf).ok()?;
-        buf.truncate(n);
-        Some(buf)
-    };
-    let deps = match crate::image::elf::dependencies(&head, size, &mut read) {
-        Ok(d) => d,
-        Err(e) => {
-            tracing::debug!(path, error = %e, "no dependencies read from an ELF file");
-            return;
-        }
-    };
+    Some(head)
+}
+
+/// Resolves `deps` of the file at `path` in the image and hands each library found,
+/// not followed before in this mount, to the pool (`recorded`: the names came from the
+/// index, for the debug line).
+fn follow_dependencies(
+    image: &Arc<MountedImage>,
+    deps: &Dependencies,
+    path: &str,
+    depth: u8,
+    recorded: bool,
+) {
     if depth >= MAX_DEPTH {
         return;
     }
     let origin = format!("/{}", path.rsplit_once('/').map_or("", |(dir, _)| dir));
     let origin = origin.trim_end_matches('/');
     let mut followed = Vec::new();
-    for paths in candidates(&deps, if origin.is_empty() { "/" } else { origin }) {
+    // Names only for the debug line: which libraries this follow claimed, which an
+    // earlier follow in this mount had, which the image does not hold where looked.
+    let (mut before, mut unresolved) = (Vec::new(), Vec::new());
+    let name = |paths: &[String]| {
+        paths
+            .first()
+            .and_then(|p| p.rsplit('/').next())
+            .map(str::to_owned)
+    };
+    for paths in candidates(deps, if origin.is_empty() { "/" } else { origin }) {
         let Some(found) = paths.iter().find_map(|p| image.regular_file(p)) else {
+            unresolved.extend(name(&paths));
             continue;
         };
         if image.nearby.first_library((found.layer, found.entry)) {
             followed.push(found);
+        } else {
+            before.extend(name(&paths));
         }
-    }
-    if followed.is_empty() {
-        return;
     }
     tracing::debug!(
         path,
         libraries = followed.len(),
+        ?before,
+        ?unresolved,
         depth,
+        recorded,
         "nearby: libraries followed"
     );
     for found in followed {
-        let weak = Arc::downgrade(&image);
+        let weak = Arc::downgrade(image);
         crate::image::nearby::submit_task(Box::new(move || follow(&weak, found, depth + 1, true)));
     }
 }

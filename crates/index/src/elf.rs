@@ -10,6 +10,11 @@
 //! allocates nothing a header merely claims. It reads no file itself: [`dependencies`]
 //! (the `PT_INTERP` and `DT_NEEDED` names, for following a program's libraries ahead of
 //! its loader) asks its caller for the few bounded pieces it needs.
+//!
+//! It lives here, not in the filesystem, because both sides use it: `ferry index`
+//! records each ELF file's [`Dependencies`] in the index ([`crate::ferryidx::Library`])
+//! while the layer streams past, and a mount reads them from files it fetched when an
+//! index has none (an older index, an eStargz layer).
 
 use std::ops::Range;
 
@@ -111,7 +116,7 @@ pub fn loader_ranges(head: &[u8], file_len: u64) -> Result<Vec<Range<u64>>, ElfE
             out.push(start..end);
         }
     }
-    Ok(crate::ranges::merge_ranges(out))
+    Ok(crate::source::merge_ranges(out, 0))
 }
 
 /// What a program or library asks the dynamic loader for, from its `PT_INTERP` and
@@ -126,7 +131,7 @@ pub struct Dependencies {
     /// `DT_RUNPATH`, or `DT_RPATH` without one: the directories searched first,
     /// `$ORIGIN` and all, as written.
     pub search: Vec<String>,
-    /// `e_machine`, which picks the multiarch directories ([`crate::image::needed`]).
+    /// `e_machine`, which picks the loader's multiarch directories.
     pub machine: u16,
     /// A 64-bit file.
     pub wide: bool,
@@ -288,9 +293,9 @@ impl<'a> Reader<'a> {
 }
 
 /// A 64-bit little-endian ELF header with program headers `(type, flags, offset,
-/// filesz)` right after it, for tests.
-#[cfg(test)]
-pub(crate) fn test_header(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
+/// filesz)` right after it, for tests (of this crate and of the filesystem's).
+#[doc(hidden)]
+pub fn test_header(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
     let mut b = vec![0u8; 64];
     b[..4].copy_from_slice(b"\x7fELF");
     b[4] = 2;
@@ -310,9 +315,9 @@ pub(crate) fn test_header(phdrs: &[(u32, u32, u64, u64)]) -> Vec<u8> {
 }
 /// The first 4 KiB of a 64-bit x86-64 ELF file with one `PT_LOAD` over `len` bytes
 /// (addresses are offsets), `interp` as its `PT_INTERP` and a `.dynamic` naming
-/// `needed`, for tests.
-#[cfg(test)]
-pub(crate) fn test_program(interp: Option<&str>, needed: &[&str], len: u64) -> Vec<u8> {
+/// `needed`, for tests (of this crate and of the filesystem's).
+#[doc(hidden)]
+pub fn test_program(interp: Option<&str>, needed: &[&str], len: u64) -> Vec<u8> {
     let mut strtab = vec![0u8];
     let mut dynamic: Vec<(u64, u64)> = Vec::new();
     for n in needed {
