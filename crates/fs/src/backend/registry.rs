@@ -7,7 +7,7 @@ use std::sync::Arc;
 use ferry_index::ferryidx::{LayerIndex, MAX_INDEX_BYTES};
 use ferry_oci::media::{FERRY_INDEX_ARTIFACT, FERRY_LAYER_INDEX};
 use ferry_oci::{Descriptor, ImageIndex, ImageManifest, Platform};
-use ferry_registry_client::{Client, RangeRuntime, Repo};
+use ferry_registry_client::{Client, Manifest, RangeRuntime, Repo};
 
 use crate::error::{Error, Result};
 
@@ -28,14 +28,16 @@ pub fn registry_manifest(
         .block_on(fetch_registry_manifest(client, repo, reference))
 }
 
-/// [`registry_manifest`], for callers already in an async context (on `client`'s
-/// runtime).
-pub async fn fetch_registry_manifest(
+/// The documents `reference` in `repo` resolves to for this machine's platform: the
+/// image index when it names one (`None` for a plain manifest), the manifest as fetched,
+/// and the manifest parsed. Call on `client`'s runtime.
+pub(crate) async fn fetch_manifest_documents(
     client: &Client,
     repo: &Repo,
     reference: &str,
-) -> Result<(Descriptor, ImageManifest)> {
+) -> Result<(Option<Manifest>, Manifest, ImageManifest)> {
     let mut doc = client.get_manifest(repo, reference, &[]).await?;
+    let mut index_doc = None;
     if is_index(&doc.bytes) {
         let index: ImageIndex = serde_json::from_slice(&doc.bytes)
             .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
@@ -45,10 +47,22 @@ pub async fn fetch_registry_manifest(
             .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?
             .digest()
             .to_string();
-        doc = client.get_manifest(repo, &pick, &[]).await?;
+        let manifest_doc = client.get_manifest(repo, &pick, &[]).await?;
+        index_doc = Some(std::mem::replace(&mut doc, manifest_doc));
     }
     let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
         .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
+    Ok((index_doc, doc, manifest))
+}
+
+/// [`registry_manifest`], for callers already in an async context (on `client`'s
+/// runtime).
+pub async fn fetch_registry_manifest(
+    client: &Client,
+    repo: &Repo,
+    reference: &str,
+) -> Result<(Descriptor, ImageManifest)> {
+    let (_, doc, manifest) = fetch_manifest_documents(client, repo, reference).await?;
     let digest = ferry_oci::layout::digest(&doc.digest)?;
     let media = if doc.media_type.is_empty() {
         ferry_oci::media::OCI_MANIFEST

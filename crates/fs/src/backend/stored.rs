@@ -70,19 +70,11 @@ pub async fn fetch_image_metadata(
     reference: &str,
 ) -> Result<Vec<MetadataBlob>> {
     let mut out = Vec::new();
-    let mut doc = client.get_manifest(repo, reference, &[]).await?;
-    if is_index(&doc.bytes) {
-        let index: ImageIndex = serde_json::from_slice(&doc.bytes)
-            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?;
-        let pick = ferry_oci::choose_manifest(&index, &Platform::host())
-            .map_err(|e| Error::Invalid(format!("image index {}: {e}", doc.digest)))?
-            .digest()
-            .to_string();
-        out.push(blob(role::INDEX, &doc));
-        doc = client.get_manifest(repo, &pick, &[]).await?;
+    let (index_doc, doc, manifest) =
+        super::registry::fetch_manifest_documents(client, repo, reference).await?;
+    if let Some(index_doc) = &index_doc {
+        out.push(blob(role::INDEX, index_doc));
     }
-    let manifest: ImageManifest = serde_json::from_slice(&doc.bytes)
-        .map_err(|e| Error::Invalid(format!("image manifest {}: {e}", doc.digest)))?;
     out.push(blob(role::MANIFEST, &doc));
     let config = manifest.config();
     if config.size() > MAX_CONFIG_BYTES {
