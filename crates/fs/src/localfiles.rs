@@ -334,12 +334,19 @@ pub(crate) fn file_key(image: &MountedImage, loc: Location, size: u64) -> Option
     // A layer's identity when its digest is not known here: the manifest digest fixes
     // every layer of the image.
     let image_layer_id = || format!("{}#layer{}", image.manifest_digest, loc.layer);
-    let (identity, space) = match layer.format() {
-        LayerFormat::Indexed(index) => (index.layer_digest.clone(), "tar"),
-        LayerFormat::Estargz(_) => (image_layer_id(), "estargz"),
-        LayerFormat::Whole { .. } => (image_layer_id(), "tar"),
+    let (identity, space, offset) = match layer.format() {
+        LayerFormat::Indexed(index) => (index.layer_digest.clone(), "tar", entry.offset),
+        // A TOC gives no tar offsets (every entry's is 0), so a TOC layer's files are told
+        // apart by the member their data starts in; a space of its own, so keys made from
+        // the tar offset of 0 by older versions are never read.
+        LayerFormat::Estargz(toc) => (
+            image_layer_id(),
+            "estargz-member",
+            toc.data_member(loc.entry)?,
+        ),
+        LayerFormat::Whole { .. } => (image_layer_id(), "tar", entry.offset),
     };
-    Some(FileKey::new(&identity, space, entry.offset, size))
+    Some(FileKey::new(&identity, space, offset, size))
 }
 
 /// Writes the whole file at `loc` of `image` to `out` (what a materialization fills

@@ -395,6 +395,59 @@ fn estargz_landmark_files_are_prefetched_and_the_blob_filled() {
     assert!(store.contains(&key));
 }
 
+/// A TOC gives every entry a tar offset of 0: two files of one size in an eStargz layer
+/// must still have keys of their own, or the file cache and the small-file pack would
+/// serve one's bytes for the other. A hard link shares its target's key.
+#[test]
+fn files_of_one_size_in_an_estargz_layer_have_their_own_cache_keys() {
+    let (one, two) = (noise(5000, 21), noise(5000, 22));
+    let mut tar = tar::Builder::new(Vec::new());
+    for (path, data) in [("one", &one), ("two", &two)] {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        tar.append_data(&mut h, path, &data[..]).unwrap();
+    }
+    let mut h = tar::Header::new_ustar();
+    h.set_size(0);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Link);
+    h.set_cksum();
+    tar.append_link(&mut h, "also-two", "two").unwrap();
+    let tar = tar.into_inner().unwrap();
+    let mut blob = Vec::new();
+    let out = ferry_index::estargz::convert(
+        &mut || Ok(Box::new(std::io::Cursor::new(tar.clone()))),
+        &mut blob,
+        &ferry_index::estargz::EstargzOptions::default(),
+    )
+    .unwrap();
+    let d = descriptor(
+        LAYER_TAR_GZIP,
+        ferry_oci::sha256_digest(&blob),
+        blob.len() as u64,
+        &[(ANNOTATION_ESTARGZ_TOC, out.toc_digest)],
+    );
+    let image = mount(
+        vec![LayerSpec::new(d, None, LogBackend::new(blob))],
+        None,
+        &View::Merged,
+        FetchConfig::default(),
+    );
+    let key = |path: &str| crate::localfiles::file_key(&image, data_of(&image, path), 5000);
+    let (k1, k2) = (key("one").unwrap(), key("two").unwrap());
+    assert_ne!(k1, k2, "files of one size share a key");
+    assert_eq!(read_file(&image, "one"), one);
+    assert_eq!(read_file(&image, "two"), two);
+    assert_eq!(
+        key("also-two"),
+        Some(k2),
+        "a hard link reads its target's bytes"
+    );
+}
+
 #[test]
 fn fill_without_a_store_does_nothing() {
     // No store: nothing can be kept, so fill does nothing and is not "done".

@@ -209,6 +209,16 @@ impl EstargzLayer {
         &all[start..stop.max(start)]
     }
 
+    /// Compressed offset of the gzip member holding the first byte of entry `idx`'s data:
+    /// what tells two files of one layer apart (every file's data starts a member of its
+    /// own; a hard link names its target's). `None` for entries without data.
+    pub fn data_member(&self, idx: usize) -> Option<u64> {
+        let f = self.file_of(idx).ok()??;
+        self.chunks[f.first..f.first + f.count]
+            .first()
+            .map(|c| c.member)
+    }
+
     /// The compressed ranges (merged, sorted) a read of `[off, off + len)` of entry `idx`
     /// needs. Empty for entries without data, empty reads and reads past the end.
     pub fn ranges_for(&self, idx: usize, off: u64, len: u64) -> Vec<Range<u64>> {
