@@ -1169,6 +1169,53 @@ fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound(
     );
 }
 
+#[test]
+fn a_passthrough_layer_fetches_only_what_earlier_reads_do_not_hold() {
+    // Consecutive reads of a file share their boundary chunk: the second read's range
+    // starts inside the first's. Only the bytes not held are fetched, and the answer is
+    // the blob's bytes whatever mix of held and fetched made it.
+    let backend = TestBackend::new(noise(1 << 20, 31));
+    let stats = Arc::new(MountStats::default());
+    let source = LayerSource::passthrough(
+        backend.clone(),
+        Limiter::new(2),
+        FetchConfig::default(),
+        stats.clone(),
+    );
+    let blob = |r: Range<u64>| backend.blob[r.start as usize..r.end as usize].to_vec();
+    for r in [
+        10_000..60_000,
+        50_000..120_000,
+        200_000..260_000,
+        100_000..220_000,
+    ] {
+        assert_eq!(source.read_range(r.clone()).unwrap(), blob(r));
+    }
+    // Inside one, across two, the tail of one, and a little past either end.
+    for r in [
+        20_000..30_000,
+        55_000..110_000,
+        240_000..260_000,
+        9_000..100_000,
+        250_000..261_000,
+    ] {
+        assert_eq!(source.read_range(r.clone()).unwrap(), blob(r));
+    }
+    assert_eq!(
+        *backend.asked.lock().unwrap(),
+        vec![
+            vec![10_000..60_000],
+            vec![60_000..120_000],
+            vec![200_000..260_000],
+            vec![120_000..200_000],
+            vec![9_000..10_000],
+            vec![260_000..261_000],
+        ],
+        "only the bytes no earlier read holds are asked for"
+    );
+    assert!(stats.snapshot().cache_hits >= 5);
+}
+
 /// A layer of 48 files of 64 KiB (about one 64 KiB span each), its reader over a
 /// shared source (so it reads ahead in the background too) with `readahead` bytes and a
 /// store, the backend and the stats.
