@@ -57,6 +57,11 @@ pub const MAX_IMAGES: usize = 4096;
 pub const MAX_LAYERS: usize = 1024;
 /// Longest string in an image record, in bytes.
 pub const MAX_RECORD_STRING: usize = 1024;
+/// How long a metadata blob no record lists is kept after it was last written (see
+/// [`Store::sweep_metadata`]): longer than any fill takes between putting an image's
+/// blobs and recording it.
+pub const METADATA_GRACE: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// Largest image record file read from the store.
 pub(crate) const MAX_RECORD_FILE: u64 = 1 << 20;
 
@@ -389,8 +394,22 @@ impl Store {
         let (temp, ()) = self
             .inner
             .write_temp(|f| std::io::Write::write_all(f, &bytes))?;
+        let replaced = path.exists();
         temp.commit(&path, Durability::Synced)
-            .map_err(|e| Error::io(&path, e))
+            .map_err(|e| Error::io(&path, e))?;
+        if replaced {
+            // What the record it replaced listed may be listed by nothing now.
+            match self.sweep_metadata(METADATA_GRACE) {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    removed = n,
+                    reference = %record.reference,
+                    "metadata no image record lists any more removed"
+                ),
+                Err(e) => tracing::warn!(error = %e, "sweeping unlisted metadata failed"),
+            }
+        }
+        Ok(())
     }
 
     /// The live store's image records, sorted by reference; unreadable or malformed

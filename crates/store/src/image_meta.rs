@@ -7,7 +7,9 @@
 //!
 //! They live apart from the chunk entries (`STORE/metadata/<64 hex>`, named by their
 //! SHA-256, i.e. their OCI digest): they are small, and an image that cannot be resolved
-//! is worth nothing even with every layer byte present, so they are never evicted. An
+//! is worth nothing even with every layer byte present, so they are never evicted for
+//! space; one is removed only when no image record lists it any more
+//! ([`Store::sweep_metadata`], after a record is replaced and by `ferry store gc`). An
 //! export carries those of its image records (`DEST/metadata/<64 hex>`, listed in the
 //! manifest's `metadata`), import verifies them like objects, and a seed serves them
 //! read-only. Every read hashes the blob against its name (they are read rarely and are
@@ -16,11 +18,12 @@
 //! [`StoreMetadata`] reads records and blobs without opening the store (no lock, nothing
 //! written), so `ferry pull` can use them while the daemon holds the store.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
@@ -273,6 +276,68 @@ impl Store {
         Ok(key)
     }
 
+    /// Removes the live store's metadata blobs that no image record lists and that were
+    /// last written more than `grace` ago; returns how many it removed. Run after a record
+    /// is replaced ([`Store::record_image`]): a new tag's manifest and config would
+    /// otherwise stay forever (metadata is never evicted). The grace keeps the blobs of a
+    /// record still being written: a filler puts them before it records the image, and
+    /// putting a blob again rewrites it, so a blob in use by a writer is always recent.
+    pub fn sweep_metadata(&self, grace: Duration) -> Result<usize> {
+        let dir = self.inner.root.join("metadata");
+        let entries = match fs::read_dir(&dir) {
+            Ok(it) => it,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(Error::io(&dir, e)),
+        };
+        let records = live_images(&self.inner.root);
+        let record_files = fs::read_dir(self.inner.root.join("images"))
+            .map(|it| {
+                it.filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
+                    .count()
+            })
+            .unwrap_or(0);
+        if record_files != records.len() {
+            // A record that did not parse (or one past the count read) may list blobs:
+            // removing nothing is the safe answer.
+            tracing::debug!(
+                record_files,
+                read = records.len(),
+                "metadata sweep skipped: not every image record could be read"
+            );
+            return Ok(0);
+        }
+        let listed: HashSet<ChunkKey> = records
+            .into_iter()
+            .flat_map(|r| r.metadata.into_iter().map(|m| m.digest))
+            .collect();
+        let now = SystemTime::now();
+        let mut removed = 0;
+        for entry in entries.filter_map(|e| e.ok()) {
+            let Some(key) = entry.file_name().to_str().and_then(ChunkKey::from_hex) else {
+                continue;
+            };
+            if listed.contains(&key) {
+                continue;
+            }
+            let old = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| now.duration_since(t).ok())
+                .is_some_and(|age| age > grace);
+            if !old {
+                continue;
+            }
+            match fs::remove_file(entry.path()) {
+                Ok(()) => removed += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(entry.path(), e)),
+            }
+        }
+        Ok(removed)
+    }
+
     /// The store's image records and metadata blobs, the seed's included.
     pub fn metadata(&self) -> StoreMetadata {
         StoreMetadata::with_seed(
@@ -336,6 +401,54 @@ mod tests {
         };
         store.record_image(&record).unwrap();
         (store, record)
+    }
+
+    /// Sets `key`'s blob's modification time `age` into the past.
+    fn age_blob(store: &Store, key: &ChunkKey, age: Duration) {
+        let f = File::options()
+            .write(true)
+            .open(metadata_path(store.root(), key))
+            .unwrap();
+        f.set_modified(SystemTime::now() - age).unwrap();
+    }
+
+    #[test]
+    fn replacing_a_record_removes_the_old_blobs_nothing_lists() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, v1) = filled(dir.path());
+        let (old_manifest, config) = (v1.metadata[0].digest, v1.metadata[1].digest);
+        // Another image shares the config.
+        let mut other = v1.clone();
+        other.reference = "reg.local/other:v1".into();
+        other.metadata.truncate(1);
+        other.metadata[0] = v1.metadata[1].clone();
+        store.record_image(&other).unwrap();
+        // A blob a filler has put but not yet recorded, and one nothing lists, old.
+        let pending = store.put_metadata(b"being recorded").unwrap();
+        let stale = store.put_metadata(b"left over").unwrap();
+        let hour = Duration::from_secs(2 * 3600);
+        for key in [old_manifest, config, stale] {
+            age_blob(&store, &key, hour);
+        }
+        // v2 of the tag: a new manifest, the same config.
+        let new_manifest = store.put_metadata(br#"{"schemaVersion":2,"v":2}"#).unwrap();
+        let mut v2 = v1.clone();
+        v2.metadata[0].digest = new_manifest;
+        store.record_image(&v2).unwrap();
+        let meta = store.metadata();
+        let has = |k: &ChunkKey| meta.blob(k).unwrap().is_some();
+        assert!(
+            !has(&old_manifest),
+            "the replaced manifest is listed by nothing"
+        );
+        assert!(!has(&stale), "an old blob nothing lists");
+        assert!(has(&new_manifest) && has(&config), "listed blobs stay");
+        assert!(has(&pending), "a recent blob may be a record being written");
+        // A record that does not parse may list anything: nothing is removed then.
+        age_blob(&store, &pending, hour);
+        fs::write(store.root().join("images").join("damaged.json"), b"{").unwrap();
+        store.record_image(&v2).unwrap();
+        assert!(has(&pending));
     }
 
     #[test]

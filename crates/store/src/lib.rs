@@ -67,7 +67,7 @@ pub use key::{ChunkKey, Hashed};
 pub use private::{PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, new_private_file, private_dir, tighten};
 pub use store::export::{
     EXPORT_FORMAT, ExportManifest, ExportReport, ImageRecord, ImportReport, LayerRecord,
-    MANIFEST_NAME, OLDEST_EXPORT_FORMAT, ObjectRecord,
+    MANIFEST_NAME, METADATA_GRACE, OLDEST_EXPORT_FORMAT, ObjectRecord,
 };
 pub use store::image_meta::{
     MAX_METADATA_BLOBS, MAX_METADATA_BYTES, MetadataOrigin, MetadataRecord, StoreMetadata,

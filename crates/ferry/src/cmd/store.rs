@@ -44,7 +44,9 @@ enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Evict least recently used unpinned entries down to a size.
+    /// Evict least recently used unpinned entries down to a size, and remove image
+    /// metadata (manifests, configs, indexes) that no image record lists any more and
+    /// that was written over an hour ago.
     Gc {
         /// Target size (e.g. 0, 500M, 20G; K/M/G/T are powers of 1024). Default: the
         /// store's bound.
@@ -287,10 +289,14 @@ fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<
     }
     let target = to.unwrap_or(store.max_bytes());
     let r = store.gc_to(target)?;
+    let swept = store
+        .sweep_metadata(ferry_store::METADATA_GRACE)
+        .context("removing image metadata no record lists")?;
     if json {
         let doc = serde_json::json!({
             "target_bytes": target,
             "released_pins": released,
+            "removed_metadata_blobs": swept,
             "evicted_entries": r.evicted_entries,
             "freed_bytes": r.freed_bytes,
             "bytes": r.bytes,
@@ -309,6 +315,9 @@ fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<
         human(r.bytes),
         human(r.pinned_bytes)
     );
+    if swept > 0 {
+        println!("removed {swept} image metadata blobs no image record lists");
+    }
     if r.bytes > target {
         println!(
             "note: still above the target of {}: the rest is pinned (see --release-pins)",
