@@ -201,6 +201,35 @@ fn ahead(layers: &[String], i: usize) -> Vec<String> {
     layers[i + 1..].to_vec()
 }
 
+/// A registry of `n` annotated layers and a node's index cache after the first layer's
+/// Prepare fetched every index.
+struct Resolved {
+    registry: Arc<FakeRegistry>,
+    _open: watch::Sender<bool>,
+    indexes: LayerIndexes,
+    layers: Vec<String>,
+    manifest: String,
+}
+
+async fn resolved(n: usize) -> Resolved {
+    let (registry, _open) = FakeRegistry::new(n, true);
+    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
+    let layers = layer_digests(n);
+    let manifest = registry.manifest_digest.clone();
+    indexes
+        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
+        .await
+        .unwrap();
+    eventually("every index fetched", || registry.index_fetches() == n).await;
+    Resolved {
+        registry,
+        _open,
+        indexes,
+        layers,
+        manifest,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_prepare_fetches_every_layer_and_the_others_ask_nothing_more() {
     let n = 5;
@@ -243,15 +272,13 @@ async fn the_first_prepare_fetches_every_layer_and_the_others_ask_nothing_more()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_repository_is_not_answered_from_this_ones_cache() {
     let n = 3;
-    let (registry, _open) = FakeRegistry::new(n, true);
-    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
-    let layers = layer_digests(n);
-    let manifest = registry.manifest_digest.clone();
-    indexes
-        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
-        .await
-        .unwrap();
-    eventually("every index fetched", || registry.index_fetches() == n).await;
+    let Resolved {
+        registry,
+        _open,
+        indexes,
+        layers,
+        manifest,
+    } = resolved(n).await;
     let other = Repo::parse("reg.local:5000", "private").unwrap();
     for layer in &layers {
         let denied = indexes.resolve(&other, &manifest, layer, &[]).await;
@@ -657,15 +684,13 @@ async fn a_damaged_metadata_blob_is_not_used_and_the_error_says_so() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_mount_gets_every_layer_with_its_index_without_asking_again() {
     let n = 4;
-    let (registry, _open) = FakeRegistry::new(n, true);
-    let indexes = LayerIndexes::new(registry.clone(), Duration::from_secs(30));
-    let layers = layer_digests(n);
-    let manifest = registry.manifest_digest.clone();
-    indexes
-        .resolve(&repo(), &manifest, &layers[0], &ahead(&layers, 0))
-        .await
-        .unwrap();
-    eventually("every index fetched", || registry.index_fetches() == n).await;
+    let Resolved {
+        registry,
+        _open,
+        indexes,
+        layers,
+        manifest,
+    } = resolved(n).await;
     let before = registry.asked();
     let all = indexes
         .layers_with_indexes(&repo(), &manifest)

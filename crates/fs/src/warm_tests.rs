@@ -17,7 +17,9 @@ use ferry_oci::media::{ANNOTATION_ESTARGZ_TOC, LAYER_TAR_GZIP};
 use super::*;
 use crate::backend::{ImageSource, LayerSpec};
 use crate::device::FetchConfig;
-use crate::device::tests::{gzip_layer, indexed_gzip_layer, noise, open_store};
+use crate::device::tests::{
+    gzip_layer, indexed_gzip_layer, noise, open_store, tar_builder_of, tar_of,
+};
 use crate::image::View;
 use crate::trace::TraceRead;
 
@@ -326,16 +328,7 @@ fn single_layer_mount_warms_only_its_layer() {
 fn estargz_layer() -> (Vec<u8>, String, Vec<u8>, Vec<u8>) {
     let hot = noise(120 << 10, 11);
     let cold = noise(600 << 10, 12);
-    let mut tar = tar::Builder::new(Vec::new());
-    for (path, data) in [("cold", &cold), ("hot", &hot)] {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_cksum();
-        tar.append_data(&mut h, path, &data[..]).unwrap();
-    }
-    let tar = tar.into_inner().unwrap();
+    let tar = tar_of(&[("cold", &cold), ("hot", &hot)]);
     let opts = ferry_index::estargz::EstargzOptions {
         chunk_size: 64 << 10,
         priority: vec!["hot".into()],
@@ -401,15 +394,7 @@ fn estargz_landmark_files_are_prefetched_and_the_blob_filled() {
 #[test]
 fn files_of_one_size_in_an_estargz_layer_have_their_own_cache_keys() {
     let (one, two) = (noise(5000, 21), noise(5000, 22));
-    let mut tar = tar::Builder::new(Vec::new());
-    for (path, data) in [("one", &one), ("two", &two)] {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_cksum();
-        tar.append_data(&mut h, path, &data[..]).unwrap();
-    }
+    let mut tar = tar_builder_of(&[("one", &one), ("two", &two)]);
     let mut h = tar::Header::new_ustar();
     h.set_size(0);
     h.set_mode(0o644);

@@ -32,20 +32,36 @@ pub(crate) fn noise(len: usize, seed: u64) -> Vec<u8> {
 /// Test files: path and content.
 pub(crate) type Files = Vec<(String, Vec<u8>)>;
 
-/// A gzip layer of `files` (one gzip member per 64 KiB of tar, as `ferry pack` writes:
-/// every member start is a checkpoint candidate, so the layer has many spans) and its
-/// ferry index with 64 KiB spans.
-pub(crate) fn indexed_gzip_layer(files: &[(&str, Vec<u8>)]) -> (Vec<u8>, LayerIndex) {
+/// A tar of regular files (mode 0644), in order.
+pub(crate) fn tar_of<D: AsRef<[u8]>>(files: &[(&str, D)]) -> Vec<u8> {
+    tar_builder_of(files).into_inner().unwrap()
+}
+
+/// [`tar_of`], not yet finished (for more entries of other kinds).
+pub(crate) fn tar_builder_of<D: AsRef<[u8]>>(files: &[(&str, D)]) -> tar::Builder<Vec<u8>> {
     let mut tar = tar::Builder::new(Vec::new());
     for (path, data) in files {
+        let data = data.as_ref();
         let mut h = tar::Header::new_ustar();
         h.set_size(data.len() as u64);
         h.set_mode(0o644);
         h.set_entry_type(tar::EntryType::Regular);
         h.set_cksum();
-        tar.append_data(&mut h, path, &data[..]).unwrap();
+        tar.append_data(&mut h, path, data).unwrap();
     }
-    let tar = tar.into_inner().unwrap();
+    tar
+}
+
+/// A passthrough source over `backend` (two fetch slots, default timeouts).
+fn passthrough(backend: Arc<TestBackend>, stats: Arc<MountStats>) -> LayerSource {
+    LayerSource::passthrough(backend, Limiter::new(2), FetchConfig::default(), stats)
+}
+
+/// A gzip layer of `files` (one gzip member per 64 KiB of tar, as `ferry pack` writes:
+/// every member start is a checkpoint candidate, so the layer has many spans) and its
+/// ferry index with 64 KiB spans.
+pub(crate) fn indexed_gzip_layer(files: &[(&str, Vec<u8>)]) -> (Vec<u8>, LayerIndex) {
+    let tar = tar_of(files);
     let mut blob = Vec::new();
     for piece in tar.chunks(64 << 10) {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -1133,12 +1149,7 @@ fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound(
     // read in many small reads must not fetch that chunk each time.
     let backend = TestBackend::new(noise(4 << 20, 9));
     let stats = Arc::new(MountStats::default());
-    let source = LayerSource::passthrough(
-        backend.clone(),
-        Limiter::new(2),
-        FetchConfig::default(),
-        stats.clone(),
-    );
+    let source = passthrough(backend.clone(), stats.clone());
     for _ in 0..5 {
         assert_eq!(
             source.read_range(1000..901_000).unwrap(),
@@ -1149,12 +1160,7 @@ fn a_passthrough_layer_fetches_a_range_once_for_repeated_reads_within_its_bound(
     assert_eq!(stats.snapshot().cache_hits, 4);
     // Past the bound, ranges are fetched per read again (memory stays bounded).
     let big = TestBackend::new(noise((MAX_HELD_READ_BYTES + (2 << 20)) as usize, 10));
-    let source = LayerSource::passthrough(
-        big.clone(),
-        Limiter::new(2),
-        FetchConfig::default(),
-        Arc::new(MountStats::default()),
-    );
+    let source = passthrough(big.clone(), Arc::new(MountStats::default()));
     let whole = 0..MAX_HELD_READ_BYTES;
     source.read_range(whole.clone()).unwrap();
     let tail = MAX_HELD_READ_BYTES..MAX_HELD_READ_BYTES + (1 << 20);
@@ -1176,12 +1182,7 @@ fn a_passthrough_layer_fetches_only_what_earlier_reads_do_not_hold() {
     // the blob's bytes whatever mix of held and fetched made it.
     let backend = TestBackend::new(noise(1 << 20, 31));
     let stats = Arc::new(MountStats::default());
-    let source = LayerSource::passthrough(
-        backend.clone(),
-        Limiter::new(2),
-        FetchConfig::default(),
-        stats.clone(),
-    );
+    let source = passthrough(backend.clone(), stats.clone());
     let blob = |r: Range<u64>| backend.blob[r.start as usize..r.end as usize].to_vec();
     for r in [
         10_000..60_000,
