@@ -5,8 +5,9 @@
 //! ([`zran`] checkpoints + [`ferryidx`] file format), reading and writing eStargz
 //! ([`estargz`]), answering "bytes `[off, off+len)` of file F" over any of them while
 //! fetching only the compressed ranges needed ([`reader`]), the merged view of an image's
-//! layers with whiteouts applied ([`merged`]), and packing a directory straight into a
-//! lazy-loadable layer ([`pack`]).
+//! layers with whiteouts applied ([`merged`]), packing a directory straight into a
+//! lazy-loadable layer ([`pack`]), and reading what an ELF file's loader needs
+//! ([`elf`]: the indexer records each file's libraries with it, ferry-fs follows them).
 //!
 //! It must not touch the network or mounts, or keep global state; its file I/O is only
 //! on paths a caller names (blob files of an OCI layout through [`source::FileSource`]
