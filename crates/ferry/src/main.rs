@@ -83,16 +83,6 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(&cli.log, cli.log_json);
-    if matches!(
-        cli.command,
-        Command::Index(_)
-            | Command::Cat(_)
-            | Command::Inspect(_)
-            | Command::Status(_)
-            | Command::Store(_)
-    ) {
-        quiet_on_closed_stdout();
-    }
     let result = match cli.command {
         Command::Index(a) => cmd::index::run(a),
         Command::Cat(a) => cmd::cat::run(a),
@@ -120,21 +110,6 @@ fn main() -> ExitCode {
             eprintln!("ferry: error: {e:#}");
             ExitCode::FAILURE
         }
-    }
-}
-
-/// A command that prints ends quietly when its reader goes away (`ferry inspect … | head`),
-/// as Unix tools do, instead of panicking in `println!`: SIGPIPE back to its default.
-/// Only for the commands whose output is a listing or a file: the others write to
-/// sockets or to their children's pipes, where a vanished reader is an error to handle,
-/// not a reason to exit. (Socket writes use `MSG_NOSIGNAL`, so a printing command's own
-/// network requests are unaffected.)
-fn quiet_on_closed_stdout() {
-    use nix::sys::signal::{SigHandler, Signal, signal};
-    // SAFETY: called before any other thread starts; the default disposition runs no
-    // handler code in this process.
-    if let Err(e) = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) } {
-        tracing::debug!(error = %e, "cannot restore SIGPIPE's default");
     }
 }
 
