@@ -222,13 +222,22 @@ pub(crate) fn read_blob(
 /// The live store's image records, sorted by reference; unreadable or malformed ones
 /// are skipped (logged).
 pub(crate) fn live_images(root: &Path) -> Vec<ImageRecord> {
+    read_live_images(root).0
+}
+
+/// [`live_images`], and whether every record file was read (none skipped as unreadable
+/// or malformed, none past [`MAX_IMAGES`]).
+fn read_live_images(root: &Path) -> (Vec<ImageRecord>, bool) {
     let dir = root.join("images");
     let Ok(entries) = fs::read_dir(&dir) else {
-        return Vec::new();
+        return (Vec::new(), true);
     };
-    let mut out: Vec<ImageRecord> = entries
+    let files: Vec<fs::DirEntry> = entries
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
+        .collect();
+    let mut out: Vec<ImageRecord> = files
+        .iter()
         .take(MAX_IMAGES)
         .filter_map(|e| {
             let path = e.path();
@@ -251,7 +260,8 @@ pub(crate) fn live_images(root: &Path) -> Vec<ImageRecord> {
         })
         .collect();
     out.sort_by(|a, b| a.reference.cmp(&b.reference));
-    out
+    let all_read = out.len() == files.len();
+    (out, all_read)
 }
 
 impl Store {
@@ -289,22 +299,11 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
             Err(e) => return Err(Error::io(&dir, e)),
         };
-        let records = live_images(&self.inner.root);
-        let record_files = fs::read_dir(self.inner.root.join("images"))
-            .map(|it| {
-                it.filter_map(|e| e.ok())
-                    .filter(|e| e.file_name().to_str().is_some_and(|n| n.ends_with(".json")))
-                    .count()
-            })
-            .unwrap_or(0);
-        if record_files != records.len() {
+        let (records, all_read) = read_live_images(&self.inner.root);
+        if !all_read {
             // A record that did not parse (or one past the count read) may list blobs:
             // removing nothing is the safe answer.
-            tracing::debug!(
-                record_files,
-                read = records.len(),
-                "metadata sweep skipped: not every image record could be read"
-            );
+            tracing::debug!("metadata sweep skipped: not every image record could be read");
             return Ok(0);
         }
         let listed: HashSet<ChunkKey> = records
