@@ -15,7 +15,9 @@ use ferry_oci::layout::{
     OciLayout, artifact_manifest, descriptor, digest as parse_digest, media_type,
 };
 use ferry_oci::media::{
-    ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE, FERRY_INDEX_ARTIFACT,
+    ANNOTATION_ESTARGZ_TOC, ANNOTATION_LAYER_DIGEST, ANNOTATION_SPAN_SIZE,
+    ANNOTATION_ZSTD_CHUNKED_CHECKSUM, ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD,
+    ANNOTATION_ZSTD_CHUNKED_POSITION, ANNOTATION_ZSTD_CHUNKED_POSITION_OLD, FERRY_INDEX_ARTIFACT,
     FERRY_LAYER_INDEX, FERRY_LAYER_WINDOWS, LayerCompression, OCI_MANIFEST, layer_compression,
 };
 use ferry_oci::{Descriptor, ImageManifest};
@@ -100,8 +102,8 @@ pub fn layout_indexes(
 }
 
 /// Opens an image stored in an OCI layout, choosing per layer: ferry index if one
-/// refers to the image, eStargz if the layer carries a TOC digest annotation, else the
-/// whole layer. Each layer's source is wrapped by `wrap` (for counting reads).
+/// refers to the image, eStargz if the layer carries a TOC digest annotation,
+/// zstd:chunked if it carries a manifest checksum, else the whole layer. Each layer's source is wrapped by `wrap` (for counting reads).
 pub fn open_layout_image(
     layout: &OciLayout,
     reference: &str,
@@ -153,6 +155,14 @@ pub enum LayerWay<'a, I = ()> {
         /// The TOC digest annotation.
         toc: &'a str,
     },
+    /// Frame by frame, through the zstd:chunked TOC whose compressed bytes hash to
+    /// `checksum`, found at `position` (else through the blob's footer).
+    ZstdChunked {
+        /// The `manifest-checksum` annotation.
+        checksum: &'a str,
+        /// The `manifest-position` annotation.
+        position: Option<&'a str>,
+    },
     /// The whole blob, fetched and inflated once ([`whole_compression`]).
     Whole,
 }
@@ -164,13 +174,28 @@ impl<'a, I> LayerWay<'a, I> {
         if let Some(index) = index {
             return LayerWay::Indexed(index);
         }
-        match layer
-            .annotations()
-            .as_ref()
-            .and_then(|a| a.get(ANNOTATION_ESTARGZ_TOC))
-        {
-            Some(toc) => LayerWay::Estargz { toc },
-            None => LayerWay::Whole,
+        let Some(annotations) = layer.annotations().as_ref() else {
+            return LayerWay::Whole;
+        };
+        if let Some(toc) = annotations.get(ANNOTATION_ESTARGZ_TOC) {
+            return LayerWay::Estargz { toc };
+        }
+        // zstd:chunked needs its checksum: a TOC nobody vouches for makes no chunk
+        // verifiable, so such a layer is read whole (and checked against its digest).
+        let zstd =
+            layer_compression(&layer.media_type().to_string()) == Some(LayerCompression::Zstd);
+        let checksum = annotations
+            .get(ANNOTATION_ZSTD_CHUNKED_CHECKSUM)
+            .or_else(|| annotations.get(ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD));
+        match checksum {
+            Some(checksum) if zstd => LayerWay::ZstdChunked {
+                checksum,
+                position: annotations
+                    .get(ANNOTATION_ZSTD_CHUNKED_POSITION)
+                    .or_else(|| annotations.get(ANNOTATION_ZSTD_CHUNKED_POSITION_OLD))
+                    .map(String::as_str),
+            },
+            _ => LayerWay::Whole,
         }
     }
 }
@@ -247,6 +272,20 @@ pub fn estargz_reader(source: Arc<dyn RangeSource>, toc: &str) -> Result<LayerRe
     ))
 }
 
+/// The reader of a zstd:chunked layer (see [`LayerWay::ZstdChunked`]), its TOC and
+/// frames read through `source`.
+pub fn zstd_chunked_reader(
+    source: Arc<dyn RangeSource>,
+    checksum: &str,
+    position: Option<&str>,
+) -> Result<LayerReader> {
+    let layer = EstargzLayer::open_zstd_chunked(source.as_ref(), checksum, position)?;
+    Ok(LayerReader::new(
+        LayerFormat::Estargz(Arc::new(layer)),
+        source,
+    ))
+}
+
 /// Picks the reader for one layer of a layout, the blobs read straight from `source`.
 pub fn layer_reader(
     layer: &Descriptor,
@@ -260,6 +299,9 @@ pub fn layer_reader(
             Ok(indexed_reader(index.clone(), source, windows))
         }
         LayerWay::Estargz { toc } => estargz_reader(source, toc),
+        LayerWay::ZstdChunked { checksum, position } => {
+            zstd_chunked_reader(source, checksum, position)
+        }
         LayerWay::Whole => LayerReader::whole(source, whole_compression(layer)?),
     }
 }

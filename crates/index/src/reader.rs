@@ -133,7 +133,7 @@ impl LayerReader {
         match &self.format {
             LayerFormat::Indexed(i) if i.compression == Compression::Gzip => "gzip+ferry-index",
             LayerFormat::Indexed(_) => "tar+ferry-index",
-            LayerFormat::Estargz(_) => "estargz",
+            LayerFormat::Estargz(e) => e.format_name(),
             LayerFormat::Whole { .. } => "whole",
         }
     }

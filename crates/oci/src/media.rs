@@ -51,6 +51,22 @@ pub const ANNOTATION_TRACE_CREATED: &str = "dev.ferry.trace.created";
 pub const ANNOTATION_ESTARGZ_TOC: &str = "containerd.io/snapshot/stargz/toc.digest";
 /// eStargz uncompressed size annotation on a layer descriptor.
 pub const ANNOTATION_ESTARGZ_USIZE: &str = "io.containers.estargz.uncompressed-size";
+/// zstd:chunked: `sha256:<hex>` of the layer's compressed TOC (manifest), on its
+/// descriptor (containers/storage `pkg/chunked`).
+pub const ANNOTATION_ZSTD_CHUNKED_CHECKSUM: &str =
+    "io.github.containers.zstd-chunked.manifest-checksum";
+/// zstd:chunked: where the compressed TOC is, `offset:length:uncompressed length:type`.
+pub const ANNOTATION_ZSTD_CHUNKED_POSITION: &str =
+    "io.github.containers.zstd-chunked.manifest-position";
+/// zstd:chunked: where the tar-split data is, `offset:length:uncompressed length`.
+pub const ANNOTATION_ZSTD_CHUNKED_TARSPLIT: &str =
+    "io.github.containers.zstd-chunked.tarsplit-position";
+/// [`ANNOTATION_ZSTD_CHUNKED_CHECKSUM`] as older writers named it.
+pub const ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD: &str =
+    "io.containers.zstd-chunked.manifest-checksum";
+/// [`ANNOTATION_ZSTD_CHUNKED_POSITION`] as older writers named it.
+pub const ANNOTATION_ZSTD_CHUNKED_POSITION_OLD: &str =
+    "io.containers.zstd-chunked.manifest-position";
 /// Tag name of a manifest in an OCI layout's index.json.
 pub const ANNOTATION_REF_NAME: &str = "org.opencontainers.image.ref.name";
 

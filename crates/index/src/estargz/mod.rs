@@ -37,17 +37,21 @@
 //!   every chunk against its `chunkDigest`.
 //! * [`convert`]: the writer, one uncompressed tar stream in, one eStargz blob out,
 //!   compressing members in parallel with a bounded pipeline.
+//! * [`zstd_chunked`]: the same TOC model over zstd frames (containers/storage's
+//!   zstd:chunked), read by [`EstargzLayer::open_zstd_chunked`] and written by
+//!   [`zstd_chunked::convert`].
 
 mod footer;
 mod reader;
 mod toc;
 mod writer;
+pub mod zstd_chunked;
 
 #[cfg(test)]
 mod tests;
 
 pub use footer::{FOOTER_SIZE, LEGACY_FOOTER_SIZE, footer_bytes, parse_footer};
-pub use reader::EstargzLayer;
+pub use reader::{Codec, EstargzLayer};
 pub use writer::{
     DEFAULT_LEVEL, EstargzOptions, EstargzOutput, MAX_CHUNK_SIZE, PRIORITY_BUFFER_MAX, convert,
 };

@@ -58,7 +58,16 @@ struct FileData {
     count: usize,
 }
 
-/// An opened eStargz layer: its TOC, parsed and checked.
+/// How a layer's data pieces are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// gzip members (eStargz).
+    Gzip,
+    /// zstd frames (zstd:chunked).
+    Zstd,
+}
+
+/// An opened eStargz (or zstd:chunked) layer: its TOC, parsed and checked.
 ///
 /// Opening fetches only the footer and the TOC member. Each read then fetches the gzip
 /// members holding the chunks it touches, inflates them and checks each whole chunk
@@ -70,6 +79,7 @@ struct FileData {
 /// chunks of a file must tile it exactly. Anything else is an [`Error::Estargz`] naming the
 /// TOC entry.
 pub struct EstargzLayer {
+    codec: Codec,
     toc_digest: String,
     toc_offset: u64,
     blob_size: u64,
@@ -150,10 +160,50 @@ impl EstargzLayer {
         let toc: JToc = serde_json::from_slice(&json)
             .map_err(|e| esgz(format!("TOC is not valid TOC JSON: {e}")))?;
         drop(json);
-        build(toc, sha256_string(&actual), toc_offset, blob_size)
+        build(
+            toc,
+            sha256_string(&actual),
+            toc_offset,
+            blob_size,
+            Codec::Gzip,
+        )
     }
 
-    /// Digest of the TOC JSON, `sha256:<hex>`.
+    /// Opens a zstd:chunked layer ([`super::zstd_chunked`]): fetches its TOC where
+    /// `position` (the `manifest-position` annotation) says, or else where the footer
+    /// says, checks it against `checksum` (the `manifest-checksum` annotation, required:
+    /// it is what makes every chunk verifiable) and parses it.
+    /// [`EstargzLayer::toc_digest`] is then `checksum`.
+    pub fn open_zstd_chunked(
+        source: &dyn RangeSource,
+        checksum: &str,
+        position: Option<&str>,
+    ) -> Result<Self> {
+        let position = position
+            .map(super::zstd_chunked::ManifestPosition::parse)
+            .transpose()?;
+        let (json, toc_offset) = super::zstd_chunked::read_manifest(source, checksum, position)?;
+        let toc: JToc = serde_json::from_slice(&json)
+            .map_err(|e| esgz(format!("zstd:chunked TOC is not valid TOC JSON: {e}")))?;
+        drop(json);
+        let digest = checksum.to_ascii_lowercase();
+        build(toc, digest, toc_offset, source.len(), Codec::Zstd)
+    }
+
+    /// How the layer's pieces are compressed.
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    /// The layer's format, as `ferry inspect` names it.
+    pub fn format_name(&self) -> &'static str {
+        match self.codec {
+            Codec::Gzip => "estargz",
+            Codec::Zstd => "zstd:chunked",
+        }
+    }
+
+    /// Digest of the TOC JSON, `sha256:<hex>` (of the compressed TOC for zstd:chunked).
     pub fn toc_digest(&self) -> &str {
         &self.toc_digest
     }
@@ -277,7 +327,7 @@ impl EstargzLayer {
                 let k = merged.partition_point(|r| r.end <= c.member);
                 let r = &merged[k];
                 let data = &bufs[k][(c.member - r.start) as usize..(c.end - r.start) as usize];
-                read_chunk(data, c, path, &want, out)?;
+                read_chunk(self.codec, data, c, path, &want, out)?;
             }
         } else {
             for c in chunks {
@@ -288,7 +338,7 @@ impl EstargzLayer {
                     buf: Vec::new(),
                     at: 0,
                 };
-                read_chunk(reader, c, path, &want, out)?;
+                read_chunk(self.codec, io::BufReader::new(reader), c, path, &want, out)?;
             }
         }
         Ok(n as usize)
@@ -298,7 +348,8 @@ impl EstargzLayer {
 /// Inflates chunk `c` from its member's compressed bytes, copies the part of it inside
 /// `want` (file offsets; `out[0]` is file offset `want.start`) and verifies the digest
 /// of the whole chunk.
-fn read_chunk<R: Read>(
+fn read_chunk<R: io::BufRead>(
+    codec: Codec,
     compressed: R,
     c: &Chunk,
     path: &str,
@@ -306,7 +357,10 @@ fn read_chunk<R: Read>(
     out: &mut [u8],
 ) -> Result<()> {
     let what = || format!("chunk at offset {} of {path:?}", c.file_off);
-    let mut dec = MultiGzDecoder::new(compressed);
+    let mut dec: Box<dyn Read + '_> = match codec {
+        Codec::Gzip => Box::new(MultiGzDecoder::new(compressed)),
+        Codec::Zstd => Box::new(super::zstd_chunked::decoder(compressed)?),
+    };
     let skipped =
         io::copy(&mut (&mut dec).take(c.inner), &mut io::sink()).map_err(|e| gz_err(&what(), e))?;
     if skipped != c.inner {
@@ -492,7 +546,13 @@ fn make_chunk(
 }
 
 /// Turns a parsed TOC into an [`EstargzLayer`], checking it.
-fn build(toc: JToc, toc_digest: String, toc_offset: u64, blob_size: u64) -> Result<EstargzLayer> {
+fn build(
+    toc: JToc,
+    toc_digest: String,
+    toc_offset: u64,
+    blob_size: u64,
+    codec: Codec,
+) -> Result<EstargzLayer> {
     if toc.version != 1 {
         return Err(esgz(format!(
             "TOC version {} (only 1 is known)",
@@ -516,6 +576,8 @@ fn build(toc: JToc, toc_digest: String, toc_offset: u64, blob_size: u64) -> Resu
     let mut entries: Vec<Entry> = Vec::with_capacity(n);
     let mut data: Vec<Option<usize>> = Vec::with_capacity(n);
     let mut files: Vec<FileData> = Vec::new();
+    // Per file: where its frames end (`endOffset`, zstd:chunked), 0 when not given.
+    let mut file_ends: Vec<u64> = Vec::new();
     let mut chunks: Vec<Chunk> = Vec::new();
     let mut by_path: HashMap<String, usize> = HashMap::with_capacity(n);
     let mut unames: HashMap<i64, String> = HashMap::new();
@@ -653,6 +715,11 @@ fn build(toc: JToc, toc_digest: String, toc_offset: u64, blob_size: u64) -> Resu
                     first: chunks.len(),
                     count: 1,
                 });
+                file_ends.push(if codec == Codec::Zstd {
+                    nonneg(i, t, t.end_offset, "endOffset")?
+                } else {
+                    0
+                });
                 chunks.push(chunk);
                 file_idx = Some(files.len() - 1);
                 if len < size {
@@ -725,7 +792,24 @@ fn build(toc: JToc, toc_digest: String, toc_offset: u64, blob_size: u64) -> Resu
         let k = bounds.partition_point(|&b| b <= c.member);
         c.end = bounds.get(k).copied().unwrap_or(toc_offset);
     }
+    if codec == Codec::Zstd {
+        // A chunk's frames end where the file's next chunk starts, the last chunk's at
+        // the file's `endOffset`: exact, where the next member named in the TOC would
+        // also take the next entries' header frame. Used only where they make sense.
+        for (f, &file_end) in files.iter().zip(&file_ends) {
+            for j in f.first..f.first + f.count {
+                let end = match chunks.get(j + 1) {
+                    Some(next) if j + 1 < f.first + f.count => next.member,
+                    _ => file_end,
+                };
+                if end > chunks[j].member && end <= chunks[j].end {
+                    chunks[j].end = end;
+                }
+            }
+        }
+    }
     Ok(EstargzLayer {
+        codec,
         toc_digest,
         toc_offset,
         blob_size,

@@ -1529,3 +1529,191 @@ fn write_fuzz_seeds() {
     );
     put("tar-random", 2 | (2 << 2) | (6 << 4), &odd);
 }
+
+// ---------------------------------------------------------------------------------------
+// zstd:chunked
+
+fn zstd_chunked_bytes(tar: &[u8], chunk: u64) -> (Vec<u8>, zstd_chunked::ZstdChunkedOutput) {
+    let mut blob = Vec::new();
+    let opts = zstd_chunked::ZstdChunkedOptions {
+        chunk_size: chunk,
+        level: 3,
+    };
+    let out = zstd_chunked::convert(&mut Cursor::new(tar), &mut blob, &opts).unwrap();
+    (blob, out)
+}
+
+#[test]
+fn zstd_chunked_round_trip_random_trees() {
+    for (seed, chunk) in [(11u64, 1000u64), (12, 4096), (13, 1), (14, 64 << 10)] {
+        let n = if chunk == 1 { 30 } else { 100 };
+        let nodes = random_tree(seed, n, chunk.max(16));
+        let tar = build_tar(&nodes);
+        let expected = walk_tar(&tar);
+        let (blob, out) = zstd_chunked_bytes(&tar, chunk);
+        assert_eq!(out.size, blob.len() as u64);
+        assert_eq!(out.digest, sha256_string(&Sha256::digest(&blob).into()));
+        // Any zstd reader sees the tar (the skippable frames are skipped), and the
+        // strict walker reads the same entries and bytes from it.
+        let plain = zstd::stream::decode_all(&blob[..]).unwrap();
+        assert_eq!(out.diff_id, sha256_string(&Sha256::digest(&plain).into()));
+        let written = walk_tar(&plain);
+        assert_eq!(written.len(), expected.len());
+        for ((got, gd), (want, wd)) in written.iter().zip(&expected) {
+            assert_eq!(no_offsets(got), no_offsets(want));
+            assert_eq!(gd, wd);
+        }
+        // Opened lazily, by the annotation's position and by the footer alone.
+        let source = MemSource(blob.clone());
+        let position = out.manifest_position.text();
+        for pos in [Some(position.as_str()), None] {
+            let layer =
+                EstargzLayer::open_zstd_chunked(&source, &out.manifest_checksum, pos).unwrap();
+            assert_eq!(layer.codec(), Codec::Zstd);
+            assert_eq!(layer.format_name(), "zstd:chunked");
+            assert_eq!(layer.toc_digest(), out.manifest_checksum);
+            let entries = layer.entries();
+            assert_eq!(entries.len(), expected.len());
+            for (got, (want, _)) in entries.iter().zip(&expected) {
+                assert_eq!(got, &toc_view(want));
+            }
+            check_reads(&layer, &blob, &expected, seed);
+        }
+    }
+}
+
+#[test]
+fn zstd_chunked_reads_fetch_only_the_file_frames() {
+    let big = Rng(7).bytes(50_000);
+    let small = b"hello".to_vec();
+    let nodes = vec![
+        TNode {
+            path: "a".into(),
+            node: Node::File(big.clone()),
+            mode: 0o644,
+            uid: 0,
+            mtime: 1,
+            nsec: None,
+            xattrs: Vec::new(),
+        },
+        TNode {
+            path: "b".into(),
+            node: Node::File(small.clone()),
+            mode: 0o644,
+            uid: 0,
+            mtime: 1,
+            nsec: None,
+            xattrs: Vec::new(),
+        },
+    ];
+    let tar = build_tar(&nodes);
+    let (blob, out) = zstd_chunked_bytes(&tar, 8192);
+    let source = CountingSource::new(MemSource(blob.clone()));
+    let layer = EstargzLayer::open_zstd_chunked(&source, &out.manifest_checksum, None).unwrap();
+    let b = layer.entries().iter().position(|e| e.path == "b").unwrap();
+    let a = layer.entries().iter().position(|e| e.path == "a").unwrap();
+    let before = source.bytes_read();
+    let mut buf = [0u8; 16];
+    assert_eq!(layer.read_at(&source, b, 0, &mut buf).unwrap(), 5);
+    assert_eq!(&buf[..5], b"hello");
+    // One frame of a few bytes, not the big file's frames before it.
+    let fetched = source.bytes_read() - before;
+    assert!(fetched < 100, "fetched {fetched} bytes for a 5-byte file");
+    // A read inside the big file fetches the one chunk it touches.
+    let before = source.bytes_read();
+    let mut buf = vec![0u8; 100];
+    layer.read_at(&source, a, 20_000, &mut buf).unwrap();
+    assert_eq!(&buf[..], &big[20_000..20_100]);
+    let fetched = source.bytes_read() - before;
+    assert!(fetched < 8192 + 64, "fetched {fetched} bytes for one chunk");
+}
+
+#[test]
+fn zstd_chunked_refuses_what_it_cannot_trust() {
+    let nodes = random_tree(21, 40, 500);
+    let tar = build_tar(&nodes);
+    let (blob, out) = zstd_chunked_bytes(&tar, 500);
+    let source = MemSource(blob.clone());
+    // A checksum that is not the TOC's.
+    let wrong = sha256_string(&Sha256::digest(b"another").into());
+    assert!(matches!(
+        EstargzLayer::open_zstd_chunked(&source, &wrong, None),
+        Err(Error::DigestMismatch { .. })
+    ));
+    // Positions outside the blob, of another type, or not numbers.
+    for pos in [
+        format!("{}:10:10:1", blob.len()),
+        "8:5:5:2".to_string(),
+        "a:b:c:1".to_string(),
+        "1:2".to_string(),
+        format!("8:{}:10:1", u64::MAX),
+    ] {
+        assert!(
+            EstargzLayer::open_zstd_chunked(&source, &out.manifest_checksum, Some(&pos)).is_err(),
+            "{pos}"
+        );
+    }
+    // No footer: a blob cut short.
+    let cut = MemSource(blob[..blob.len() - 10].to_vec());
+    assert!(EstargzLayer::open_zstd_chunked(&cut, &out.manifest_checksum, None).is_err());
+    // A corrupted data byte is never served: every read fails or returns the truth.
+    let expected = walk_tar(&tar);
+    let files: Vec<&(Entry, Vec<u8>)> = expected
+        .iter()
+        .filter(|(e, d)| e.kind == EntryKind::File && !d.is_empty())
+        .collect();
+    let toc_start = out.manifest_position.offset as usize - 8;
+    for at in (0..toc_start).step_by(97) {
+        let mut bad = blob.clone();
+        bad[at] ^= 0x5a;
+        let source = MemSource(bad);
+        let layer = EstargzLayer::open_zstd_chunked(&source, &out.manifest_checksum, None).unwrap();
+        for (e, data) in &files {
+            let idx = layer
+                .entries()
+                .iter()
+                .position(|x| x.path == e.path)
+                .unwrap();
+            let mut buf = vec![0u8; data.len()];
+            if let Ok(n) = layer.read_at(&source, idx, 0, &mut buf) {
+                assert_eq!(&buf[..n], &data[..], "{} with byte {at} flipped", e.path);
+            }
+        }
+    }
+}
+
+#[test]
+fn zstd_chunked_footers_and_positions_parse() {
+    let p = zstd_chunked::ManifestPosition {
+        offset: 1234,
+        length: 99,
+        uncompressed: 4321,
+    };
+    assert_eq!(p.text(), "1234:99:4321:1");
+    assert_eq!(zstd_chunked::ManifestPosition::parse(&p.text()).unwrap(), p);
+    assert_eq!(
+        zstd_chunked::ManifestPosition::parse("1234:99:4321").unwrap(),
+        p
+    );
+    let footer = zstd_chunked::footer_bytes(&p);
+    let mut tail = vec![7u8; 30];
+    tail.extend_from_slice(&footer);
+    assert_eq!(zstd_chunked::parse_footer(&tail).unwrap(), p);
+    // The older 48-byte footer: four numbers and the magic.
+    let mut old = Vec::new();
+    old.extend_from_slice(&zstd_chunked::SKIPPABLE_MAGIC.to_le_bytes());
+    old.extend_from_slice(&40u32.to_le_bytes());
+    for v in [1234u64, 99, 4321, 1] {
+        old.extend_from_slice(&v.to_le_bytes());
+    }
+    old.extend_from_slice(zstd_chunked::FOOTER_MAGIC);
+    assert_eq!(zstd_chunked::parse_footer(&old).unwrap(), p);
+    // Not a footer: wrong magic, wrong type, too short.
+    let mut bad = footer;
+    bad[70] ^= 1;
+    assert!(zstd_chunked::parse_footer(&bad).is_err());
+    let mut bad = footer;
+    bad[32] = 2;
+    assert!(zstd_chunked::parse_footer(&bad).is_err());
+    assert!(zstd_chunked::parse_footer(&footer[..20]).is_err());
+}

@@ -139,6 +139,23 @@ pub(crate) struct TocEntry {
         skip_serializing_if = "String::is_empty"
     )]
     pub chunk_digest: String,
+    /// zstd:chunked only: where the compressed frames of a file's data end.
+    #[serde(
+        rename = "endOffset",
+        default,
+        deserialize_with = "null_default",
+        skip_serializing_if = "is_zero"
+    )]
+    pub end_offset: i64,
+    /// zstd:chunked only: `""` (data) or `"zeros"` (a hole; its frame still holds the
+    /// zeros, so it reads like data).
+    #[serde(
+        rename = "chunkType",
+        default,
+        deserialize_with = "null_default",
+        skip_serializing_if = "String::is_empty"
+    )]
+    pub chunk_type: String,
 }
 
 fn is_zero(v: &i64) -> bool {

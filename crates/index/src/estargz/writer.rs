@@ -318,7 +318,7 @@ fn typeflag(kind: EntryKind) -> u8 {
     }
 }
 
-fn toc_type(kind: EntryKind) -> &'static str {
+pub(super) fn toc_type(kind: EntryKind) -> &'static str {
     match kind {
         EntryKind::File => "reg",
         EntryKind::Hardlink => "hardlink",
@@ -332,7 +332,7 @@ fn toc_type(kind: EntryKind) -> &'static str {
 
 /// The name an entry gets in the tar and the TOC: directories end in `/`, the root is
 /// `./`.
-fn tar_name(e: &Entry) -> String {
+pub(super) fn tar_name(e: &Entry) -> String {
     match e.kind {
         EntryKind::Dir if e.path.is_empty() => "./".to_string(),
         EntryKind::Dir => format!("{}/", e.path),
