@@ -11,7 +11,12 @@
 #            its index artifact by `ferry copy`;
 #   estargz  converted by `ctr-remote image optimize --no-optimize --oci` in the private
 #            containerd (namespace ferry-e2e-build) and pushed back with `ctr image push`;
-#   plain    the image pushed as is (skopeo), no index, not eStargz.
+#   plain    the image pushed as is (skopeo), no index, not eStargz;
+#   zstd-skopeo  zstd:chunked written by `skopeo copy --dest-compress-format
+#            zstd:chunked` into a layout (not to the registry: containers/image's blob
+#            info cache would hand it the plain form's blobs) and pushed by `ferry copy`;
+#   zstd-ferry   zstd:chunked written by `ferry convert --zstd-chunked` straight to the
+#            registry.
 # `ferry daemon` with the snapshotter, prefetch and background fill off; a private
 # containerd with [proxy_plugins.ferry]. Each form is pulled by ferry into a namespace of
 # its own and its image removed (`ctr image rm --sync`) before the next form: the plain
@@ -20,8 +25,8 @@
 # (as "lazy") for the other's. The overlayfs references are pulled by `ctr image pull
 # --plain-http` into namespace ferry-e2e-ovl. Every ctr/ferry call runs under `timeout`.
 #
-# Per form, in the order plain, indexed, estargz:
-# 1. `ferry pull --plain-http`: its summary says every layer lazy (indexed, estargz) or
+# Per form, in the order plain, indexed, estargz, zstd-skopeo, zstd-ferry:
+# 1. `ferry pull --plain-http`: its summary says every layer lazy (all but plain) or
 #    every layer unpacked (plain).
 # 2. `ctr run --rm --snapshotter ferry REF` (the image's default command) prints what
 #    the same reference prints on overlayfs ("ready small").
@@ -33,7 +38,8 @@
 #    target, md5sum of every regular file; small files' contents; the whited-out file)
 #    prints the same on ferry as on overlayfs; so do mtimes in seconds, and (plain,
 #    indexed) mtimes with nanoseconds. eStargz: its TOC records mtimes rounded to the
-#    second, so ferry's must equal overlayfs's (read from the tar headers) rounded; its
+#    second, so ferry's must equal overlayfs's (read from the tar headers) rounded (so
+#    does `ferry convert`'s zstd:chunked TOC; skopeo's keeps nanoseconds); its
 #    metadata files (stargz.index.json, .no.prefetch.landmark), plain files to overlayfs,
 #    are the only difference in `ls -A /` (ferry, like stargz-snapshotter, hides them).
 #
@@ -143,10 +149,34 @@ PLAIN_REF=$REG_ADDR/formats/plain:v1
 INDEXED_REF=$REG_ADDR/formats/indexed:v1
 ESGZ_REF=$REG_ADDR/formats/estargz:v1
 SRC_REF=$REG_ADDR/formats/source:v1
+ZSK_REF=$REG_ADDR/formats/zstd-skopeo:v1
+ZFY_REF=$REG_ADDR/formats/zstd-ferry:v1
 
 push_oci "$SMALL" small formats/plain:v1 || e2e_die "skopeo push of the plain image failed"
 fy "$E2E_TMP/copy.out" "$E2E_TMP/copy.err" copy --plain-http "oci:$IMG:small" "$INDEXED_REF"
 [[ $RC == 0 ]] || { show "$E2E_TMP/copy.err"; e2e_die "ferry copy of the indexed image failed (exit $RC)"; }
+
+# the zstd:chunked forms: skopeo's (through a layout) and ferry's
+set +e
+timeout 300 skopeo copy -q --dest-compress-format zstd:chunked "oci:$SMALL:small" \
+    "oci:$E2E_TMP/zstd-skopeo:v1" >"$E2E_TMP/skopeo-zstd.log" 2>&1
+rc=$?
+set -e
+[[ $rc == 0 ]] || { show "$E2E_TMP/skopeo-zstd.log"; e2e_die "skopeo copy --dest-compress-format zstd:chunked failed (exit $rc)"; }
+fy "$E2E_TMP/copy-zsk.out" "$E2E_TMP/copy-zsk.err" copy --plain-http "oci:$E2E_TMP/zstd-skopeo:v1" "$ZSK_REF"
+[[ $RC == 0 ]] || { show "$E2E_TMP/copy-zsk.err"; e2e_die "ferry copy of skopeo's zstd:chunked image failed (exit $RC)"; }
+fy "$E2E_TMP/convert-zfy.out" "$E2E_TMP/convert-zfy.err" convert --zstd-chunked --plain-http "oci:$SMALL:small" "$ZFY_REF"
+[[ $RC == 0 ]] || { show "$E2E_TMP/convert-zfy.err"; e2e_die "ferry convert --zstd-chunked failed (exit $RC)"; }
+for form in zstd-skopeo zstd-ferry; do
+    nz=$(curl -fsS --noproxy '*' -H 'Accept: application/vnd.oci.image.manifest.v1+json' \
+        "http://$REG_ADDR/v2/formats/$form/manifests/v1" |
+        jq '[.layers[] | select(.mediaType == "application/vnd.oci.image.layer.v1.tar+zstd") | select((.annotations["io.github.containers.zstd-chunked.manifest-checksum"] // .annotations["io.containers.zstd-chunked.manifest-checksum"] // "") | startswith("sha256:"))] | length')
+    if [[ $nz == "$LAYERS" ]]; then
+        pass "setup: $form: every one of the $LAYERS layers is zstd with a zstd:chunked manifest checksum"
+    else
+        fail "setup: $form: zstd:chunked manifest checksum on ${nz:-?} of $LAYERS layers"
+    fi
+done
 
 lazy_snapshotter_daemon # CTL_SOCK, DAEMON_CONFIG, SNAP_SOCK (lib.sh)
 start_containerd_with_snapshotter ferry "$SNAP_SOCK"
@@ -256,10 +286,10 @@ check_form() {
         fail "$name: probe on ferry differs from overlayfs (exit $RC); diff overlayfs ferry:"
         diff <(echo "$ovl_tree") <(echo "$tree") | sed 's/^/    | /' | head -20 || true
     fi
-    if [[ $name == estargz ]]; then
+    if [[ $name == estargz || $name == zstd-ferry ]]; then
         # the TOC records mtimes rounded to the second; overlayfs unpacks the tar headers
         want_mt=$(rounded_mtimes <<<"$ovl_nsl")
-        how="overlayfs's rounded to the second, as the eStargz TOC records them"
+        how="overlayfs's rounded to the second, as the TOC records them"
     else
         want_mt=$(grep '^mt ' <<<"$ovl_probe" || true)
         how="overlayfs's"
@@ -270,7 +300,7 @@ check_form() {
         fail "$name: mtimes (seconds) on ferry != $how; diff want ferry:"
         diff <(echo "$want_mt") <(echo "$mt") | sed 's/^/    | /' | head -8 || true
     fi
-    if [[ $name != estargz ]]; then
+    if [[ $name != estargz && $name != zstd-ferry ]]; then
         if [[ $RC == 0 && -n $nsl && $nsl == "$ovl_nsl" ]]; then
             pass "$name: mtimes with nanoseconds on ferry == on overlayfs ($(wc -l <<<"$nsl") paths)"
         else
@@ -299,5 +329,7 @@ check_form() {
 check_form plain "$PLAIN_REF" no
 check_form indexed "$INDEXED_REF" yes
 check_form estargz "$ESGZ_REF" yes "${ESGZ_META[@]}"
+check_form zstd-skopeo "$ZSK_REF" yes
+check_form zstd-ferry "$ZFY_REF" yes
 
 e2e_summary

@@ -145,6 +145,8 @@ pub enum LayerKind {
     FerryIndex,
     /// The layer is eStargz (TOC digest annotation).
     Estargz,
+    /// The layer is zstd:chunked (manifest checksum annotation).
+    ZstdChunked,
     /// Neither: it would have to be fetched whole (an index would make it lazy).
     Plain,
     /// Neither, and its format cannot be indexed (zstd, an unknown media type).
@@ -243,6 +245,7 @@ pub fn layer_kind_of(descriptor: &Descriptor, has_index: bool) -> LayerKind {
     match LayerWay::of(descriptor, has_index.then_some(())) {
         LayerWay::Indexed(()) => LayerKind::FerryIndex,
         LayerWay::Estargz { .. } => LayerKind::Estargz,
+        LayerWay::ZstdChunked { .. } => LayerKind::ZstdChunked,
         // `ferry index` indexes gzip and plain tar layers only.
         LayerWay::Whole => {
             match ferry_oci::media::layer_compression(descriptor.media_type().as_ref()) {
@@ -1701,5 +1704,42 @@ mod tests {
             assert_eq!(layer_kind_of(&d, true), LayerKind::FerryIndex, "{media}");
         }
         assert!(!LayerKind::Unsupported.is_lazy());
+        // zstd:chunked: a zstd layer with its TOC checksum (either prefix) is lazy; the
+        // position alone vouches for nothing, and a gzip layer is not zstd:chunked.
+        use ferry_oci::media::{
+            ANNOTATION_ZSTD_CHUNKED_CHECKSUM, ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD,
+            ANNOTATION_ZSTD_CHUNKED_POSITION,
+        };
+        let zstd = |annotations: &[(&str, &str)], media: &str| {
+            let mut d = serde_json::to_value(&plain).unwrap();
+            d["mediaType"] = media.into();
+            let mut d: Descriptor = serde_json::from_value(d).unwrap();
+            d.set_annotations(Some(
+                annotations
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ));
+            layer_kind_of(&d, false)
+        };
+        let media = "application/vnd.oci.image.layer.v1.tar+zstd";
+        for key in [
+            ANNOTATION_ZSTD_CHUNKED_CHECKSUM,
+            ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD,
+        ] {
+            assert_eq!(zstd(&[(key, "sha256:toc")], media), LayerKind::ZstdChunked);
+        }
+        assert!(LayerKind::ZstdChunked.is_lazy());
+        assert_eq!(
+            zstd(&[(ANNOTATION_ZSTD_CHUNKED_POSITION, "8:1:1:1")], media),
+            LayerKind::Unsupported
+        );
+        assert_eq!(
+            zstd(
+                &[(ANNOTATION_ZSTD_CHUNKED_CHECKSUM, "sha256:toc")],
+                "application/vnd.oci.image.layer.v1.tar+gzip"
+            ),
+            LayerKind::Plain
+        );
     }
 }

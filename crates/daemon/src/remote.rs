@@ -115,7 +115,7 @@ impl LazyLayers {
             .layer_kind(&image, layer, &ahead)
             .map_err(lookup)?;
         let not_lazy = match kind {
-            LayerKind::FerryIndex | LayerKind::Estargz => None,
+            LayerKind::FerryIndex | LayerKind::Estargz | LayerKind::ZstdChunked => None,
             LayerKind::Plain => Some(NotLazy::new(
                 NotLazyReason::NoIndex,
                 "no ferry index refers to the image for this layer and it is not eStargz",

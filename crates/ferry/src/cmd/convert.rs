@@ -1,5 +1,5 @@
-//! `ferry convert --estargz SRC DST`: SRC and DST each an OCI layout or a registry
-//! image. A registry source's layers are streamed (once per pass of the converter); a
+//! `ferry convert --estargz|--zstd-chunked SRC DST`: SRC and DST each an OCI layout or a
+//! registry image. A registry source's layers are streamed (once per pass of the converter); a
 //! registry destination gets the converted image through `ferry copy`'s push code, from
 //! a temporary layout that is removed afterwards.
 
@@ -8,10 +8,12 @@ use std::io::{BufReader, Read};
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
+use ferry_index::estargz::zstd_chunked::{self, ZstdChunkedOptions};
 use ferry_index::estargz::{EstargzOptions, convert};
 use ferry_oci::layout::{descriptor, digest};
 use ferry_oci::media::{
-    ANNOTATION_ESTARGZ_TOC, ANNOTATION_ESTARGZ_USIZE, LAYER_TAR_GZIP, LayerCompression,
+    ANNOTATION_ESTARGZ_TOC, ANNOTATION_ESTARGZ_USIZE, ANNOTATION_ZSTD_CHUNKED_CHECKSUM,
+    ANNOTATION_ZSTD_CHUNKED_POSITION, LAYER_TAR_GZIP, LAYER_TAR_ZSTD, LayerCompression,
     layer_compression,
 };
 use ferry_oci::{Descriptor, ImageManifest, ImageRef, OciLayout};
@@ -23,25 +25,30 @@ use crate::progress;
 
 /// Arguments of `ferry convert`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("format").required(true).args(["estargz", "zstd_chunked"])))]
 pub struct Args {
-    /// Convert to eStargz (the only target format so far).
-    #[arg(long, required = true)]
+    /// Convert to eStargz (gzip members and a TOC; stargz-snapshotter, ferry).
+    #[arg(long)]
     pub estargz: bool,
+    /// Convert to zstd:chunked (zstd frames and a TOC; podman, buildah, CRI-O, ferry).
+    #[arg(long)]
+    pub zstd_chunked: bool,
     /// Source image: `oci:DIR[:TAG]` or `HOST[:PORT]/REPO[:TAG|@DIGEST]`.
     pub src: String,
     /// Destination image: `oci:DIR:TAG` (may be the same layout with another tag) or
     /// `HOST[:PORT]/REPO:TAG` (pushed; needs push rights).
     pub dst: String,
     /// File listing paths (one per line, as in the image) to put first, behind a
-    /// `.prefetch.landmark`, in that order.
+    /// `.prefetch.landmark`, in that order (eStargz only).
     #[arg(long)]
     pub priority: Option<PathBuf>,
     /// Chunk size for large files.
     #[arg(long, default_value_t = EstargzOptions::default().chunk_size)]
     pub chunk_size: u64,
-    /// gzip level.
-    #[arg(long, default_value_t = EstargzOptions::default().level)]
-    pub level: u32,
+    /// Compression level: gzip 0-12 for eStargz (default 9), zstd 1-19 for zstd:chunked
+    /// (default 3).
+    #[arg(long)]
+    pub level: Option<u32>,
     /// The platform to convert from a multi-platform image (default: this machine's).
     #[arg(long, value_name = "OS/ARCH[/VARIANT]", value_parser = super::parse_platform)]
     pub platform: Option<ferry_oci::Platform>,
@@ -167,10 +174,24 @@ pub fn run(args: Args) -> Result<()> {
             .collect(),
         None => Vec::new(),
     };
+    if args.zstd_chunked && !priority.is_empty() {
+        bail!("--priority orders eStargz layers; zstd:chunked has no prefetch landmark");
+    }
     let opts = EstargzOptions {
         chunk_size: args.chunk_size,
-        level: args.level,
+        level: args.level.unwrap_or(EstargzOptions::default().level),
         priority,
+    };
+    let zopts = ZstdChunkedOptions {
+        chunk_size: args.chunk_size,
+        level: args.level.map_or(ZstdChunkedOptions::default().level, |l| {
+            i32::try_from(l).unwrap_or(i32::MAX)
+        }),
+    };
+    let format = if args.zstd_chunked {
+        "zstd:chunked"
+    } else {
+        "eStargz"
     };
     let config: serde_json::Value = serde_json::from_slice(&src.config(&manifest)?)
         .context("source image config is not JSON")?;
@@ -188,28 +209,42 @@ pub fn run(args: Args) -> Result<()> {
             Ok(Box::new(bar.wrap_read(r)) as Box<dyn Read + Send>)
         };
         let mut blob = dst.blob_writer()?;
-        let out = convert(&mut open, &mut blob, &opts)
-            .with_context(|| format!("converting layer {}", layer.digest()))?;
+        let (out_digest, desc_of, diff_id) = if args.zstd_chunked {
+            let mut input = open()?;
+            let out = zstd_chunked::convert(&mut input, &mut blob, &zopts)
+                .with_context(|| format!("converting layer {}", layer.digest()))?;
+            let annotations = vec![
+                (
+                    ANNOTATION_ZSTD_CHUNKED_CHECKSUM,
+                    out.manifest_checksum.clone(),
+                ),
+                (
+                    ANNOTATION_ZSTD_CHUNKED_POSITION,
+                    out.manifest_position.text(),
+                ),
+            ];
+            (out.digest, (LAYER_TAR_ZSTD, annotations), out.diff_id)
+        } else {
+            let out = convert(&mut open, &mut blob, &opts)
+                .with_context(|| format!("converting layer {}", layer.digest()))?;
+            let annotations = vec![
+                (ANNOTATION_ESTARGZ_TOC, out.toc_digest.clone()),
+                (ANNOTATION_ESTARGZ_USIZE, out.uncompressed_size.to_string()),
+            ];
+            (out.digest, (LAYER_TAR_GZIP, annotations), out.diff_id)
+        };
         let (d, size) = blob.commit()?;
         bar.finish_and_clear();
-        if d.to_string() != out.digest {
+        if d.to_string() != out_digest {
             bail!(
-                "internal error: eStargz blob digest {d} differs from the writer's {}",
-                out.digest
+                "internal error: {format} blob digest {d} differs from the writer's {out_digest}"
             );
         }
         in_total += layer.size();
         out_total += size;
-        let desc = descriptor(
-            LAYER_TAR_GZIP,
-            digest(&out.digest)?,
-            size,
-            &[
-                (ANNOTATION_ESTARGZ_TOC, out.toc_digest.clone()),
-                (ANNOTATION_ESTARGZ_USIZE, out.uncompressed_size.to_string()),
-            ],
-        );
-        layers.push((desc, out.diff_id));
+        let (media, annotations) = desc_of;
+        let desc = descriptor(media, digest(&out_digest)?, size, &annotations);
+        layers.push((desc, diff_id));
     }
     let m = write_image(&dst, &tag, layers, Some(config))?;
     if staging.is_some() {
@@ -217,7 +252,7 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("pushing the converted image to {}", args.dst))?;
     }
     println!(
-        "converted {} layers ({} -> {}) to eStargz in {:.2}s: {} manifest {}",
+        "converted {} layers ({} -> {}) to {format} in {:.2}s: {} manifest {}",
         manifest.layers().len(),
         human(in_total),
         human(out_total),

@@ -181,6 +181,12 @@ fn index_layers(args: &Args, layers: &[Descriptor], open: &OpenBlob<'_>) -> Resu
             {
                 return skip("estargz (has its own TOC)");
             }
+            if matches!(
+                ferry_index::image::LayerWay::<()>::of(layer, None),
+                ferry_index::image::LayerWay::ZstdChunked { .. }
+            ) {
+                return skip("zstd:chunked (has its own TOC)");
+            }
             if layer.size() < args.min_layer_size {
                 return skip("small (read whole)");
             }

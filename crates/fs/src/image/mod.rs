@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use ferry_index::image::{
     LayerWay, estargz_reader, indexed_reader, indexed_windows, whole_compression,
+    zstd_chunked_reader,
 };
 use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::{Location, MergedImage};
@@ -498,6 +499,15 @@ fn layer_reader(
             }
             let source = Arc::new(source);
             let reader = estargz_reader(source.clone(), toc)?;
+            Ok((reader, Some(source)))
+        }
+        LayerWay::ZstdChunked { checksum, position } => {
+            let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
+            if let Some(store) = store {
+                source = source.with_whole_blob(store, &digest);
+            }
+            let source = Arc::new(source);
+            let reader = zstd_chunked_reader(source.clone(), checksum, position)?;
             Ok((reader, Some(source)))
         }
         LayerWay::Whole => {

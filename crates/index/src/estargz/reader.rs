@@ -357,6 +357,10 @@ fn read_chunk<R: io::BufRead>(
     out: &mut [u8],
 ) -> Result<()> {
     let what = || format!("chunk at offset {} of {path:?}", c.file_off);
+    let gz_err = |what: &str, e: io::Error| match codec {
+        Codec::Gzip => gz_err(what, e),
+        Codec::Zstd => esgz(format!("zstd: {what}: {e}")),
+    };
     let mut dec: Box<dyn Read + '_> = match codec {
         Codec::Gzip => Box::new(MultiGzDecoder::new(compressed)),
         Codec::Zstd => Box::new(super::zstd_chunked::decoder(compressed)?),
