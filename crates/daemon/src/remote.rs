@@ -118,11 +118,13 @@ impl LazyLayers {
             LayerKind::FerryIndex | LayerKind::Estargz | LayerKind::ZstdChunked => None,
             LayerKind::Plain => Some(NotLazy::new(
                 NotLazyReason::NoIndex,
-                "no ferry index refers to the image for this layer and it is not eStargz",
+                "no ferry index refers to the image for this layer and it is neither eStargz nor \
+                 zstd:chunked",
             )),
             LayerKind::Unsupported => Some(NotLazy::new(
                 NotLazyReason::UnsupportedFormat,
-                "the layer is neither indexed nor eStargz, and its media type cannot be indexed",
+                "the layer is neither indexed, eStargz nor zstd:chunked, and its media type \
+                 cannot be indexed",
             )),
         };
         if let Some(not_lazy) = not_lazy {

@@ -91,7 +91,7 @@ pub enum RemoteError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum NotLazyReason {
-    /// No ferry index refers to the image for this layer, and it is not eStargz.
+    /// No ferry index refers to the image for this layer, and it is neither eStargz nor zstd:chunked.
     NoIndex,
     /// The layer's format cannot be read lazily (zstd, an unknown media type).
     UnsupportedFormat,
@@ -168,8 +168,9 @@ impl NotLazyReason {
             NotLazyReason::NoIndex => "index it with `ferry index` and push the index with the \
                 image (`ferry copy`), or convert it with `ferry convert --estargz`"
                 .to_owned(),
-            NotLazyReason::UnsupportedFormat => "ferry reads gzip and plain tar layers lazily: \
-                rewrite the image with `ferry convert --estargz`"
+            NotLazyReason::UnsupportedFormat => "ferry reads gzip, plain tar and zstd:chunked \
+                layers lazily: rewrite the image with `ferry convert --estargz` or \
+                `--zstd-chunked`"
                 .to_owned(),
             NotLazyReason::NoImageLabels => "containerd passed no image reference or layer \
                 digest: set `disable_snapshot_annotations = false` for CRI (on containerd 2.x \
