@@ -520,4 +520,25 @@ for sub in cat inspect; do
     fi
 done
 
+# A reader that stops early (`| head`): the printing commands end quietly with success,
+# no panic and no error message (SIGPIPE stays ignored for the network code).
+for sub in cat inspect; do
+    case $sub in
+        cat) args=(cat "oci:$IDX:small" /bin/busybox) ;;
+        *) args=(inspect "oci:$IDX:small") ;;
+    esac
+    set +e
+    (
+        set -o pipefail
+        timeout 60 "$FERRY" "${args[@]}" 2>"$E2E_TMP/pipe.err" | head -c 1 >/dev/null
+    )
+    rc=$?
+    set -e
+    if [[ $rc == 0 && ! -s $E2E_TMP/pipe.err ]]; then
+        pass "ferry $sub | head -c 1: exit 0, nothing on stderr"
+    else
+        fail "ferry $sub | head -c 1: exit $rc"; show "$E2E_TMP/pipe.err"
+    fi
+done
+
 e2e_summary

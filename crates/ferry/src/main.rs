@@ -6,6 +6,7 @@
 //! logic of its own: that belongs in the crates.
 
 mod cmd;
+mod out;
 mod progress;
 
 use std::process::ExitCode;
@@ -37,7 +38,7 @@ enum Command {
     /// Write one file of an image's merged root filesystem to stdout, reading only what
     /// the index says it needs.
     Cat(cmd::cat::Args),
-    /// Convert an image's layers to another format (eStargz).
+    /// Convert an image's layers to another format (eStargz or zstd:chunked).
     Convert(cmd::convert::Args),
     /// Pack a directory into a single-layer image that is lazy-loadable from birth.
     Pack(cmd::pack::Args),
@@ -68,7 +69,8 @@ enum Command {
     /// cache hits, fetch errors, and whether prefetch and background fill are done.
     Status(cmd::status::Args),
     /// Put an image into containerd with its layers prepared through ferry (lazily when
-    /// indexed or eStargz, else a parallel download-and-unpack); like `ctr-remote image rpull`.
+    /// indexed, eStargz or zstd:chunked, else a parallel download-and-unpack); like
+    /// `ctr-remote image rpull`.
     Pull(cmd::pull::Args),
     /// Record which files a workload reads at startup, and publish the trace so every
     /// node prefetches exactly that.
@@ -106,6 +108,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // `ferry … | head`: the reader has what it wanted.
+        Err(e) if out::is_stdout_closed(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ferry: error: {e:#}");
             ExitCode::FAILURE

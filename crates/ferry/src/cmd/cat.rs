@@ -42,13 +42,43 @@ pub fn run(args: Args) -> Result<()> {
         &counter(total.clone()),
     )?;
     let stdout = std::io::stdout();
-    let mut out = std::io::BufWriter::with_capacity(1 << 20, stdout.lock());
-    image
-        .cat(&args.path, &mut out)
-        .with_context(|| format!("reading {} from {}", args.path, args.image))?;
-    out.flush()?;
+    let mut out = std::io::BufWriter::with_capacity(
+        1 << 20,
+        Watched {
+            inner: stdout.lock(),
+            closed: false,
+        },
+    );
+    let copied = image.cat(&args.path, &mut out);
+    let flushed = out.flush();
+    if out.get_ref().closed {
+        return Err(anyhow::Error::new(crate::out::StdoutClosed));
+    }
+    copied.with_context(|| format!("reading {} from {}", args.path, args.image))?;
+    flushed.map_err(crate::out::stdout_error)?;
     if args.stats {
         eprintln!("compressed_bytes_read={}", total.load(Ordering::Relaxed));
     }
     Ok(())
+}
+
+/// Standard output that remembers whether its reader went away (the file's bytes and the
+/// layer's reads fail alike with I/O errors; only this one ends `cat` quietly).
+struct Watched<W> {
+    inner: W,
+    closed: bool,
+}
+
+impl<W: Write> Write for Watched<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.inner.write(buf).inspect_err(|e| {
+            self.closed |= e.kind() == std::io::ErrorKind::BrokenPipe;
+        })
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush().inspect_err(|e| {
+            self.closed |= e.kind() == std::io::ErrorKind::BrokenPipe;
+        })
+    }
 }

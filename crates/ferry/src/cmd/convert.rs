@@ -21,6 +21,7 @@ use ferry_registry_client::{CopyOptions, ImageLocation, NoProgress, copy_image};
 
 use super::remote::{RegistryArgs, RemoteImage};
 use super::{human, index::short, layout_platform_ref, layout_ref, output_layout, write_image};
+use crate::out::outln;
 use crate::progress;
 
 /// Arguments of `ferry convert`.
@@ -251,7 +252,7 @@ pub fn run(args: Args) -> Result<()> {
         push(&dst, &tag, &dst_ref, &client)
             .with_context(|| format!("pushing the converted image to {}", args.dst))?;
     }
-    println!(
+    outln!(
         "converted {} layers ({} -> {}) to {format} in {:.2}s: {} manifest {}",
         manifest.layers().len(),
         human(in_total),

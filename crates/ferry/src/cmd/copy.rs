@@ -16,6 +16,7 @@ use ferry_registry_client::{
 use indicatif::{MultiProgress, ProgressBar};
 
 use super::human;
+use crate::out::outln;
 use crate::progress;
 
 /// Copy an image between `oci:DIR[:TAG]` layouts and `HOST[:PORT]/REPO[:TAG|@DIGEST]`
@@ -204,7 +205,7 @@ pub fn run(args: Args) -> Result<()> {
             bail!("copying {} to {}: {e}{}", args.src, args.dst, hint(&e));
         }
     };
-    println!(
+    outln!(
         "copied {} ({}): {} blobs ({}) copied, {} already there, {} mounted; {} manifests, {} referrers",
         report.digest,
         report.media_type,

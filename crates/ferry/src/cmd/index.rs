@@ -18,6 +18,7 @@ use rayon::prelude::*;
 
 use super::remote::{RegistryArgs, RemoteImage};
 use super::{human, layout_platform_ref, layout_ref};
+use crate::out::outln;
 use crate::progress;
 
 /// Arguments of `ferry index`.
@@ -78,9 +79,9 @@ pub fn run(args: Args) -> Result<()> {
         .as_ref()
         .map(|a| (a.index_sizes.clone(), a.windows_sizes.clone()))
         .unwrap_or_default();
-    print_summary(&done, sizes);
+    print_summary(&done, sizes)?;
     if let Some(a) = artifact {
-        println!(
+        outln!(
             "index artifact {} refers to {}",
             a.descriptor.digest(),
             mdesc.digest()
@@ -101,8 +102,8 @@ fn run_registry(args: &Args, remote: &RemoteImage) -> Result<()> {
     let done = index_layers(args, manifest.layers(), &open)?;
     let indexed = indexed(&done);
     if indexed.is_empty() {
-        print_summary(&done, Default::default());
-        println!("no layer indexed; nothing pushed");
+        print_summary(&done, Default::default())?;
+        outln!("no layer indexed; nothing pushed");
         return Ok(());
     }
     let parts = build_artifact(&mdesc, &indexed)?;
@@ -143,8 +144,8 @@ fn run_registry(args: &Args, remote: &RemoteImage) -> Result<()> {
                  config; for a registry without TLS pass --plain-http)"
             )
         })?;
-    print_summary(&done, (parts.index_sizes, parts.windows_sizes));
-    println!(
+    print_summary(&done, (parts.index_sizes, parts.windows_sizes))?;
+    outln!(
         "index artifact {} pushed to {repo} as a referrer of {} (the image is unchanged)",
         parts.descriptor.digest(),
         mdesc.digest()
@@ -216,11 +217,17 @@ fn index_layers(args: &Args, layers: &[Descriptor], open: &OpenBlob<'_>) -> Resu
 
 /// The table of layers and the totals; `sizes`: the encoded index and windows blob
 /// sizes, in the order of the indexed layers.
-fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
+fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) -> Result<()> {
     let indexed = done.iter().filter(|d| d.index.is_some()).count();
-    println!(
+    outln!(
         "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7} {:>10}  note",
-        "layer", "size", "uncompressed", "spans", "index", "ratio", "windows"
+        "layer",
+        "size",
+        "uncompressed",
+        "spans",
+        "index",
+        "ratio",
+        "windows"
     );
     let (mut total_layer, mut total_index, mut total_spans) = (0u64, 0u64, 0usize);
     let mut total_windows = 0u64;
@@ -236,7 +243,7 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
                 total_index += bytes;
                 total_windows += windows;
                 total_spans += i.checkpoints.len();
-                println!(
+                outln!(
                     "{:<20} {:>10} {:>12} {:>7} {:>10} {:>6.2}% {:>10}  {} files, {} with libraries",
                     short(d.layer.digest().as_ref()),
                     human(size),
@@ -249,7 +256,7 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
                     i.libraries.len()
                 );
             }
-            None => println!(
+            None => outln!(
                 "{:<20} {:>10} {:>12} {:>7} {:>10} {:>7} {:>10}  {}",
                 short(d.layer.digest().as_ref()),
                 human(size),
@@ -262,7 +269,7 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
             ),
         }
     }
-    println!(
+    outln!(
         "{} layers, {} indexed, {} spans, index {} = {:.2}% of {} of layers \
          (windows, fetched per span on first read: {})",
         done.len(),
@@ -273,6 +280,7 @@ fn print_summary(done: &[Done], sizes: (Vec<u64>, Vec<u64>)) {
         human(total_layer),
         human(total_windows)
     );
+    Ok(())
 }
 
 /// `sha256:0123456789ab` — enough to tell layers apart in a table.

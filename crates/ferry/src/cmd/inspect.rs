@@ -3,6 +3,7 @@
 use anyhow::Result;
 
 use super::{human, index::short};
+use crate::out::outln;
 
 /// Arguments of `ferry inspect`.
 #[derive(Debug, clap::Args)]
@@ -35,16 +36,19 @@ pub fn run(args: Args) -> Result<()> {
             })).collect::<Vec<_>>(),
             "mergedEntries": image.table().len(),
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
-    println!("image {} manifest {manifest}", args.image);
-    println!(
+    outln!("image {} manifest {manifest}", args.image);
+    outln!(
         "{:<20} {:>10} {:<18} {:>8}  media type",
-        "layer", "size", "format", "entries"
+        "layer",
+        "size",
+        "format",
+        "entries"
     );
     for l in &layers {
-        println!(
+        outln!(
             "{:<20} {:>10} {:<18} {:>8}  {}",
             short(l.descriptor.digest().as_ref()),
             human(l.descriptor.size()),
@@ -55,7 +59,7 @@ pub fn run(args: Args) -> Result<()> {
             l.descriptor.media_type()
         );
     }
-    println!(
+    outln!(
         "{} layers, {} paths in the merged root filesystem",
         layers.len(),
         image.table().len()

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::out::outln;
 use anyhow::{Context, Result, bail};
 use ferry_daemon::{ControlClient, MountRequest};
 use ferry_fs::{FerryFs, FetchConfig, ImageSource, MountOptions, MountedImage, View};
@@ -331,7 +332,7 @@ fn run_via_daemon(args: &Args, mountpoint: &Path) -> Result<()> {
             socket.display()
         )
     })?;
-    println!("{}", info.mountpoint.display());
+    outln!("{}", info.mountpoint.display());
     Ok(())
 }
 

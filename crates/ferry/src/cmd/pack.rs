@@ -9,6 +9,7 @@ use ferry_oci::layout::{descriptor, digest};
 use ferry_oci::media::LAYER_TAR_GZIP;
 
 use super::{human, output_layout, write_image};
+use crate::out::outln;
 use crate::progress;
 
 /// Arguments of `ferry pack`.
@@ -63,7 +64,7 @@ pub fn run(args: Args) -> Result<()> {
     )?;
     store_layout_artifact(&layout, &manifest, &[(layer, out.index.clone())])?;
     let secs = start.elapsed().as_secs_f64();
-    println!(
+    outln!(
         "packed {} ({} files, {} uncompressed) into {} layer {} in {:.2}s ({}/s); index {} spans",
         args.dir.display(),
         out.index.entries.len(),
@@ -74,7 +75,7 @@ pub fn run(args: Args) -> Result<()> {
         human((out.index.uncompressed_size as f64 / secs.max(1e-9)) as u64),
         out.index.checkpoints.len()
     );
-    println!("image {} manifest {}", args.dest, manifest.digest());
+    outln!("image {} manifest {}", args.dest, manifest.digest());
     Ok(())
 }
 

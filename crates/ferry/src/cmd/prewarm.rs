@@ -19,6 +19,7 @@ use ferry_store::{Store, StoreOptions};
 use indicatif::ProgressBar;
 
 use super::human;
+use crate::out::outln;
 
 /// Arguments of `ferry prewarm`.
 #[derive(Debug, clap::Args)]
@@ -161,7 +162,7 @@ fn report(outcomes: &[PrewarmOutcome], json: bool, started: Instant, daemon: boo
         fetched += r.fetched_bytes;
         present += r.present_bytes;
         if json {
-            println!("{}", serde_json::to_string(o)?);
+            outln!("{}", serde_json::to_string(o)?);
             continue;
         }
         let what = match (r.coverage.as_str(), &o.trace_source) {

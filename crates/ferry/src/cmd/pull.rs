@@ -6,6 +6,7 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use crate::out::outln;
 use anyhow::{Context, Result, bail};
 use ferry_pull::image::Descriptor;
 use ferry_pull::unpack::UnpackLimits;
@@ -177,18 +178,19 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
         if report.without_registry() {
-            println!(
+            outln!(
                 "{}: from the node's {origin}: manifest, config, indexes and layers local, no registry traffic",
                 report.name
             );
         } else {
-            println!(
+            outln!(
                 "{}: manifest and config from the node's {origin}; {} layers came from the registry",
-                report.name, report.unpacked
+                report.name,
+                report.unpacked
             );
         }
     }
-    println!(
+    outln!(
         "{}: {} layers ({} lazy, {} unpacked, {} already present), {} downloaded{buffered}, {:.1}s",
         report.name,
         report.layers,

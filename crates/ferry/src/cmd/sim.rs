@@ -9,6 +9,7 @@ use ferry_p2p::sim::{SimConfig, SimReport, run as simulate};
 use ferry_p2p::{Schedule, Topology};
 
 use super::human;
+use crate::out::outln;
 
 /// Arguments of `ferry sim`. The defaults are DADI's published setting (USENIX ATC
 /// '20: 10,000 containers on 1,000 nodes with 1 GbE-class NICs and one registry, a
@@ -125,16 +126,16 @@ pub fn run(args: Args) -> Result<()> {
     };
     let report = simulate(&config).context("simulating the fleet")?;
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        outln!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&args, &report);
+        print_table(&args, &report)?;
     }
     Ok(())
 }
 
-fn print_table(args: &Args, r: &SimReport) {
+fn print_table(args: &Args, r: &SimReport) -> Result<()> {
     let ws = r.working_set_bytes.max(1) as f64;
-    println!(
+    outln!(
         "{} nodes × {} containers, topology {}{}",
         r.nodes,
         args.containers_per_node,
@@ -169,6 +170,7 @@ fn print_table(args: &Args, r: &SimReport) {
         ),
     ];
     for (name, value) in rows {
-        println!("  {name:<28} {value}");
+        outln!("  {name:<28} {value}");
     }
+    Ok(())
 }

@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::out::outln;
 use anyhow::{Context, Result};
 use ferry_daemon::{ControlClient, StatusReport};
 
@@ -37,7 +38,7 @@ pub fn run(args: Args) -> Result<()> {
         .block_on(client.status())
         .with_context(|| format!("asking the daemon at {}", socket.display()))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", table(&report));
     }

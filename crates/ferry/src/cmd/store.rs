@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail};
 use ferry_store::{OwnerInfo, Store, StoreConfig, StoreOptions};
 
 use super::human;
+use crate::out::outln;
 
 /// Arguments of `ferry store`.
 #[derive(Debug, clap::Args)]
@@ -136,7 +137,7 @@ pub fn run(args: Args) -> Result<()> {
 fn print_report(report: &impl serde::Serialize, secs: f64) -> Result<()> {
     let mut doc = serde_json::to_value(report)?;
     doc["seconds"] = serde_json::json!(secs);
-    println!("{}", serde_json::to_string_pretty(&doc)?);
+    outln!("{}", serde_json::to_string_pretty(&doc)?);
     Ok(())
 }
 
@@ -149,7 +150,7 @@ fn export(store: &Store, dest: &std::path::Path, json: bool) -> Result<()> {
     if json {
         return print_report(&r, secs);
     }
-    println!(
+    outln!(
         "exported {} objects ({}) and {} image records to {} in {secs:.1}s ({}/s){}",
         r.objects,
         human(r.bytes),
@@ -174,7 +175,7 @@ fn import(store: &Store, src: &std::path::Path, json: bool) -> Result<()> {
     if json {
         return print_report(&r, secs);
     }
-    println!(
+    outln!(
         "imported {} objects ({}) verified, {} ({}) already present, {} image records, in {secs:.1}s",
         r.imported,
         human(r.imported_bytes),
@@ -183,9 +184,11 @@ fn import(store: &Store, src: &std::path::Path, json: bool) -> Result<()> {
         r.images
     );
     for image in store.images() {
-        println!(
+        outln!(
             "  {}  {}  ({})",
-            image.reference, image.manifest_digest, image.coverage
+            image.reference,
+            image.manifest_digest,
+            image.coverage
         );
     }
     Ok(())
@@ -194,13 +197,13 @@ fn import(store: &Store, src: &std::path::Path, json: bool) -> Result<()> {
 fn ls(store: &Store, json: bool) -> Result<()> {
     let entries = store.list();
     if json {
-        println!("{}", serde_json::to_string_pretty(&entries)?);
+        outln!("{}", serde_json::to_string_pretty(&entries)?);
         return Ok(());
     }
     let now = now_ms();
-    println!("{:<71}  {:>10}  {:>12}  PINS", "KEY", "SIZE", "LAST ACCESS");
+    outln!("{:<71}  {:>10}  {:>12}  PINS", "KEY", "SIZE", "LAST ACCESS");
     for e in &entries {
-        println!(
+        outln!(
             "{:<71}  {:>10}  {:>12}  {}",
             e.key.to_string(),
             human(e.size),
@@ -226,7 +229,7 @@ fn du(store: &Store, json: bool) -> Result<()> {
             "owners": owners,
             "seed": store.seed_stats(),
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
     let percent = if s.max_bytes == 0 {
@@ -234,21 +237,21 @@ fn du(store: &Store, json: bool) -> Result<()> {
     } else {
         s.bytes as f64 * 100.0 / s.max_bytes as f64
     };
-    println!("store    {}", store.root().display());
-    println!(
+    outln!("store    {}", store.root().display());
+    outln!(
         "used     {} of {} ({percent:.1}%)",
         human(s.bytes),
         human(s.max_bytes)
     );
-    println!("entries  {}", s.entries);
-    println!(
+    outln!("entries  {}", s.entries);
+    outln!(
         "pinned   {} in {} entries, by {} owners",
         human(s.pinned_bytes),
         s.pinned_entries,
         s.pin_owners
     );
     if let Some(seed) = store.seed_stats() {
-        println!(
+        outln!(
             "seed     {} (read-only): {} objects, {}, {} image records",
             seed.path.display(),
             seed.objects,
@@ -302,13 +305,13 @@ fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<
             "bytes": r.bytes,
             "pinned_bytes": r.pinned_bytes,
         });
-        println!("{}", serde_json::to_string_pretty(&doc)?);
+        outln!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(());
     }
     if release_pins {
-        println!("released {released} pins");
+        outln!("released {released} pins");
     }
-    println!(
+    outln!(
         "evicted {} entries ({}); {} stored, {} of it pinned",
         r.evicted_entries,
         human(r.freed_bytes),
@@ -316,10 +319,10 @@ fn gc(store: &Store, to: Option<u64>, release_pins: bool, json: bool) -> Result<
         human(r.pinned_bytes)
     );
     if swept > 0 {
-        println!("removed {swept} image metadata blobs no image record lists");
+        outln!("removed {swept} image metadata blobs no image record lists");
     }
     if r.bytes > target {
-        println!(
+        outln!(
             "note: still above the target of {}: the rest is pinned (see --release-pins)",
             human(target)
         );
@@ -334,32 +337,32 @@ fn verify(store: &Store, json: bool) -> Result<()> {
         if let Some(seed) = &seed {
             let mut doc = serde_json::to_value(&r)?;
             doc["seed"] = serde_json::to_value(seed)?;
-            println!("{}", serde_json::to_string_pretty(&doc)?);
+            outln!("{}", serde_json::to_string_pretty(&doc)?);
         } else {
-            println!("{}", serde_json::to_string_pretty(&r)?);
+            outln!("{}", serde_json::to_string_pretty(&r)?);
         }
     } else {
-        println!(
+        outln!(
             "{} entries good ({} hashed), {} dropped",
             r.good_entries,
             human(r.checked_bytes),
             r.dropped.len()
         );
         for k in &r.dropped {
-            println!("dropped {k}");
+            outln!("dropped {k}");
         }
     }
     if let Some(seed) = &seed
         && !json
     {
-        println!(
+        outln!(
             "seed: {} objects good ({} hashed), {} bad",
             seed.good_entries,
             human(seed.checked_bytes),
             seed.dropped.len()
         );
         for k in &seed.dropped {
-            println!("bad seed object {k}");
+            outln!("bad seed object {k}");
         }
     }
     if !r.dropped.is_empty() {
