@@ -1717,3 +1717,33 @@ fn zstd_chunked_footers_and_positions_parse() {
     assert!(zstd_chunked::parse_footer(&bad).is_err());
     assert!(zstd_chunked::parse_footer(&footer[..20]).is_err());
 }
+
+#[test]
+fn zstd_chunked_batches_larger_than_one_flush_keep_offsets() {
+    // More than one batch of frames (32 MiB): offsets set by later flushes must still
+    // point at the right frames.
+    let big: Vec<u8> = (0..36u32 << 20)
+        .map(|i| (i % 251) as u8 ^ (i >> 20) as u8)
+        .collect();
+    let node = |path: &str, data: Vec<u8>| TNode {
+        path: path.into(),
+        node: Node::File(data),
+        mode: 0o644,
+        uid: 0,
+        mtime: 1,
+        nsec: None,
+        xattrs: Vec::new(),
+    };
+    let tar = build_tar(&[node("big", big.clone()), node("after", b"tail".to_vec())]);
+    let (blob, out) = zstd_chunked_bytes(&tar, 4 << 20);
+    let source = MemSource(blob);
+    let layer = EstargzLayer::open_zstd_chunked(&source, &out.manifest_checksum, None).unwrap();
+    let idx = |p: &str| layer.entries().iter().position(|e| e.path == p).unwrap();
+    let mut buf = vec![0u8; 1000];
+    for off in [0u64, (4 << 20) - 10, 33 << 20, (36 << 20) - 1000] {
+        let n = layer.read_at(&source, idx("big"), off, &mut buf).unwrap();
+        assert_eq!(&buf[..n], &big[off as usize..off as usize + n], "at {off}");
+    }
+    let n = layer.read_at(&source, idx("after"), 0, &mut buf).unwrap();
+    assert_eq!(&buf[..n], b"tail");
+}

@@ -282,12 +282,76 @@ impl<W: Write> BlobOut<W> {
     }
 }
 
+/// Raw bytes gathered before a batch of frames is compressed (in parallel) and written:
+/// bounds the converter's memory to about twice this.
+const BATCH_BYTES: usize = 32 << 20;
+
+/// One frame to be: its raw bytes, and the TOC entries whose offsets it sets.
+struct Frame {
+    raw: Vec<u8>,
+    /// The TOC entry of the chunk this frame holds (its `offset` is the frame's start).
+    chunk_entry: Option<usize>,
+    /// The file's first TOC entry, when this frame is the file's last (its `endOffset`
+    /// is the frame's end).
+    ends_file: Option<usize>,
+}
+
+/// Frames waiting to be compressed and written, in order.
+struct Batch<'a, W> {
+    blob: BlobOut<W>,
+    diff: Sha256,
+    frames: Vec<Frame>,
+    raw: usize,
+    level: i32,
+    pool: &'a rayon::ThreadPool,
+}
+
+impl<W: Write> Batch<'_, W> {
+    fn push(&mut self, frame: Frame, entries: &mut [TocEntry]) -> Result<()> {
+        self.raw += frame.raw.len();
+        self.frames.push(frame);
+        if self.raw >= BATCH_BYTES {
+            self.flush(entries)?;
+        }
+        Ok(())
+    }
+
+    /// Compresses the frames gathered so far in parallel, writes them in order and sets
+    /// the offsets of the TOC entries they hold.
+    fn flush(&mut self, entries: &mut [TocEntry]) -> Result<()> {
+        use rayon::prelude::*;
+        let frames = std::mem::take(&mut self.frames);
+        self.raw = 0;
+        let level = self.level;
+        let compressed: Vec<std::io::Result<Vec<u8>>> = self.pool.install(|| {
+            frames
+                .par_iter()
+                .map(|f| zstd::bulk::compress(&f.raw, level))
+                .collect()
+        });
+        for (f, z) in frames.iter().zip(compressed) {
+            let z = z.map_err(Error::Io)?;
+            self.diff.update(&f.raw);
+            let start = self.blob.size;
+            self.blob.put(&z)?;
+            if let Some(e) = f.chunk_entry {
+                entries[e].offset = start as i64;
+            }
+            if let Some(e) = f.ends_file {
+                entries[e].end_offset = self.blob.size as i64;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Converts one uncompressed tar stream into a zstd:chunked blob written to `out`: every
 /// file's data in frames of its own (one per chunk of at most `chunk_size`), the headers
 /// between them in frames of their own, then the TOC and the footer in skippable frames.
-/// Tar headers are written anew from the parsed entries (as `ferry convert --estargz`
-/// does), so the diff ID is that of the tar the blob decompresses to. No tar-split data
-/// is written: readers that rebuild the original tar from it fetch the layer whole.
+/// Frames are compressed in parallel, in batches of about 32 MiB. Tar headers are
+/// written anew from the parsed entries (as `ferry convert --estargz` does), so the diff
+/// ID is that of the tar the blob decompresses to. No tar-split data is written: readers
+/// that rebuild the original tar from it fetch the layer whole.
 pub fn convert<W: Write>(
     input: &mut dyn Read,
     out: W,
@@ -302,30 +366,32 @@ pub fn convert<W: Write>(
     if !(1..=19).contains(&opts.level) {
         return Err(zc(format!("zstd level {} is outside 1..=19", opts.level)));
     }
-    let mut blob = BlobOut {
-        out,
-        size: 0,
-        hash: Sha256::new(),
-    };
-    let mut diff = Sha256::new();
-    let level = opts.level;
-    // One frame: `raw` compressed on its own; returns its compressed extent.
-    let frame = |blob: &mut BlobOut<W>, diff: &mut Sha256, raw: &[u8]| -> Result<(u64, u64)> {
-        diff.update(raw);
-        let start = blob.size;
-        let z = zstd::bulk::compress(raw, level).map_err(Error::Io)?;
-        blob.put(&z)?;
-        Ok((start, blob.size))
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("zstd-chunked-{i}"))
+        .build()
+        .map_err(|e| zc(format!("starting compression threads: {e}")))?;
+    let mut batch = Batch {
+        blob: BlobOut {
+            out,
+            size: 0,
+            hash: Sha256::new(),
+        },
+        diff: Sha256::new(),
+        frames: Vec::new(),
+        raw: 0,
+        level: opts.level,
+        pool: &pool,
     };
     let mut walker = TarWalker::new(io::BufReader::with_capacity(1 << 20, input));
     let mut entries: Vec<TocEntry> = Vec::new();
     let mut headers: Vec<u8> = Vec::new();
-    let mut buf = vec![0u8; opts.chunk_size.min(1 << 20) as usize];
     while let Some(e) = walker.next_entry()? {
         let name = tar_name(&e);
         push_header(&mut headers, &e, &name)?;
         let is_dev = matches!(e.kind, EntryKind::Char | EntryKind::Block);
-        let mut toc = TocEntry {
+        let toc = TocEntry {
             name,
             typ: toc_type(e.kind).to_string(),
             size: if e.kind == EntryKind::File {
@@ -357,72 +423,83 @@ pub fn convert<W: Write>(
             continue;
         }
         // The headers so far close their frame; the data starts a new one.
-        frame(&mut blob, &mut diff, &headers)?;
-        headers.clear();
+        let raw = std::mem::take(&mut headers);
+        batch.push(
+            Frame {
+                raw,
+                chunk_entry: None,
+                ends_file: None,
+            },
+            &mut entries,
+        )?;
+        let first = entries.len();
+        let chunked = e.size > opts.chunk_size;
+        let name = toc.name.clone();
+        entries.push(toc);
         let mut file_hash = Sha256::new();
-        let mut chunks: Vec<(u64, u64, u64, String)> = Vec::new(); // (file off, len, frame start, digest)
         let mut off = 0u64;
-        let mut file_end = 0u64;
         while off < e.size {
             let n = (e.size - off).min(opts.chunk_size);
-            let mut data = Vec::with_capacity(n as usize);
-            let mut left = n;
-            while left > 0 {
-                let want = left.min(buf.len() as u64) as usize;
-                let got = walker.read(&mut buf[..want])?;
-                if got == 0 {
-                    return Err(Error::Tar {
+            let mut data = vec![0u8; n as usize];
+            walker
+                .read_exact(&mut data)
+                .map_err(|err| match err.kind() {
+                    io::ErrorKind::UnexpectedEof => Error::Tar {
                         entry: e.path.clone(),
                         offset: e.header_offset,
-                        reason: format!("data ends after {} of {} bytes", off + n - left, e.size),
-                    });
-                }
-                data.extend_from_slice(&buf[..got]);
-                left -= got as u64;
-            }
+                        reason: format!("data ends after {off} of {} bytes", e.size),
+                    },
+                    _ => Error::Io(err),
+                })?;
             file_hash.update(&data);
-            let digest = sha256_string(&Sha256::digest(&data).into());
-            let (start, end) = frame(&mut blob, &mut diff, &data)?;
-            chunks.push((off, n, start, digest));
-            file_end = end;
-            off += n;
-        }
-        // The padding after the data opens the next headers' frame.
-        headers.resize(((512 - e.size % 512) % 512) as usize, 0);
-        toc.digest = sha256_string(&file_hash.finalize().into());
-        toc.offset = chunks[0].2 as i64;
-        toc.end_offset = file_end as i64;
-        if chunks.len() == 1 {
-            entries.push(toc);
-            continue;
-        }
-        let name = toc.name.clone();
-        for (i, (coff, len, start, digest)) in chunks.into_iter().enumerate() {
-            let mut t = if i == 0 {
-                std::mem::take(&mut toc)
+            let entry = if off == 0 {
+                first
             } else {
-                TocEntry {
+                entries.push(TocEntry {
                     name: name.clone(),
                     typ: "chunk".into(),
                     ..TocEntry::default()
-                }
+                });
+                entries.len() - 1
             };
-            t.offset = start as i64;
-            t.chunk_offset = coff as i64;
-            t.chunk_size = len as i64;
-            t.chunk_digest = digest;
-            entries.push(t);
+            if chunked {
+                let t = &mut entries[entry];
+                t.chunk_offset = off as i64;
+                t.chunk_size = n as i64;
+                t.chunk_digest = sha256_string(&Sha256::digest(&data).into());
+            }
+            off += n;
+            batch.push(
+                Frame {
+                    raw: data,
+                    chunk_entry: Some(entry),
+                    ends_file: (off == e.size).then_some(first),
+                },
+                &mut entries,
+            )?;
         }
+        entries[first].digest = sha256_string(&file_hash.finalize().into());
+        // The padding after the data opens the next headers' frame.
+        headers.resize(((512 - e.size % 512) % 512) as usize, 0);
     }
     // The end-of-archive blocks close the tar stream.
     headers.extend_from_slice(&[0u8; 1024]);
-    frame(&mut blob, &mut diff, &headers)?;
+    batch.push(
+        Frame {
+            raw: headers,
+            chunk_entry: None,
+            ends_file: None,
+        },
+        &mut entries,
+    )?;
+    batch.flush(&mut entries)?;
+    let Batch { mut blob, diff, .. } = batch;
     let json = serde_json::to_vec(&JToc {
         version: 1,
         entries,
     })
     .map_err(|e| zc(format!("encoding the TOC: {e}")))?;
-    let manifest = zstd::bulk::compress(&json, level).map_err(Error::Io)?;
+    let manifest = zstd::bulk::compress(&json, opts.level).map_err(Error::Io)?;
     let position = ManifestPosition {
         offset: blob.size + 8,
         length: manifest.len() as u64,
