@@ -182,8 +182,7 @@ impl<'a, I> LayerWay<'a, I> {
         }
         // zstd:chunked needs its checksum: a TOC nobody vouches for makes no chunk
         // verifiable, so such a layer is read whole (and checked against its digest).
-        let zstd =
-            layer_compression(&layer.media_type().to_string()) == Some(LayerCompression::Zstd);
+        let zstd = layer_compression(layer.media_type().as_ref()) == Some(LayerCompression::Zstd);
         let checksum = annotations
             .get(ANNOTATION_ZSTD_CHUNKED_CHECKSUM)
             .or_else(|| annotations.get(ANNOTATION_ZSTD_CHUNKED_CHECKSUM_OLD));
