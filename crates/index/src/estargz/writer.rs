@@ -330,6 +330,40 @@ pub(super) fn toc_type(kind: EntryKind) -> &'static str {
     }
 }
 
+/// The TOC entry of tar entry `e`, named `name`, with user and group names `uname` and
+/// `gname` (eStargz writes a name only when it changes for an id): its metadata, no data
+/// fields yet. Modification times are rounded to the second, as stargz writes them.
+pub(super) fn toc_entry(e: &Entry, name: String, uname: String, gname: String) -> TocEntry {
+    let is_dev = matches!(e.kind, EntryKind::Char | EntryKind::Block);
+    TocEntry {
+        name,
+        typ: toc_type(e.kind).to_string(),
+        size: if e.kind == EntryKind::File {
+            e.size as i64
+        } else {
+            0
+        },
+        modtime: format_modtime(e.mtime, e.mtime_nsec),
+        link_name: match e.kind {
+            EntryKind::Symlink | EntryKind::Hardlink => e.link_target.clone(),
+            _ => String::new(),
+        },
+        mode: i64::from(e.mode & 0o7777),
+        uid: i64::from(e.uid),
+        gid: i64::from(e.gid),
+        uname,
+        gname,
+        dev_major: if is_dev { i64::from(e.dev_major) } else { 0 },
+        dev_minor: if is_dev { i64::from(e.dev_minor) } else { 0 },
+        xattrs: e
+            .xattrs
+            .iter()
+            .map(|(k, v)| (k.clone(), B64(v.clone())))
+            .collect(),
+        ..TocEntry::default()
+    }
+}
+
 /// The name an entry gets in the tar and the TOC: directories end in `/`, the root is
 /// `./`.
 pub(super) fn tar_name(e: &Entry) -> String {
@@ -757,35 +791,9 @@ impl<'p> Builder<'p> {
         }
         let name = tar_name(e);
         push_header(&mut self.cur, e, &name)?;
-        let link_name = match e.kind {
-            EntryKind::Symlink | EntryKind::Hardlink => e.link_target.clone(),
-            _ => String::new(),
-        };
-        let is_dev = matches!(e.kind, EntryKind::Char | EntryKind::Block);
-        let toc = TocEntry {
-            name,
-            typ: toc_type(e.kind).to_string(),
-            size: if e.kind == EntryKind::File {
-                e.size as i64
-            } else {
-                0
-            },
-            modtime: format_modtime(e.mtime, e.mtime_nsec),
-            link_name,
-            mode: i64::from(e.mode & 0o7777),
-            uid: i64::from(e.uid),
-            gid: i64::from(e.gid),
-            uname: name_if_changed(&mut self.unames, e.uid, &e.uname),
-            gname: name_if_changed(&mut self.gnames, e.gid, &e.gname),
-            dev_major: if is_dev { i64::from(e.dev_major) } else { 0 },
-            dev_minor: if is_dev { i64::from(e.dev_minor) } else { 0 },
-            xattrs: e
-                .xattrs
-                .iter()
-                .map(|(k, v)| (k.clone(), B64(v.clone())))
-                .collect(),
-            ..TocEntry::default()
-        };
+        let uname = name_if_changed(&mut self.unames, e.uid, &e.uname);
+        let gname = name_if_changed(&mut self.gnames, e.gid, &e.gname);
+        let toc = toc_entry(e, name, uname, gname);
         if e.kind != EntryKind::File || e.size == 0 {
             let mut toc = toc;
             if e.kind == EntryKind::File {
@@ -911,15 +919,24 @@ impl<'p> Builder<'p> {
     }
 }
 
-/// Counts and hashes what goes to the output.
-struct HashingWriter<W: Write> {
-    inner: BufWriter<W>,
-    hasher: Sha256,
-    n: u64,
+/// Counts and hashes what goes to the output (eStargz and zstd:chunked blobs).
+pub(super) struct HashingWriter<W: Write> {
+    pub(super) inner: BufWriter<W>,
+    pub(super) hasher: Sha256,
+    pub(super) n: u64,
 }
 
 impl<W: Write> HashingWriter<W> {
-    fn put(&mut self, data: &[u8]) -> Result<()> {
+    /// A writer counting and hashing into `out`.
+    pub(super) fn new(out: W) -> Self {
+        HashingWriter {
+            inner: BufWriter::with_capacity(WRITE_BUF, out),
+            hasher: Sha256::new(),
+            n: 0,
+        }
+    }
+
+    pub(super) fn put(&mut self, data: &[u8]) -> Result<()> {
         self.inner.write_all(data)?;
         self.hasher.update(data);
         self.n += data.len() as u64;
@@ -934,11 +951,7 @@ fn write_all<W: Write>(
     budget: &Budget,
     level: u32,
 ) -> Result<EstargzOutput> {
-    let mut out = HashingWriter {
-        inner: BufWriter::with_capacity(WRITE_BUF, out),
-        hasher: Sha256::new(),
-        n: 0,
-    };
+    let mut out = HashingWriter::new(out);
     let mut diff = Sha256::new();
     let mut pending: BTreeMap<u64, Result<JobOut>> = BTreeMap::new();
     let mut next = 0u64;

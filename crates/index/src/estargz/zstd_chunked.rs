@@ -35,8 +35,8 @@ use std::io::{self, Read, Write};
 use ferry_oci::digest::parse_sha256_bytes;
 use sha2::{Digest as _, Sha256};
 
-use super::toc::{B64, JToc, TocEntry, format_modtime, sha256_string};
-use super::writer::{push_header, tar_name, toc_type};
+use super::toc::{JToc, TocEntry, sha256_string};
+use super::writer::{HashingWriter, push_header, tar_name, toc_entry};
 use super::{DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MAX_TOC_COMPRESSED, MAX_TOC_JSON};
 use crate::entry::EntryKind;
 use crate::error::{Error, Result};
@@ -266,22 +266,6 @@ pub struct ZstdChunkedOutput {
     pub manifest_position: ManifestPosition,
 }
 
-/// Counts and hashes what goes to the blob.
-struct BlobOut<W> {
-    out: W,
-    size: u64,
-    hash: Sha256,
-}
-
-impl<W: Write> BlobOut<W> {
-    fn put(&mut self, b: &[u8]) -> Result<()> {
-        self.out.write_all(b)?;
-        self.hash.update(b);
-        self.size += b.len() as u64;
-        Ok(())
-    }
-}
-
 /// Raw bytes gathered before a batch of frames is compressed (in parallel) and written:
 /// bounds the converter's memory to about twice this.
 const BATCH_BYTES: usize = 32 << 20;
@@ -297,8 +281,8 @@ struct Frame {
 }
 
 /// Frames waiting to be compressed and written, in order.
-struct Batch<'a, W> {
-    blob: BlobOut<W>,
+struct Batch<'a, W: Write> {
+    blob: HashingWriter<W>,
     diff: Sha256,
     frames: Vec<Frame>,
     raw: usize,
@@ -332,13 +316,13 @@ impl<W: Write> Batch<'_, W> {
         for (f, z) in frames.iter().zip(compressed) {
             let z = z.map_err(Error::Io)?;
             self.diff.update(&f.raw);
-            let start = self.blob.size;
+            let start = self.blob.n;
             self.blob.put(&z)?;
             if let Some(e) = f.chunk_entry {
                 entries[e].offset = start as i64;
             }
             if let Some(e) = f.ends_file {
-                entries[e].end_offset = self.blob.size as i64;
+                entries[e].end_offset = self.blob.n as i64;
             }
         }
         Ok(())
@@ -373,11 +357,7 @@ pub fn convert<W: Write>(
         .build()
         .map_err(|e| zc(format!("starting compression threads: {e}")))?;
     let mut batch = Batch {
-        blob: BlobOut {
-            out,
-            size: 0,
-            hash: Sha256::new(),
-        },
+        blob: HashingWriter::new(out),
         diff: Sha256::new(),
         frames: Vec::new(),
         raw: 0,
@@ -390,34 +370,7 @@ pub fn convert<W: Write>(
     while let Some(e) = walker.next_entry()? {
         let name = tar_name(&e);
         push_header(&mut headers, &e, &name)?;
-        let is_dev = matches!(e.kind, EntryKind::Char | EntryKind::Block);
-        let toc = TocEntry {
-            name,
-            typ: toc_type(e.kind).to_string(),
-            size: if e.kind == EntryKind::File {
-                e.size as i64
-            } else {
-                0
-            },
-            modtime: format_modtime(e.mtime, e.mtime_nsec),
-            link_name: match e.kind {
-                EntryKind::Symlink | EntryKind::Hardlink => e.link_target.clone(),
-                _ => String::new(),
-            },
-            mode: i64::from(e.mode & 0o7777),
-            uid: i64::from(e.uid),
-            gid: i64::from(e.gid),
-            uname: e.uname.clone(),
-            gname: e.gname.clone(),
-            dev_major: if is_dev { i64::from(e.dev_major) } else { 0 },
-            dev_minor: if is_dev { i64::from(e.dev_minor) } else { 0 },
-            xattrs: e
-                .xattrs
-                .iter()
-                .map(|(k, v)| (k.clone(), B64(v.clone())))
-                .collect(),
-            ..TocEntry::default()
-        };
+        let toc = toc_entry(&e, name, e.uname.clone(), e.gname.clone());
         if e.kind != EntryKind::File || e.size == 0 {
             entries.push(toc);
             continue;
@@ -501,7 +454,7 @@ pub fn convert<W: Write>(
     .map_err(|e| zc(format!("encoding the TOC: {e}")))?;
     let manifest = zstd::bulk::compress(&json, opts.level).map_err(Error::Io)?;
     let position = ManifestPosition {
-        offset: blob.size + 8,
+        offset: blob.n + 8,
         length: manifest.len() as u64,
         uncompressed: json.len() as u64,
     };
@@ -510,10 +463,10 @@ pub fn convert<W: Write>(
     blob.put(&len32.to_le_bytes())?;
     blob.put(&manifest)?;
     blob.put(&footer_bytes(&position))?;
-    blob.out.flush()?;
+    blob.inner.flush()?;
     Ok(ZstdChunkedOutput {
-        digest: sha256_string(&blob.hash.finalize().into()),
-        size: blob.size,
+        digest: sha256_string(&blob.hasher.finalize().into()),
+        size: blob.n,
         diff_id: sha256_string(&diff.finalize().into()),
         manifest_checksum: sha256_string(&Sha256::digest(&manifest).into()),
         manifest_position: position,
