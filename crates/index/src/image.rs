@@ -261,24 +261,22 @@ pub fn indexed_reader(
     }
 }
 
-/// The reader of an eStargz layer, its TOC (digest `toc`) and members read through
-/// `source`.
-pub fn estargz_reader(source: Arc<dyn RangeSource>, toc: &str) -> Result<LayerReader> {
-    let esgz = EstargzLayer::open(source.as_ref(), Some(toc))?;
-    Ok(LayerReader::new(
-        LayerFormat::Estargz(Arc::new(esgz)),
-        source,
-    ))
-}
-
-/// The reader of a zstd:chunked layer (see [`LayerWay::ZstdChunked`]), its TOC and
-/// frames read through `source`.
-pub fn zstd_chunked_reader(
-    source: Arc<dyn RangeSource>,
-    checksum: &str,
-    position: Option<&str>,
-) -> Result<LayerReader> {
-    let layer = EstargzLayer::open_zstd_chunked(source.as_ref(), checksum, position)?;
+/// The reader of a layer read through its own TOC (eStargz, zstd:chunked), its TOC and
+/// pieces read through `source`: what layouts and ferry-fs's lazy mounts both build for
+/// [`LayerWay::Estargz`] and [`LayerWay::ZstdChunked`]. Any other way is an error: it has
+/// no TOC.
+pub fn toc_reader<I>(way: &LayerWay<'_, I>, source: Arc<dyn RangeSource>) -> Result<LayerReader> {
+    let layer = match *way {
+        LayerWay::Estargz { toc } => EstargzLayer::open(source.as_ref(), Some(toc))?,
+        LayerWay::ZstdChunked { checksum, position } => {
+            EstargzLayer::open_zstd_chunked(source.as_ref(), checksum, position)?
+        }
+        LayerWay::Indexed(_) | LayerWay::Whole => {
+            return Err(Error::Index(
+                "the layer has no TOC (neither eStargz nor zstd:chunked)".into(),
+            ));
+        }
+    };
     Ok(LayerReader::new(
         LayerFormat::Estargz(Arc::new(layer)),
         source,
@@ -297,10 +295,7 @@ pub fn layer_reader(
                 .map(|w| Arc::new(BlobWindows::new(w, true)) as Arc<dyn WindowSource>);
             Ok(indexed_reader(index.clone(), source, windows))
         }
-        LayerWay::Estargz { toc } => estargz_reader(source, toc),
-        LayerWay::ZstdChunked { checksum, position } => {
-            zstd_chunked_reader(source, checksum, position)
-        }
+        way @ (LayerWay::Estargz { .. } | LayerWay::ZstdChunked { .. }) => toc_reader(&way, source),
         LayerWay::Whole => LayerReader::whole(source, whole_compression(layer)?),
     }
 }

@@ -26,8 +26,7 @@ pub mod tree;
 use std::sync::Arc;
 
 use ferry_index::image::{
-    LayerWay, estargz_reader, indexed_reader, indexed_windows, whole_compression,
-    zstd_chunked_reader,
+    LayerWay, indexed_reader, indexed_windows, toc_reader, whole_compression,
 };
 use ferry_index::inflated::InflatedSpans;
 use ferry_index::merged::{Location, MergedImage};
@@ -492,22 +491,13 @@ fn layer_reader(
                 .with_inflated_cache(inflated_spans().clone());
             Ok((reader, Some(source)))
         }
-        LayerWay::Estargz { toc } => {
+        way @ (LayerWay::Estargz { .. } | LayerWay::ZstdChunked { .. }) => {
             let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
             if let Some(store) = store {
                 source = source.with_whole_blob(store, &digest);
             }
             let source = Arc::new(source);
-            let reader = estargz_reader(source.clone(), toc)?;
-            Ok((reader, Some(source)))
-        }
-        LayerWay::ZstdChunked { checksum, position } => {
-            let mut source = LayerSource::passthrough(layer.source, limiter, config, stats);
-            if let Some(store) = store {
-                source = source.with_whole_blob(store, &digest);
-            }
-            let source = Arc::new(source);
-            let reader = zstd_chunked_reader(source.clone(), checksum, position)?;
+            let reader = toc_reader(&way, source.clone())?;
             Ok((reader, Some(source)))
         }
         LayerWay::Whole => {

@@ -357,7 +357,7 @@ fn read_chunk<R: io::BufRead>(
     out: &mut [u8],
 ) -> Result<()> {
     let what = || format!("chunk at offset {} of {path:?}", c.file_off);
-    let gz_err = |what: &str, e: io::Error| match codec {
+    let decode_err = |what: &str, e: io::Error| match codec {
         Codec::Gzip => gz_err(what, e),
         Codec::Zstd => esgz(format!("zstd: {what}: {e}")),
     };
@@ -365,8 +365,8 @@ fn read_chunk<R: io::BufRead>(
         Codec::Gzip => Box::new(MultiGzDecoder::new(compressed)),
         Codec::Zstd => Box::new(super::zstd_chunked::decoder(compressed)?),
     };
-    let skipped =
-        io::copy(&mut (&mut dec).take(c.inner), &mut io::sink()).map_err(|e| gz_err(&what(), e))?;
+    let skipped = io::copy(&mut (&mut dec).take(c.inner), &mut io::sink())
+        .map_err(|e| decode_err(&what(), e))?;
     if skipped != c.inner {
         return Err(esgz(format!(
             "{}: member ends before innerOffset {}",
@@ -391,7 +391,7 @@ fn read_chunk<R: io::BufRead>(
             }
             Ok(got) => got.min(n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(gz_err(&what(), e)),
+            Err(e) => return Err(decode_err(&what(), e)),
         };
         hasher.update(&tmp[..got]);
         let lo = pos.max(want.start);
