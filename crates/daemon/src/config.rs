@@ -71,6 +71,11 @@ pub struct DaemonConfig {
 pub struct FetchSection {
     /// Concurrent registry requests per mounted image.
     pub concurrency: usize,
+    /// Concurrent registry requests to one layer blob, at most `concurrency`. A fetch
+    /// that finds them all busy queues, and the queued fetches of that layer go out
+    /// together, in one multi-range request, when one returns: a registry pays per
+    /// request, and a start's fetches of a layer come in bursts.
+    pub layer_concurrency: usize,
     /// Largest merged request (`"8M"`; K/M/G are powers of 1024; or a number of bytes).
     #[serde(with = "size_text")]
     pub request_size: u64,
@@ -99,6 +104,7 @@ impl Default for FetchSection {
     fn default() -> Self {
         FetchSection {
             concurrency: 8,
+            layer_concurrency: ferry_fs::device::DEFAULT_LAYER_CONCURRENCY,
             request_size: 8 << 20,
             timeout: Duration::from_secs(30),
             readahead: ferry_fs::device::DEFAULT_READAHEAD_BYTES,
@@ -625,6 +631,7 @@ impl DaemonConfig {
             }
         };
         range("fetch.concurrency", self.fetch.concurrency)?;
+        range("fetch.layer_concurrency", self.fetch.layer_concurrency)?;
         range("fuse.threads", self.fuse.threads)?;
         range("warm.concurrency", self.warm.concurrency)?;
         if self.fetch.request_size == 0 || self.fetch.request_size > MAX_REQUEST_SIZE {
@@ -770,6 +777,7 @@ impl DaemonConfig {
     pub fn fetch_config(&self) -> FetchConfig {
         FetchConfig {
             concurrency: self.fetch.concurrency,
+            layer_concurrency: self.fetch.layer_concurrency.min(self.fetch.concurrency),
             max_request_bytes: self.fetch.request_size,
             timeout: self.fetch.timeout,
             // A window is fetched in one request.
@@ -897,6 +905,7 @@ mod tests {
             max_bytes = 1048576
             [fetch]
             concurrency = 3
+            layer_concurrency = 5
             request_size = "512K"
             timeout = "1500ms"
             [fuse]
@@ -933,6 +942,8 @@ mod tests {
         assert_eq!(c.store.path.as_deref(), Some(Path::new("/s")));
         assert_eq!(c.store.max_bytes, 1 << 20);
         assert_eq!(c.fetch_config().concurrency, 3);
+        // No more for one layer than for the whole image.
+        assert_eq!(c.fetch_config().layer_concurrency, 3);
         assert_eq!(c.fetch_config().max_request_bytes, 512 << 10);
         assert_eq!(c.fetch_config().timeout, Duration::from_millis(1500));
         assert_eq!(c.fuse.threads, 2);
@@ -991,6 +1002,7 @@ mod tests {
             ("[fetch]\nrequest_size = \"8X\"", "not a size"),
             ("[fetch]\ntimeout = \"soon\"", "not a duration"),
             ("[fetch]\nconcurrency = 0", "fetch.concurrency"),
+            ("[fetch]\nlayer_concurrency = 0", "fetch.layer_concurrency"),
             ("[fuse]\nthreads = 100000", "fuse.threads"),
             ("[fetch]\nrequest_size = \"2G\"", "request_size"),
             ("[fetch]\ntimeout = \"10ms\"", "timeout"),

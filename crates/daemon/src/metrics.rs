@@ -78,6 +78,7 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
     let misses = Counters::default();
     let errors = Counters::default();
     let requests = Counters::default();
+    let requests_joined = Counters::default();
     let prefetched = Counters::default();
     let filled = Counters::default();
     let read_waits = Counters::default();
@@ -100,6 +101,9 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         misses.get_or_create(&labels).inc_by(s.cache_misses);
         errors.get_or_create(&labels).inc_by(s.fetch_errors);
         requests.get_or_create(&labels).inc_by(s.requests);
+        requests_joined
+            .get_or_create(&labels)
+            .inc_by(s.requests_joined);
         prefetched.get_or_create(&labels).inc_by(s.bytes_prefetched);
         filled.get_or_create(&labels).inc_by(s.bytes_filled);
         read_waits.get_or_create(&labels).inc_by(s.read_waits);
@@ -143,6 +147,11 @@ pub fn render(backend: &dyn MountBackend, cri: Option<&CriStatus>) -> Result<Str
         errors,
     );
     registry.register("mount_requests", "Backend requests made", requests);
+    registry.register(
+        "mount_requests_joined",
+        "Fetches that went out in another fetch's request to the same blob",
+        requests_joined,
+    );
     registry.register(
         "mount_prefetched_bytes",
         "Compressed bytes fetched by prefetch",

@@ -31,6 +31,7 @@ use fuser::{
     ReplyStatfs, ReplyXattr, Request, SessionACL,
 };
 
+use crate::device;
 use crate::error::{Error, Result};
 use crate::filecache::FileCache;
 use crate::image::MountedImage;
@@ -451,7 +452,8 @@ impl Filesystem for FerryFs {
     ) {
         self.read_requests.fetch_add(1, Ordering::Relaxed);
         let Some(local) = &self.local else {
-            return match self.read_file_for(ino.0, offset, size, req.pid()) {
+            return match device::for_a_reader(|| self.read_file_for(ino.0, offset, size, req.pid()))
+            {
                 Ok(data) => reply.data(&data),
                 Err(e) => reply.error(e),
             };
@@ -470,7 +472,7 @@ impl Filesystem for FerryFs {
         {
             return reply.data(&data);
         }
-        match self.read_file_for(ino.0, offset, size, req.pid()) {
+        match device::for_a_reader(|| self.read_file_for(ino.0, offset, size, req.pid())) {
             Ok(data) => {
                 reply.data(&data);
                 // After the reply: the reader does not wait for the bookkeeping.

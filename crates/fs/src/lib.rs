@@ -22,7 +22,8 @@
 //!   modules every start of it imports and those its command line names (the reading
 //!   process's `/proc/PID/cmdline`, `image::interpreter`);
 //! * device ([`device`]): file reads become the compressed spans the index names,
-//!   fetched once however many threads want them, merged when adjacent, verified
+//!   fetched once however many threads want them, merged when adjacent, a busy
+//!   layer's queued fetches joined into one multi-range request, verified
 //!   against the index's digests, bounded in time, with readahead along the layer's
 //!   stream (a miss fetches the window after it in the same request, a reader catching
 //!   up with a window starts the next one in the background);

@@ -12,6 +12,9 @@ pub struct MountStats {
     pub bytes_fetched: AtomicU64,
     /// Backend requests made.
     pub requests: AtomicU64,
+    /// Fetches that went out in another fetch's request instead of one of their own
+    /// (queued for the same blob while its requests were in flight).
+    pub requests_joined: AtomicU64,
     /// Spans served from the chunk store without a fetch.
     pub cache_hits: AtomicU64,
     /// Spans that had to be fetched.
@@ -134,6 +137,9 @@ pub struct StatsSnapshot {
     pub bytes_fetched: u64,
     /// See [`MountStats::requests`].
     pub requests: u64,
+    /// See [`MountStats::requests_joined`] (absent from an older daemon's answer: 0).
+    #[serde(default)]
+    pub requests_joined: u64,
     /// See [`MountStats::cache_hits`].
     pub cache_hits: u64,
     /// See [`MountStats::cache_misses`].
@@ -186,6 +192,7 @@ impl MountStats {
             bytes_total: l(&self.bytes_total),
             bytes_fetched: l(&self.bytes_fetched),
             requests: l(&self.requests),
+            requests_joined: l(&self.requests_joined),
             cache_hits: l(&self.cache_hits),
             cache_misses: l(&self.cache_misses),
             fetch_errors: l(&self.fetch_errors),

@@ -38,16 +38,24 @@
 //! (spans not in the store; an eStargz blob whole into the store, verified against the
 //! layer digest, after which reads are served from it).
 //!
+//! Requests go out through the image's [`Limiter`] ([`limiter`]): at most
+//! [`FetchConfig::concurrency`] in flight per image and
+//! [`FetchConfig::layer_concurrency`] per blob; a fetch that finds its blob busy queues,
+//! and the next request to that blob carries every queued fetch along as ranges of one
+//! multi-range request (a registry pays per request). A process's read
+//! ([`for_a_reader`]) is never held by the per-blob bound.
+//!
 //! Failure is bounded: every fetch runs against a deadline of [`FetchConfig::timeout`]
 //! (waiting for a concurrency slot included) and fails with `TimedOut` after it; a
 //! backend that never answers holds one slot, never a reader.
 
+mod limiter;
 pub(crate) mod readahead;
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -57,14 +65,45 @@ use ferry_index::source::RangeSource;
 use ferry_index::windows::WindowSource;
 use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use crate::stats::{Guess, MountStats};
+pub use limiter::{JOIN_MAX_RANGES, Limiter};
+use limiter::{Turn, copy_error, share_of, unions};
 use readahead::{Readahead, SpanMap};
 
 thread_local! {
     /// Set while this thread does background work ([`in_background`]).
     static BACKGROUND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set while this thread serves a process's read ([`for_a_reader`]).
+    static READER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with `flag` set on this thread, restored however `f` ends.
+fn with_flag<T>(
+    flag: &'static std::thread::LocalKey<std::cell::Cell<bool>>,
+    f: impl FnOnce() -> T,
+) -> T {
+    struct Restore(&'static std::thread::LocalKey<std::cell::Cell<bool>>, bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            self.0.with(|b| b.set(self.1));
+        }
+    }
+    let _restore = Restore(flag, flag.with(|b| b.replace(true)));
+    f()
+}
+
+/// Runs `f` as a process's read (the FUSE read handler): its fetches are the start's
+/// critical path, so they never wait for a layer's requests in flight
+/// ([`FetchConfig::layer_concurrency`]), only for the image's slots, and take the
+/// queued guesses of the same layer along.
+pub fn for_a_reader<T>(f: impl FnOnce() -> T) -> T {
+    with_flag(&READER, f)
+}
+
+fn is_reader() -> bool {
+    READER.with(|b| b.get()) && !is_background()
 }
 
 /// Runs `f` as background work: reads inside it (prefetch writing a file to the file
@@ -72,15 +111,7 @@ thread_local! {
 /// reads, so they neither count as reads that waited (the start's critical path, and
 /// what background fill waits to be quiet) nor start readahead or mark guesses used.
 pub(crate) fn in_background<T>(f: impl FnOnce() -> T) -> T {
-    /// Restores the flag however `f` ends.
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            BACKGROUND.with(|b| b.set(self.0));
-        }
-    }
-    let _restore = Restore(BACKGROUND.with(|b| b.replace(true)));
-    f()
+    with_flag(&BACKGROUND, f)
 }
 
 fn is_background() -> bool {
@@ -118,6 +149,10 @@ impl Failure {
 pub struct FetchConfig {
     /// Concurrent backend requests per image.
     pub concurrency: usize,
+    /// Concurrent backend requests to one blob (a layer, or its windows blob), at most
+    /// `concurrency`. Fetches that find them all busy queue and go out together, in one
+    /// multi-range request, when one returns ([`limiter`]).
+    pub layer_concurrency: usize,
     /// Largest merged request, in compressed bytes (a single span larger than this is
     /// still fetched whole: it cannot be verified in pieces).
     pub max_request_bytes: u64,
@@ -139,6 +174,7 @@ impl Default for FetchConfig {
     fn default() -> Self {
         FetchConfig {
             concurrency: 8,
+            layer_concurrency: DEFAULT_LAYER_CONCURRENCY,
             max_request_bytes: 8 << 20,
             timeout: Duration::from_secs(30),
             readahead_bytes: DEFAULT_READAHEAD_BYTES,
@@ -152,6 +188,11 @@ impl Default for FetchConfig {
 /// from a 1.1 GB image (59 MB read): 2 MiB took the reads that waited for the registry
 /// from 297 to 130 for 1.07x the bytes read; 4 MiB to 103, but for 1.53x.
 pub const DEFAULT_READAHEAD_BYTES: u64 = 2 << 20;
+/// Default [`FetchConfig::layer_concurrency`]. Measured on a pandas + numpy + scipy
+/// start without a trace against Debian's registry: 2 took its Range requests from ~180
+/// to ~160 with reads waiting no more often; 1 to ~130, but with more reads waiting at
+/// 10 ms (a layer's guesses then go one request per round trip). docs/benchmarks.md.
+pub const DEFAULT_LAYER_CONCURRENCY: usize = 2;
 /// Default [`FetchConfig::whole_file_bytes`]: most shared libraries and every module of
 /// an interpreter's start; a start reads nearly all of such a file.
 pub const DEFAULT_WHOLE_FILE_BYTES: u64 = 8 << 20;
@@ -239,67 +280,6 @@ fn link() -> &'static LinkMeter {
 /// once fetches have measured it.
 pub fn link_bytes_per_sec() -> Option<u64> {
     link().bytes_per_sec()
-}
-
-/// Bounds concurrent backend requests of one image. Slots are released when the fetch
-/// thread finishes, so a hung backend keeps its slot and cannot pile up threads.
-#[derive(Debug)]
-pub struct Limiter {
-    slots: usize,
-    free: Mutex<usize>,
-    cv: Condvar,
-    /// Callers blocked waiting for a slot right now (background fill backs off while
-    /// anyone waits).
-    waiting: AtomicUsize,
-}
-
-impl Limiter {
-    /// A limiter with `slots` slots (at least one).
-    pub fn new(slots: usize) -> Arc<Limiter> {
-        Arc::new(Limiter {
-            slots: slots.max(1),
-            free: Mutex::new(slots.max(1)),
-            cv: Condvar::new(),
-            waiting: AtomicUsize::new(0),
-        })
-    }
-
-    /// Slots in all.
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-
-    /// Callers waiting for a slot right now.
-    pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::Relaxed)
-    }
-
-    fn acquire(self: &Arc<Self>, deadline: Instant) -> io::Result<Slot> {
-        let mut free = self.free.lock();
-        if *free == 0 {
-            self.waiting.fetch_add(1, Ordering::Relaxed);
-            while *free == 0 {
-                let now = Instant::now();
-                if now >= deadline {
-                    self.waiting.fetch_sub(1, Ordering::Relaxed);
-                    return Err(timed_out("waiting for a fetch slot"));
-                }
-                self.cv.wait_for(&mut free, deadline - now);
-            }
-            self.waiting.fetch_sub(1, Ordering::Relaxed);
-        }
-        *free -= 1;
-        Ok(Slot(self.clone()))
-    }
-}
-
-struct Slot(Arc<Limiter>);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        *self.0.free.lock() += 1;
-        self.0.cv.notify_one();
-    }
 }
 
 fn timed_out(what: &str) -> io::Error {
@@ -1209,37 +1189,80 @@ impl LayerSource {
     }
 
     /// `ranges` (sorted, not touching) from `backend`, in one request where it batches
-    /// ranges ([`RangeSource::batches_ranges`]): one limiter slot, one deadline.
+    /// ranges ([`RangeSource::batches_ranges`]): one limiter turn, one deadline. When no
+    /// slot is free the fetch queues, and may go out joined with others of the same blob
+    /// in one request ([`limiter`]).
     fn fetch_many_from(
         &self,
         backend: &Arc<dyn RangeSource>,
         ranges: &[Range<u64>],
         deadline: Instant,
     ) -> io::Result<Vec<Vec<u8>>> {
-        let slot = self.limiter.acquire(deadline).inspect_err(|_| {
-            MountStats::add(&self.stats.fetch_errors, 1);
-        })?;
-        let (tx, rx) = mpsc::sync_channel(1);
         let windows = !Arc::ptr_eq(backend, &self.backend);
         let background = is_background();
         let started = Instant::now();
-        let asked = backend.clone();
-        let want = ranges.to_vec();
-        std::thread::Builder::new()
-            .name("ferry-fetch".into())
-            .spawn(move || {
-                let _slot = slot;
-                link().begin(Instant::now());
-                let outcome = match want.as_slice() {
-                    [one] => asked.read_range(one.clone()).map(|b| vec![b]),
-                    many => asked.read_ranges(many),
-                };
-                let n = outcome
-                    .as_ref()
-                    .map_or(0, |bs| bs.iter().map(|b| b.len() as u64).sum());
-                link().end(Instant::now(), n);
-                let _ = tx.send(outcome);
+        let blob = backend
+            .batches_ranges()
+            .then_some(Arc::as_ptr(backend) as *const () as usize);
+        let turn = self
+            .limiter
+            .turn(
+                blob,
+                is_reader(),
+                ranges,
+                self.config.max_request_bytes,
+                deadline,
+            )
+            .inspect_err(|_| {
+                MountStats::add(&self.stats.fetch_errors, 1);
             })?;
+        let (rx, riders, asked_ranges) = match turn {
+            Turn::Joined(rx) => (rx, None, 0),
+            Turn::Lead { slot, riders } => {
+                let (tx, rx) = mpsc::sync_channel(1);
+                let asked = backend.clone();
+                let own = ranges.to_vec();
+                let all = unions(
+                    own.iter()
+                        .chain(riders.iter().flat_map(|r| r.ranges.iter())),
+                );
+                let n = (riders.len(), all.len());
+                std::thread::Builder::new()
+                    .name("ferry-fetch".into())
+                    .spawn(move || {
+                        let _slot = slot;
+                        link().begin(Instant::now());
+                        let outcome = match all.as_slice() {
+                            [one] => asked.read_range(one.clone()).map(|b| vec![b]),
+                            many => asked.read_ranges(many),
+                        };
+                        let got = outcome
+                            .as_ref()
+                            .map_or(0, |bs| bs.iter().map(|b| b.len() as u64).sum());
+                        link().end(Instant::now(), got);
+                        match outcome {
+                            Ok(answer) => {
+                                for r in riders {
+                                    let _ = r.tx.send(Ok(share_of(&all, &answer, &r.ranges)));
+                                }
+                                let mine = if all == own {
+                                    answer
+                                } else {
+                                    share_of(&all, &answer, &own)
+                                };
+                                let _ = tx.send(Ok(mine));
+                            }
+                            Err(e) => {
+                                for r in riders {
+                                    let _ = r.tx.send(Err(copy_error(&e)));
+                                }
+                                let _ = tx.send(Err(e));
+                            }
+                        }
+                    })?;
+                (rx, Some(n.0), n.1)
+            }
+        };
         let (first, last) = match (ranges.first(), ranges.last()) {
             (Some(f), Some(l)) => (f.start, l.end),
             _ => (0, 0),
@@ -1254,10 +1277,14 @@ impl LayerSource {
                 Err(io::Error::other("fetch thread ended without an answer"))
             }
         };
-        let requests = if ranges.len() > 1 && !backend.batches_ranges() {
-            ranges.len() as u64
-        } else {
-            1
+        // A fetch taken along in another's request is not a request of its own.
+        let requests = match riders {
+            None => {
+                MountStats::add(&self.stats.requests_joined, 1);
+                0
+            }
+            Some(_) if blob.is_none() => asked_ranges as u64,
+            Some(_) => 1,
         };
         MountStats::add(&self.stats.requests, requests);
         // One line per request, for where a start's round trips went (FERRY_LOG debug).
@@ -1265,6 +1292,8 @@ impl LayerSource {
             start = first,
             len = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
             ranges = ranges.len(),
+            // None: taken along in another fetch's request; else the fetches it carried.
+            riders = ?riders,
             windows,
             background,
             thread = std::thread::current().name().unwrap_or("-"),

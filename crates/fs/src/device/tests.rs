@@ -362,6 +362,60 @@ fn concurrent_reads_of_one_span_share_one_fetch() {
 }
 
 #[test]
+fn reads_queued_for_a_busy_blob_go_out_together_in_one_request() {
+    let (blob, index, files) = gzip_layer();
+    let backend = TestBackend::new(blob);
+    backend.gated.store(true, Ordering::SeqCst);
+    backend.batches.store(true, Ordering::SeqCst);
+    let stats = Arc::new(MountStats::default());
+    // One request in flight per blob: the reads that come while it is out queue.
+    let limiter = Limiter::with_per_blob(8, 1);
+    let source = LayerSource::indexed(
+        backend.clone(),
+        &index,
+        None,
+        limiter.clone(),
+        FetchConfig::default(),
+        stats.clone(),
+    );
+    let reader = LayerReader::new(LayerFormat::Indexed(Arc::new(index)), Arc::new(source));
+    let rig = Arc::new(Rig {
+        backend,
+        reader,
+        stats,
+        files,
+    });
+    let read = |path: &'static str, off: u64, len: usize| {
+        let rig = rig.clone();
+        std::thread::spawn(move || (path, off, rig.read(path, off, len).unwrap()))
+    };
+    let first = read("a", 0, 1000);
+    while rig.backend.asked.lock().unwrap().is_empty() {
+        std::thread::yield_now();
+    }
+    let later = [read("dir/c", 1000, 5000), read("a", 200 << 10, 4000)];
+    while limiter.waiting() < 2 {
+        std::thread::yield_now();
+    }
+    rig.backend.release();
+    for h in std::iter::once(first).chain(later) {
+        let (path, off, got) = h.join().unwrap();
+        let off = off as usize;
+        assert_eq!(got, &rig.content(path)[off..off + got.len()]);
+        assert!(!got.is_empty());
+    }
+    let asked = rig.backend.asked.lock().unwrap().clone();
+    assert_eq!(
+        asked.len(),
+        2,
+        "the first read's request and one for both others: {asked:?}"
+    );
+    // (The two reads' spans touch here: the joined request asks for them as one range.)
+    let s = rig.stats.snapshot();
+    assert_eq!((s.requests, s.requests_joined), (2, 1));
+}
+
+#[test]
 fn corrupt_bytes_fail_the_read_and_are_never_stored() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(dir.path());

@@ -96,7 +96,7 @@ impl MountedImage {
         view: &View,
     ) -> Result<MountedImage> {
         let stats = Arc::new(MountStats::default());
-        let limiter = Limiter::new(config.concurrency);
+        let limiter = Limiter::with_per_blob(config.concurrency, config.layer_concurrency);
         let mut readers = Vec::new();
         let mut sources = Vec::new();
         let mut chosen = None;
