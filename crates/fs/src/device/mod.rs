@@ -1292,10 +1292,11 @@ impl LayerSource {
             start = first,
             len = ranges.iter().map(|r| r.end - r.start).sum::<u64>(),
             ranges = ranges.len(),
-            // None: taken along in another fetch's request; else the fetches it carried.
-            riders = ?riders,
             windows,
             background,
+            // Taken along in another fetch's request; else the fetches this one carried.
+            joined = riders.is_none(),
+            riders = riders.unwrap_or(0),
             thread = std::thread::current().name().unwrap_or("-"),
             ms = started.elapsed().as_secs_f64() * 1e3,
             "backend request"
