@@ -269,23 +269,8 @@ impl Drop for Slot {
     }
 }
 
-/// The ranges of several fetches as one request's: sorted, overlapping and touching
-/// ones merged.
-pub(crate) fn unions<'a>(ranges: impl IntoIterator<Item = &'a Range<u64>>) -> Vec<Range<u64>> {
-    let mut all: Vec<Range<u64>> = ranges.into_iter().cloned().collect();
-    all.sort_by_key(|r| r.start);
-    let mut out: Vec<Range<u64>> = Vec::with_capacity(all.len());
-    for r in all {
-        match out.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => out.push(r),
-        }
-    }
-    out
-}
-
-/// `wanted`'s bytes cut out of the answer to `unions` (each of `wanted` lies in one of
-/// them). A short answer gives short pieces, which the fetch's own length check refuses.
+/// `wanted`'s bytes cut out of the answer to `unions` (the request's merged ranges, each
+/// of `wanted` inside one of them). A short answer gives short pieces, which the fetch's own length check refuses.
 pub(crate) fn share_of(
     unions: &[Range<u64>],
     answer: &[Vec<u8>],
@@ -323,13 +308,6 @@ mod tests {
     }
 
     #[test]
-    fn unions_merge_overlapping_and_touching_ranges() {
-        let rs = [10..20, 0..5, 5..8, 15..30, 40..41];
-        assert_eq!(unions(&rs), vec![0..8, 10..30, 40..41]);
-        assert!(unions(&[]).is_empty());
-    }
-
-    #[test]
     fn shares_are_cut_from_the_unions() {
         let us = vec![0..8, 10..30];
         let answer = vec![(0u8..8).collect::<Vec<_>>(), (10u8..30).collect()];
@@ -354,6 +332,27 @@ mod tests {
         }
     }
 
+    /// A turn that must lead (a slot free for the blob): its slot and riders.
+    fn lead(
+        l: &Arc<Limiter>,
+        blob: Option<BlobKey>,
+        reader: bool,
+        ranges: &[Range<u64>],
+        max_bytes: u64,
+    ) -> (Slot, Vec<Rider>) {
+        match l.turn(blob, reader, ranges, max_bytes, soon()).unwrap() {
+            Turn::Lead { slot, riders } => (slot, riders),
+            Turn::Joined(_) => panic!("expected to lead: {ranges:?}"),
+        }
+    }
+
+    /// A turn for `20..30` of blob 1 that may wait 20 ms: its error.
+    fn brief_turn_error(l: &Arc<Limiter>, reader: bool) -> io::Error {
+        let deadline = Instant::now() + Duration::from_millis(20);
+        l.turn(Some(1), reader, &[20..30], 100, deadline)
+            .unwrap_err()
+    }
+
     /// Queues a fetch of `ranges` on another thread; returns once it is waiting.
     fn queued(
         l: &Arc<Limiter>,
@@ -372,9 +371,7 @@ mod tests {
     #[test]
     fn fetches_queued_for_a_blob_ride_with_the_next_request_to_it() {
         let l = Limiter::with_per_blob(4, 1);
-        let Turn::Lead { slot, .. } = l.turn(Some(7), false, &[0..10], 100, soon()).unwrap() else {
-            panic!("first fetch leads")
-        };
+        let (slot, _) = lead(&l, Some(7), false, &[0..10], 100);
         // The blob's one request is in flight: these queue, one for another blob too.
         let a = queued(&l, Some(7), vec![20..30]);
         let b = queued(&l, Some(7), vec![40..50, 60..70]);
@@ -403,9 +400,7 @@ mod tests {
     #[test]
     fn riders_fit_the_request_size_and_range_count() {
         let l = Limiter::with_per_blob(2, 1);
-        let Turn::Lead { slot, .. } = l.turn(Some(1), false, &[0..10], 100, soon()).unwrap() else {
-            panic!("first fetch leads")
-        };
+        let (slot, _) = lead(&l, Some(1), false, &[0..10], 100);
         let big = queued(&l, Some(1), vec![0..60]);
         let too_big = queued(&l, Some(1), vec![100..150]);
         let small = queued(&l, Some(1), vec![200..230]);
@@ -425,10 +420,7 @@ mod tests {
         ));
 
         let l = Limiter::with_per_blob(1, 1);
-        let Turn::Lead { slot, .. } = l.turn(Some(1), false, &[0..1], 1 << 20, soon()).unwrap()
-        else {
-            panic!("first fetch leads")
-        };
+        let (slot, _) = lead(&l, Some(1), false, &[0..1], 1 << 20);
         let many: Vec<Range<u64>> = (0..JOIN_MAX_RANGES as u64)
             .map(|i| i * 10..i * 10 + 1)
             .collect();
@@ -449,41 +441,24 @@ mod tests {
     #[test]
     fn a_reader_passes_the_blob_bound_and_takes_the_queued_guesses_along() {
         let l = Limiter::with_per_blob(4, 1);
-        let Turn::Lead { slot: _held, .. } = l.turn(Some(1), false, &[0..10], 100, soon()).unwrap()
-        else {
-            panic!("first fetch leads")
-        };
+        let _held = lead(&l, Some(1), false, &[0..10], 100);
         let guess = queued(&l, Some(1), vec![20..30]);
         // A process's read does not wait behind the blob's request in flight.
-        let Turn::Lead { riders, slot } = l.turn(Some(1), true, &[50..60], 100, soon()).unwrap()
-        else {
-            panic!("a reader leads while slots are free")
-        };
+        let (slot, riders) = lead(&l, Some(1), true, &[50..60], 100);
         assert_eq!(riders.len(), 1);
         assert_eq!(riders[0].ranges, vec![20..30]);
         assert!(matches!(guess.join().unwrap().unwrap(), Turn::Joined(_)));
         drop(slot);
         // Slots still bound a reader.
         let l = Limiter::with_per_blob(1, 1);
-        let _only = l.turn(Some(1), false, &[0..10], 100, soon()).unwrap();
-        let e = l
-            .turn(
-                Some(1),
-                true,
-                &[20..30],
-                100,
-                Instant::now() + Duration::from_millis(20),
-            )
-            .unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        let _only = lead(&l, Some(1), false, &[0..10], 100);
+        assert_eq!(brief_turn_error(&l, true).kind(), io::ErrorKind::TimedOut);
     }
 
     #[test]
     fn backends_that_do_not_batch_are_never_joined() {
         let l = Limiter::new(1);
-        let Turn::Lead { slot, .. } = l.turn(None, false, &[0..10], 100, soon()).unwrap() else {
-            panic!("first fetch leads")
-        };
+        let (slot, _) = lead(&l, None, false, &[0..10], 100);
         let a = queued(&l, None, vec![20..30]);
         let b = queued(&l, None, vec![40..50]);
         drop(slot);
@@ -498,17 +473,8 @@ mod tests {
     #[test]
     fn a_queued_fetch_times_out_and_leaves_the_queue() {
         let l = Limiter::with_per_blob(1, 1);
-        let _held = l.turn(Some(1), false, &[0..10], 100, soon()).unwrap();
-        let e = l
-            .turn(
-                Some(1),
-                false,
-                &[20..30],
-                100,
-                Instant::now() + Duration::from_millis(20),
-            )
-            .unwrap_err();
-        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        let _held = lead(&l, Some(1), false, &[0..10], 100);
+        assert_eq!(brief_turn_error(&l, false).kind(), io::ErrorKind::TimedOut);
         assert_eq!(l.waiting(), 0);
         assert!(l.state.lock().queue.is_empty());
     }

@@ -67,9 +67,10 @@ use ferry_registry_client::cache::flight;
 use ferry_store::{ChunkKey, Store};
 use parking_lot::Mutex;
 
+use crate::ranges::merge_ranges;
 use crate::stats::{Guess, MountStats};
 pub use limiter::{JOIN_MAX_RANGES, Limiter};
-use limiter::{Turn, copy_error, share_of, unions};
+use limiter::{Turn, copy_error, share_of};
 use readahead::{Readahead, SpanMap};
 
 thread_local! {
@@ -1222,9 +1223,13 @@ impl LayerSource {
                 let (tx, rx) = mpsc::sync_channel(1);
                 let asked = backend.clone();
                 let own = ranges.to_vec();
-                let all = unions(
+                // One request's ranges: every fetch's, sorted, overlapping and touching
+                // ones merged.
+                let all = merge_ranges(
                     own.iter()
-                        .chain(riders.iter().flat_map(|r| r.ranges.iter())),
+                        .chain(riders.iter().flat_map(|r| r.ranges.iter()))
+                        .cloned()
+                        .collect(),
                 );
                 let n = (riders.len(), all.len());
                 std::thread::Builder::new()
