@@ -75,18 +75,23 @@ cn() {
     RC=$?
     set -e
 }
-# cn_probe NS ARGS...: cn for a command whose output ends with "end". When it exits 0
-# but its output does not end there, ctr's copy of the container's output was cut
-# short (it races the container's exit; seen once on a loaded CI machine: the last two
-# lines of a probe missing, the container's exit 0); the command is run once more and
-# that is said, so a truncation that repeats still fails.
-cn_probe() {
+# cn_ending SUFFIX NS ARGS...: cn for a command whose output ends with SUFFIX. When it
+# exits 0 but its output does not end there, ctr's copy of the container's output was
+# cut short (it races the container's exit; seen on loaded CI machines: the last two lines
+# of a probe missing, and once the whole of an overlayfs run's "ready small", each with
+# the container's exit 0); the command is run once more and that is said, so a
+# truncation that repeats still fails.
+cn_ending() {
+    local suffix=$1
+    shift
     cn "$@"
-    if [[ $RC == 0 && $OUT != *end ]]; then
-        echo "    | ctr's output was cut short ($(wc -l <<<"$OUT") lines, exit 0): running it once more"
+    if [[ $RC == 0 && $OUT != *"$suffix" ]]; then
+        echo "    | ctr's output was cut short ($(wc -c <<<"$OUT") bytes, exit 0): running it once more"
         cn "$@"
     fi
 }
+# cn_probe NS ARGS...: cn_ending for the probe, whose output ends with "end"
+cn_probe() { cn_ending end "$@"; }
 say() { sed 's/^/    | /' <<<"$1" | tail -"${2:-10}"; }
 # fpull NS REF: ferry pull REF into namespace NS; output in PULL_OUT, exit in PULL_RC
 fpull() {
@@ -226,17 +231,17 @@ check_form() {
     # the reference: the same REF on overlayfs
     CT=300 cn "$NS_OVL" image pull --plain-http "$ref"
     [[ $RC == 0 ]] || { fail "$name: ctr image pull --plain-http (overlayfs): exit $RC"; say "$OUT"; return 0; }
-    cn "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-$name-$$"
+    cn_ending small "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-$name-$$"
     [[ $RC == 0 ]] || { fail "$name: overlayfs run: exit $RC"; say "$OUT"; return 0; }
     ovl_default=$OUT
     cn_probe "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-probe-$name-$$" sh -c "$PROBE" probe "$@"
     [[ $RC == 0 && $OUT == *end ]] || { fail "$name: overlayfs probe: exit $RC"; say "$OUT"; return 0; }
     ovl_probe=$OUT
-    cn "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-root-$name-$$" ls -A /
+    cn_ending tmp "$NS_OVL" run --rm --snapshotter overlayfs "$ref" "ovl-root-$name-$$" ls -A /
     ovl_root=$OUT
 
     # 2. the default command
-    cn "$ns" run --rm --snapshotter ferry "$ref" "ferry-$name-$$"
+    cn_ending small "$ns" run --rm --snapshotter ferry "$ref" "ferry-$name-$$"
     if [[ $RC == 0 && $OUT == "$ovl_default" ]]; then
         pass "$name: ctr run --snapshotter ferry prints what overlayfs prints: '$OUT'"
     else
@@ -311,7 +316,7 @@ check_form() {
     if (($# > 0)); then
         local h want_root=$ovl_root
         for h in "$@"; do want_root=$(grep -v -x -F "${h#/}" <<<"$want_root" || true); done
-        cn "$ns" run --rm --snapshotter ferry "$ref" "ferry-root-$name-$$" ls -A /
+        cn_ending tmp "$ns" run --rm --snapshotter ferry "$ref" "ferry-root-$name-$$" ls -A /
         if [[ $RC == 0 && $OUT == "$want_root" && $OUT != "$ovl_root" ]]; then
             pass "$name: / on ferry == / on overlayfs without the format's metadata files ($(tr '\n' ' ' <<<"$(comm -23 <(sort <<<"$ovl_root") <(sort <<<"$OUT"))"), which overlayfs shows)"
         else
