@@ -21,6 +21,13 @@
 #    (its debug line "backend request … ranges=N", N >= 2); the client never fell back to
 #    one range per request; the file's bytes equal the image's; docker-registry logged no
 #    error serving a blob.
+# 3. Daemon 3 (a store of its own, no guesses, one request in flight per image, so that
+#    every read is a fetch of its own spans) reaches docker-registry through `ferry bench
+#    proxy --delay 50ms`; 12 processes read 12 different places of the image at once.
+#    While the first request is out, the other reads queue, and the next request to
+#    their layer takes them along: the mount's `requests_joined` counts them, the lead's
+#    debug line says `riders=N`, fewer requests went out than reads waited, and every
+#    process got the image's bytes.
 #
 # Env: FERRY (default target/release/ferry, else target/debug/ferry), OUT,
 #      FERRY_TIMEOUT (seconds per ferry call, 120), E2E_KEEP=1 / E2E_VERBOSE=1.
@@ -40,13 +47,13 @@ fy "$E2E_TMP/cp.out" "$E2E_TMP/cp.err" copy "oci:$IMG:small" "$IMAGE"
 [[ $RC == 0 ]] || { show "$E2E_TMP/cp.err"; e2e_die "ferry copy to $IMAGE failed"; }
 
 SOCK=$E2E_TMP/run/daemon.sock
-# node_daemon N FETCH_TOML: daemon N on the shared store, logging ferry_fs at debug to
+# node_daemon N FETCH_TOML: daemon N on the shared store (or $STORE_DIR), logging ferry_fs at debug to
 # $E2E_TMP/daemon-N.log; sets DAEMON_PID
 node_daemon() {
     local n=$1 fetch=$2 cfg=$E2E_TMP/daemon-$1.toml
     cat >"$cfg" <<EOF
 [store]
-path = "$E2E_TMP/store"
+path = "${STORE_DIR:-$E2E_TMP/store}"
 $fetch
 [warm]
 prefetch = false
@@ -137,6 +144,61 @@ elif grep -q 'panic' "$DREG_LOG"; then
     fail "docker-registry panicked"
 else
     pass "docker-registry served every blob request without an error"
+fi
+
+# ---------------------------------------------------------------- 3. joined requests
+echo "# 3. daemon 3, own store, no guesses, one request at a time, docker-registry 50 ms away: 12 reads at once"
+PROXY_PORT=$(free_port)
+"$FERRY" bench proxy --listen "127.0.0.1:$PROXY_PORT" --upstream "$REG_ADDR" --delay 50ms \
+    >"$E2E_TMP/proxy.log" 2>&1 &
+E2E_PIDS+=("$!")
+wait_for 10 "latency proxy" bash -c "exec 3<>/dev/tcp/127.0.0.1/$PROXY_PORT" ||
+    e2e_die "ferry bench proxy did not listen on 127.0.0.1:$PROXY_PORT"
+STORE_DIR=$E2E_TMP/store-3 node_daemon 3 $'[fetch]\nconcurrency = 1\nreadahead = "0"\nwhole_file = "0"\nnearby = "0"'
+M3=$E2E_TMP/m3
+mkdir -p "$M3"
+fy "$E2E_TMP/m3.out" "$E2E_TMP/m3.err" mount --socket "$SOCK" "127.0.0.1:$PROXY_PORT/e2e/small:v1" "$M3"
+[[ $RC == 0 ]] || { show "$E2E_TMP/m3.err"; e2e_die "mount through daemon 3 (via the proxy) failed"; }
+# 12 reads of 4 KiB, each somewhere else: numbers.txt and busybox at spread offsets
+# (64 KiB spans: each its own span) and the small files of both layers
+reads=()
+for k in 0 3 6 9 12 15; do reads+=("data/sub/dir/numbers.txt $((k * 16))"); done
+for k in 20 120 220 320; do reads+=("bin/busybox $k"); done
+reads+=("etc/motd 0" "app/hello.txt 0")
+pids=()
+for i in "${!reads[@]}"; do
+    read -r f blk <<<"${reads[$i]}"
+    timeout 60 dd if="$M3/$f" of="$E2E_TMP/part-$i" bs=4096 skip="$blk" count=1 2>/dev/null &
+    pids+=("$!")
+done
+bad=0
+for i in "${!reads[@]}"; do
+    read -r f blk <<<"${reads[$i]}"
+    wait "${pids[$i]}" || bad=$((bad + 1))
+    cmp -s "$E2E_TMP/part-$i" <(dd if="$REF/$f" bs=4096 skip="$blk" count=1 2>/dev/null) || bad=$((bad + 1))
+done
+if ((bad == 0)); then
+    pass "daemon 3: 12 reads at once through the proxy, each the image's bytes"
+else
+    fail "daemon 3: $bad of the 12 concurrent reads failed or differ"
+fi
+fy "$E2E_TMP/status-3.json" "$E2E_TMP/status-3.err" status --json --socket "$SOCK"
+joined=$(jq '[.mounts[].stats.requests_joined] | add // 0' "$E2E_TMP/status-3.json" 2>/dev/null || echo 0)
+requests=$(jq '[.mounts[].stats.requests] | add // 0' "$E2E_TMP/status-3.json" 2>/dev/null || echo 0)
+waits=$(jq '[.mounts[].stats.read_waits] | add // 0' "$E2E_TMP/status-3.json" 2>/dev/null || echo 0)
+stop_daemon "$M3"
+riders=$(sed 's/\x1b\[[0-9;]*m//g' "$E2E_TMP/daemon-3.log" | grep 'backend request' |
+    grep -E 'joined=false riders=[1-9]' | sed -E 's/.* riders=([0-9]+).*/\1/' | paste -sd' ' || true)
+if ((joined >= 1)) && [[ -n $riders ]]; then
+    pass "daemon 3: $joined fetches rode along in another's request (riders per joined request: $riders; $requests requests for $waits reads that waited)"
+else
+    fail "daemon 3: no fetch was joined (requests_joined=$joined, requests=$requests, read_waits=$waits, joined lines: '${riders}')"
+    show "$E2E_TMP/daemon-3.log" 20
+fi
+if ((requests >= 1 && requests < waits)); then
+    pass "daemon 3: fewer requests ($requests) than reads that waited for one ($waits)"
+else
+    fail "daemon 3: $requests requests for $waits reads that waited"
 fi
 
 e2e_summary
