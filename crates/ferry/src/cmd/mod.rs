@@ -18,6 +18,7 @@ pub mod sim;
 pub mod snapshotter;
 pub mod status;
 pub mod store;
+pub mod store_plan;
 pub mod trace;
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,6 @@
-//! `ferry store ls|du|gc|verify|export|import`: inspect and maintain the node's chunk
-//! store offline, and move it to and from a volume as a verified store image.
+//! `ferry store ls|du|gc|verify|export|import|plan`: inspect and maintain the node's
+//! chunk store offline, move it to and from a volume as a verified store image, and
+//! work out whether baking one pays (`plan`, arithmetic only: it opens no store).
 //!
 //! The store itself lives in `ferry_store`; this file only picks its location, opens it
 //! without changing its bound, and prints. The store is opened exclusively, so these
@@ -85,10 +86,132 @@ enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Work out which way a fleet's nodes should get an image: a full pull, a lazy pull,
+    /// a lazy pull prewarmed at boot, or a store baked into a volume snapshot (`ferry
+    /// store export`, `[store] seed`). Prints each way's wait per start and monthly cost,
+    /// the cheapest, and from how many starts a month baking pays. Defaults are ferry's
+    /// own figures and list prices; put in yours (docs/node-cache.md, "Choosing").
+    Plan(PlanArgs),
+}
+
+/// Inputs of `ferry store plan` (sizes: 800M, 1G; rates: 100M or 100M/s, bytes per
+/// second; prices in any one currency).
+#[derive(Debug, clap::Args)]
+struct PlanArgs {
+    /// The image's compressed size (what a pull downloads).
+    #[arg(long, value_name = "SIZE", value_parser = ferry_oci::units::parse_nonzero_size)]
+    image: u64,
+    /// Its unpacked size. Default: 2.5 × --image (gzip on a typical image).
+    #[arg(long, value_name = "SIZE", value_parser = ferry_oci::units::parse_size)]
+    unpacked: Option<u64>,
+    /// Bytes a start reads (`ferry trace show` of the image's trace). Default: 5 % of
+    /// --unpacked (the pandas start of docs/benchmarks.md reads 59 MB of 1.1 GB).
+    #[arg(long, value_name = "SIZE", value_parser = ferry_oci::units::parse_size)]
+    hot: Option<u64>,
+    /// Download throughput from the registry to a node.
+    #[arg(long, value_name = "RATE", default_value = "100M/s", value_parser = parse_rate)]
+    link: u64,
+    /// Unpack throughput to the node's disk (uncompressed bytes).
+    #[arg(long, value_name = "RATE", default_value = "200M/s", value_parser = parse_rate)]
+    write: u64,
+    /// First-read throughput of a volume restored from a snapshot with ferry's
+    /// trace-ordered read-ahead (a restored volume fetches each block on first touch).
+    #[arg(long, value_name = "RATE", default_value = "100M/s", value_parser = parse_rate)]
+    volume_read: u64,
+    /// One round trip to the registry.
+    #[arg(long, value_name = "DURATION", default_value = "1ms", value_parser = ferry_oci::units::parse_duration)]
+    rtt: std::time::Duration,
+    /// Round trips a lazy start without a trace waits for, per MiB read (pandas start
+    /// from Debian's registry: ~45 for 59 MB).
+    #[arg(long, value_name = "N", default_value_t = 0.8)]
+    waits_per_mib: f64,
+    /// Starts of the image on fresh nodes per month.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    starts: u64,
+    /// Price of a node-hour.
+    #[arg(long, value_name = "PRICE", default_value_t = 1.0)]
+    node_price: f64,
+    /// Price of a GB from the registry to a node (0 within a region).
+    #[arg(long, value_name = "PRICE", default_value_t = 0.0)]
+    egress_price: f64,
+    /// Price of a GB-month of volume.
+    #[arg(long, value_name = "PRICE", default_value_t = 0.08)]
+    volume_price: f64,
+    /// Price of a GB-month of snapshot.
+    #[arg(long, value_name = "PRICE", default_value_t = 0.05)]
+    snapshot_price: f64,
+    /// Hours a node and its volume live.
+    #[arg(long, value_name = "HOURS", default_value_t = 24.0)]
+    node_hours: f64,
+    /// Snapshots kept at once (versions baked and still in use).
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    versions: u64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A rate in bytes per second: a size, optionally followed by `/s`.
+fn parse_rate(text: &str) -> Result<u64, String> {
+    let size = text.trim().strip_suffix("/s").unwrap_or(text);
+    ferry_oci::units::parse_nonzero_size(size).map_err(|e| format!("{e} (a rate: 100M/s)"))
+}
+
+fn non_negative(name: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        bail!("--{name} {v}: must be a number, zero or more")
+    }
+}
+
+fn plan(a: PlanArgs) -> Result<()> {
+    let unpacked = a
+        .unpacked
+        .unwrap_or_else(|| a.image.saturating_mul(5) / 2)
+        .max(a.image);
+    let inputs = super::store_plan::Inputs {
+        image_bytes: a.image,
+        unpacked_bytes: unpacked,
+        hot_bytes: a.hot.unwrap_or(unpacked / 20),
+        link_bytes_per_s: a.link,
+        write_bytes_per_s: a.write,
+        volume_read_bytes_per_s: a.volume_read,
+        rtt_s: a.rtt.as_secs_f64(),
+        waits_per_mib: non_negative("waits-per-mib", a.waits_per_mib)?,
+        starts_per_month: a.starts,
+        node_price_per_hour: non_negative("node-price", a.node_price)?,
+        egress_price_per_gb: non_negative("egress-price", a.egress_price)?,
+        volume_price_per_gb_month: non_negative("volume-price", a.volume_price)?,
+        snapshot_price_per_gb_month: non_negative("snapshot-price", a.snapshot_price)?,
+        node_hours: non_negative("node-hours", a.node_hours)?,
+        versions_kept: a.versions,
+    };
+    let plan = inputs.plan();
+    if a.json {
+        outln!("{}", serde_json::to_string_pretty(&plan)?);
+    } else {
+        outln!(
+            "image {} ({} unpacked), a start reads {}; link {}/s, rtt {:.0} ms; {} starts a month",
+            human(inputs.image_bytes),
+            human(inputs.unpacked_bytes),
+            human(inputs.hot_bytes),
+            human(inputs.link_bytes_per_s),
+            inputs.rtt_s * 1e3,
+            inputs.starts_per_month
+        );
+        outln!("{}", plan.table().trim_end());
+    }
+    Ok(())
 }
 
 /// Runs `ferry store`.
 pub fn run(args: Args) -> Result<()> {
+    let command = match args.command {
+        // arithmetic only: no store to open (and none to lock)
+        StoreCommand::Plan(a) => return plan(a),
+        other => other,
+    };
     let path = match args.store {
         Some(p) => p,
         None => StoreConfig::default().resolve_path(),
@@ -118,7 +241,7 @@ pub fn run(args: Args) -> Result<()> {
             }
         );
     }
-    match args.command {
+    match command {
         StoreCommand::Ls { json } => ls(&store, json)?,
         StoreCommand::Du { json } => du(&store, json)?,
         StoreCommand::Gc {
@@ -129,6 +252,7 @@ pub fn run(args: Args) -> Result<()> {
         StoreCommand::Verify { json } => verify(&store, json)?,
         StoreCommand::Export { dest, json } => export(&store, &dest, json)?,
         StoreCommand::Import { src, json } => import(&store, &src, json)?,
+        StoreCommand::Plan(a) => plan(a)?,
     }
     store.close().context("closing the chunk store")
 }
