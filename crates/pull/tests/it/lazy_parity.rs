@@ -19,8 +19,7 @@ use ferry_index::source::MemSource;
 use ferry_oci::media::LayerCompression;
 use ferry_pull::unpack::{UnpackError, UnpackLimits, unpack_layer};
 
-mod common;
-use common::{Raw, file, raw, tar_of};
+use crate::common::{Raw, file, raw, tar_of};
 
 /// What one path of a layer looks like, in either reader.
 #[derive(Debug, Clone, PartialEq, Eq)]

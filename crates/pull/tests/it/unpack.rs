@@ -12,8 +12,7 @@ use ferry_oci::media::LayerCompression;
 use ferry_pull::unpack::{OPAQUE_XATTR, UnpackError, UnpackLimits, unpack_layer};
 use sha2::Digest as _;
 
-mod common;
-use common::{Raw, file, raw, tar_of};
+use crate::common::{Raw, file, raw, tar_of};
 
 fn is_root() -> bool {
     // SAFETY: no preconditions.

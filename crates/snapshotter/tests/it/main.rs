@@ -1,0 +1,6 @@
+//! ferry-snapshotter's integration tests, one binary: each file a module (a binary per
+//! file linked the whole workspace again for every one of them in CI's release build).
+
+mod crash_mounts;
+mod service;
+mod staging;
