@@ -525,3 +525,4 @@ proptest! {
 }
 
 static VALID: std::sync::LazyLock<(Vec<u8>, Vec<u8>)> = std::sync::LazyLock::new(valid);
+
