@@ -525,4 +525,3 @@ proptest! {
 }
 
 static VALID: std::sync::LazyLock<(Vec<u8>, Vec<u8>)> = std::sync::LazyLock::new(valid);
-
