@@ -34,6 +34,10 @@ pub enum Error {
     /// An eStargz footer or TOC is malformed.
     #[error("estargz: {0}")]
     Estargz(String),
+    /// A SOCI zTOC (or its checkpoints blob) is malformed, or uses something ferry
+    /// cannot represent.
+    #[error("soci ztoc: {0}")]
+    Soci(String),
     /// Bytes did not match the digest that vouches for them.
     #[error("digest mismatch for {what}: expected {expected}, got {actual}")]
     DigestMismatch {

@@ -3,7 +3,8 @@
 //! This crate owns everything about the bytes of a layer: walking tar streams
 //! ([`tarwalk`], the one tar reader: `ferry pull`'s unpacker uses it too), building and reading the ferry index over an unmodified gzip layer
 //! ([`zran`] checkpoints + [`ferryidx`] file format), reading and writing eStargz
-//! ([`estargz`]), answering "bytes `[off, off+len)` of file F" over any of them while
+//! ([`estargz`]), reading SOCI zTOCs into ferry indexes (and writing them for tests,
+//! [`soci`]), answering "bytes `[off, off+len)` of file F" over any of them while
 //! fetching only the compressed ranges needed ([`reader`]), the merged view of an image's
 //! layers with whiteouts applied ([`merged`]), packing a directory straight into a
 //! lazy-loadable layer ([`pack`]), and reading what an ELF file's loader needs
@@ -31,6 +32,7 @@ pub mod inflated;
 pub mod merged;
 pub mod pack;
 pub mod reader;
+pub mod soci;
 pub mod source;
 pub mod tarwalk;
 pub mod windows;
