@@ -32,6 +32,7 @@ pub mod inflated;
 pub mod merged;
 pub mod pack;
 pub mod reader;
+mod rfc3339;
 pub mod soci;
 pub mod source;
 pub mod tarwalk;

@@ -1204,6 +1204,21 @@ pub fn walk<R: Read>(reader: R) -> Result<Vec<Entry>> {
     Ok(entries)
 }
 
+/// Every entry of a well-formed tar with its data, by the strict walker: what the
+/// format tests (eStargz, SOCI) compare their readers' views with.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn walk_all(tar: &[u8]) -> Vec<(Entry, Vec<u8>)> {
+    let mut w = TarWalker::new(tar);
+    let mut out = Vec::new();
+    while let Some(e) = w.next_entry().unwrap() {
+        let mut data = Vec::new();
+        w.read_to_end(&mut data).unwrap();
+        out.push((e, data));
+    }
+    out
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

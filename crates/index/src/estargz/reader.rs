@@ -10,7 +10,7 @@ use flate2::read::{GzDecoder, MultiGzDecoder};
 use sha2::{Digest as _, Sha256};
 
 use super::footer::{FOOTER_SIZE, parse_footer_sized};
-use super::toc::{JToc, TocEntry, parse_modtime, sha256_string};
+use super::toc::{JToc, TocEntry, sha256_string};
 use super::{
     MAX_TOC_COMPRESSED, MAX_TOC_JSON, NO_PREFETCH_LANDMARK, PREFETCH_LANDMARK, TOC_TAR_NAME,
 };
@@ -668,7 +668,7 @@ fn build(
         let (mtime, mtime_nsec) = if t.modtime.is_empty() {
             (0, 0)
         } else {
-            parse_modtime(&t.modtime).unwrap_or((0, 0))
+            crate::rfc3339::parse(&t.modtime).unwrap_or((0, 0))
         };
         let size = if kind == EntryKind::File {
             nonneg(i, t, t.size, "size")?

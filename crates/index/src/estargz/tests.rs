@@ -251,18 +251,6 @@ fn random_tree(seed: u64, n: usize, chunk: u64) -> Vec<TNode> {
     nodes
 }
 
-/// Walks a tar with the strict walker: entries and file data.
-fn walk_tar(tar: &[u8]) -> Vec<(Entry, Vec<u8>)> {
-    let mut w = TarWalker::new(tar);
-    let mut out = Vec::new();
-    while let Some(e) = w.next_entry().unwrap() {
-        let mut data = Vec::new();
-        w.read_to_end(&mut data).unwrap();
-        out.push((e, data));
-    }
-    out
-}
-
 fn opener(tar: &[u8]) -> impl FnMut() -> Result<Box<dyn Read + Send>> + '_ {
     move || Ok(Box::new(Cursor::new(tar.to_vec())) as Box<dyn Read + Send>)
 }
@@ -309,7 +297,7 @@ fn check_blob(
     MultiGzDecoder::new(blob).read_to_end(&mut tar).unwrap();
     assert_eq!(out.uncompressed_size, tar.len() as u64);
     assert_eq!(out.diff_id, sha256_string(&Sha256::digest(&tar).into()));
-    let written = walk_tar(&tar);
+    let written = crate::tarwalk::walk_all(&tar);
     let n = written.len();
     assert!(n >= 2);
     assert_eq!(written[n - 1].0.path, TOC_TAR_NAME);
@@ -483,7 +471,7 @@ fn round_trip_random_trees() {
         };
         let nodes = random_tree(seed, n, chunk.max(16));
         let tar = build_tar(&nodes);
-        let expected = walk_tar(&tar);
+        let expected = crate::tarwalk::walk_all(&tar);
         let opts = EstargzOptions {
             chunk_size: chunk,
             level,
@@ -515,7 +503,7 @@ fn members_start_at_chunks() {
         },
     );
     let layer = EstargzLayer::open(&MemSource(blob.clone()), Some(&out.toc_digest)).unwrap();
-    let expected = walk_tar(&tar);
+    let expected = crate::tarwalk::walk_all(&tar);
     let by_path: HashMap<&str, &Vec<u8>> =
         expected.iter().map(|(e, d)| (e.path.as_str(), d)).collect();
     // Every chunk is at the start of its own member: inflating one member from its
@@ -561,7 +549,7 @@ fn priority_order_and_landmark() {
         file("a/b/f3", b"three"),
     ];
     let tar = build_tar(&nodes);
-    let input = walk_tar(&tar);
+    let input = crate::tarwalk::walk_all(&tar);
     let get = |p: &str| input.iter().find(|(e, _)| e.path == p).unwrap().clone();
     let opts = EstargzOptions {
         chunk_size: 1024,
@@ -613,7 +601,7 @@ fn priority_order_and_landmark() {
 fn priority_on_random_tree() {
     let nodes = random_tree(21, 150, 2000);
     let tar = build_tar(&nodes);
-    let input = walk_tar(&tar);
+    let input = crate::tarwalk::walk_all(&tar);
     let files: Vec<String> = input
         .iter()
         .filter(|(e, _)| e.kind != EntryKind::Dir)
@@ -650,7 +638,7 @@ fn priority_on_random_tree() {
     MultiGzDecoder::new(&blob[..])
         .read_to_end(&mut tar_out)
         .unwrap();
-    let n_first = walk_tar(&tar_out)
+    let n_first = crate::tarwalk::walk_all(&tar_out)
         .iter()
         .position(|(e, _)| e.path == PREFETCH_LANDMARK)
         .unwrap();
@@ -677,7 +665,7 @@ fn reserved_input_entries_are_dropped() {
     ];
     let tar = build_tar(&nodes);
     let (blob, out) = convert_bytes(&tar, &EstargzOptions::default());
-    let input = walk_tar(&tar);
+    let input = crate::tarwalk::walk_all(&tar);
     let layer = check_blob(&blob, &out, &input[2..], NO_PREFETCH_LANDMARK);
     assert_eq!(layer.entries().len(), 1);
 }
@@ -775,7 +763,7 @@ fn small_blob() -> (Vec<u8>, EstargzOutput, Expected) {
             ..EstargzOptions::default()
         },
     );
-    (blob, out, walk_tar(&tar))
+    (blob, out, crate::tarwalk::walk_all(&tar))
 }
 
 /// The TOC JSON of a blob.
@@ -1182,7 +1170,7 @@ fn inner_offset_shared_members() {
     MultiGzDecoder::new(&blob[..])
         .read_to_end(&mut tar)
         .unwrap();
-    assert_eq!(walk_tar(&tar).len(), 4);
+    assert_eq!(crate::tarwalk::walk_all(&tar).len(), 4);
     let source = MemSource(blob);
     let layer = EstargzLayer::open(&source, None).unwrap();
     assert_eq!(layer.entries().len(), 4);
@@ -1245,7 +1233,7 @@ fn check_stargz_blob(blob: &[u8], toc: Option<&str>, source_tar: Option<&[u8]>) 
     let layer = EstargzLayer::open(&source, toc).unwrap();
     let mut tar = Vec::new();
     MultiGzDecoder::new(blob).read_to_end(&mut tar).unwrap();
-    let want: HashMap<String, Vec<u8>> = walk_tar(&tar)
+    let want: HashMap<String, Vec<u8>> = crate::tarwalk::walk_all(&tar)
         .into_iter()
         .filter(|(e, _)| e.kind == EntryKind::File)
         .map(|(e, d)| (e.path, d))
@@ -1268,7 +1256,7 @@ fn check_stargz_blob(blob: &[u8], toc: Option<&str>, source_tar: Option<&[u8]>) 
         let mine = EstargzLayer::open(&MemSource(ours), Some(&out.toc_digest)).unwrap();
         assert_eq!(mine.entries(), layer.entries());
         assert_eq!(mine.prefetch_paths(), layer.prefetch_paths());
-        let expected = walk_tar(src);
+        let expected = crate::tarwalk::walk_all(src);
         for (got, (want, _)) in layer.entries().iter().zip(&expected) {
             assert_eq!(got, &toc_view(want));
         }
@@ -1549,7 +1537,7 @@ fn zstd_chunked_round_trip_random_trees() {
         let n = if chunk == 1 { 30 } else { 100 };
         let nodes = random_tree(seed, n, chunk.max(16));
         let tar = build_tar(&nodes);
-        let expected = walk_tar(&tar);
+        let expected = crate::tarwalk::walk_all(&tar);
         let (blob, out) = zstd_chunked_bytes(&tar, chunk);
         assert_eq!(out.size, blob.len() as u64);
         assert_eq!(out.digest, sha256_string(&Sha256::digest(&blob).into()));
@@ -1557,7 +1545,7 @@ fn zstd_chunked_round_trip_random_trees() {
         // strict walker reads the same entries and bytes from it.
         let plain = zstd::stream::decode_all(&blob[..]).unwrap();
         assert_eq!(out.diff_id, sha256_string(&Sha256::digest(&plain).into()));
-        let written = walk_tar(&plain);
+        let written = crate::tarwalk::walk_all(&plain);
         assert_eq!(written.len(), expected.len());
         for ((got, gd), (want, wd)) in written.iter().zip(&expected) {
             assert_eq!(no_offsets(got), no_offsets(want));
@@ -1657,7 +1645,7 @@ fn zstd_chunked_refuses_what_it_cannot_trust() {
     let cut = MemSource(blob[..blob.len() - 10].to_vec());
     assert!(EstargzLayer::open_zstd_chunked(&cut, &out.manifest_checksum, None).is_err());
     // A corrupted data byte is never served: every read fails or returns the truth.
-    let expected = walk_tar(&tar);
+    let expected = crate::tarwalk::walk_all(&tar);
     let files: Vec<&(Entry, Vec<u8>)> = expected
         .iter()
         .filter(|(e, d)| e.kind == EntryKind::File && !d.is_empty())

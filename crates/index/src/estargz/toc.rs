@@ -280,30 +280,6 @@ pub(crate) fn base64_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let m = i64::from(m);
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
 /// Formats a modification time like stargz's writer: UTC, rounded to the second
 /// (half away from zero, as Go's `Round`), RFC 3339; empty for the epoch itself and for
 /// years RFC 3339 cannot spell.
@@ -316,89 +292,7 @@ pub(crate) fn format_modtime(secs: i64, nsec: u32) -> String {
     } else {
         secs
     };
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    if !(0..=9999).contains(&y) {
-        return String::new();
-    }
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60
-    )
-}
-
-/// Parses an RFC 3339 time (`YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`) into seconds and
-/// nanoseconds since the epoch. `None` when malformed.
-pub(crate) fn parse_modtime(s: &str) -> Option<(i64, u32)> {
-    let b = s.as_bytes();
-    if b.len() < 20 {
-        return None;
-    }
-    let num = |r: std::ops::Range<usize>| -> Option<u32> {
-        let part = b.get(r)?;
-        if !part.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        std::str::from_utf8(part).ok()?.parse().ok()
-    };
-    if b[4] != b'-'
-        || b[7] != b'-'
-        || !matches!(b[10], b'T' | b't')
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return None;
-    }
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    let dim = match mo {
-        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
-        4 | 6 | 9 | 11 => 30,
-        2 if (y % 4 == 0 && y % 100 != 0) || y % 400 == 0 => 29,
-        2 => 28,
-        _ => return None,
-    };
-    if d == 0 || d > dim || h > 23 || mi > 59 || sec > 59 {
-        return None;
-    }
-    let mut i = 19;
-    let mut nsec = 0u32;
-    if b.get(i) == Some(&b'.') {
-        i += 1;
-        let start = i;
-        while i < b.len() && b[i].is_ascii_digit() {
-            if i - start < 9 {
-                nsec = nsec * 10 + u32::from(b[i] - b'0');
-            }
-            i += 1;
-        }
-        let digits = i - start;
-        if digits == 0 {
-            return None;
-        }
-        for _ in digits..9 {
-            nsec *= 10;
-        }
-    }
-    let offset: i64 = match b.get(i)? {
-        b'Z' | b'z' if i + 1 == b.len() => 0,
-        sign @ (b'+' | b'-') if i + 6 == b.len() && b[i + 3] == b':' => {
-            let oh = i64::from(num(i + 1..i + 3)?);
-            let om = i64::from(num(i + 4..i + 6)?);
-            if oh > 23 || om > 59 {
-                return None;
-            }
-            let o = oh * 3600 + om * 60;
-            if *sign == b'-' { -o } else { o }
-        }
-        _ => return None,
-    };
-    let days = days_from_civil(i64::from(y), mo, d);
-    let secs = days * 86_400 + i64::from(h) * 3600 + i64::from(mi) * 60 + i64::from(sec) - offset;
-    Some((secs, nsec))
+    crate::rfc3339::format(secs, 0).unwrap_or_default()
 }
 
 /// `sha256:<hex>` of 32 digest bytes.
@@ -437,19 +331,19 @@ mod tests {
             (253_402_300_799, 0, "9999-12-31T23:59:59Z"),
         ] {
             assert_eq!(format_modtime(secs, nsec), s);
-            assert_eq!(parse_modtime(s), Some((secs, 0)));
+            assert_eq!(crate::rfc3339::parse(s), Some((secs, 0)));
         }
         assert_eq!(format_modtime(0, 0), "");
         assert_eq!(format_modtime(10, 600_000_000), "1970-01-01T00:00:11Z");
         assert_eq!(format_modtime(253_402_300_800, 0), "");
         assert_eq!(
-            parse_modtime("2019-08-20T12:30:43.5+02:00"),
+            crate::rfc3339::parse("2019-08-20T12:30:43.5+02:00"),
             Some((1_566_297_043, 500_000_000))
         );
-        assert_eq!(parse_modtime("2019-02-29T00:00:00Z"), None);
-        assert_eq!(parse_modtime("2019-08-20 10:30:43Z"), None);
-        assert_eq!(parse_modtime("2019-08-20T10:30:43"), None);
-        assert_eq!(parse_modtime(""), None);
+        assert_eq!(crate::rfc3339::parse("2019-02-29T00:00:00Z"), None);
+        assert_eq!(crate::rfc3339::parse("2019-08-20 10:30:43Z"), None);
+        assert_eq!(crate::rfc3339::parse("2019-08-20T10:30:43"), None);
+        assert_eq!(crate::rfc3339::parse(""), None);
     }
 
     #[test]

@@ -245,7 +245,7 @@ fn convert_entry(z: &ZtocEntry) -> std::result::Result<Entry, String> {
     let (mtime, mtime_nsec) = if z.mod_time.is_empty() {
         (0, 0)
     } else {
-        parse_rfc3339(&z.mod_time)
+        crate::rfc3339::parse(&z.mod_time)
             .ok_or_else(|| format!("mod_time {:?} is not an RFC 3339 time", z.mod_time))?
     };
     let xattrs: BTreeMap<String, Vec<u8>> = z
@@ -280,107 +280,4 @@ fn convert_entry(z: &ZtocEntry) -> std::result::Result<Entry, String> {
         dev_minor: device(z.devminor, "devminor")?,
         xattrs,
     })
-}
-
-/// Days from 1970-01-01 to the given proleptic Gregorian date (Howard Hinnant's
-/// days-from-civil).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
-/// Inverse of [`days_from_civil`]: (year, month, day).
-pub(crate) fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
-/// Parses an RFC 3339 time (`YYYY-MM-DDTHH:MM:SS[.frac](Z|±HH:MM)`, as Go's
-/// `Time.MarshalText` writes it) into seconds since the epoch and nanoseconds.
-pub(crate) fn parse_rfc3339(s: &str) -> Option<(i64, u32)> {
-    let b = s.as_bytes();
-    let num = |r: std::ops::Range<usize>| -> Option<i64> {
-        let d = b.get(r)?;
-        if d.is_empty() || !d.iter().all(u8::is_ascii_digit) {
-            return None;
-        }
-        d.iter()
-            .try_fold(0i64, |a, &c| Some(a * 10 + i64::from(c - b'0')))
-    };
-    if b.len() < 20
-        || b[4] != b'-'
-        || b[7] != b'-'
-        || !matches!(b[10], b'T' | b't')
-        || b[13] != b':'
-        || b[16] != b':'
-    {
-        return None;
-    }
-    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
-    let month_days = [
-        31,
-        if leap { 29 } else { 28 },
-        31,
-        30,
-        31,
-        30,
-        31,
-        31,
-        30,
-        31,
-        30,
-        31,
-    ];
-    if !(1..=12).contains(&month)
-        || day < 1
-        || day > month_days[(month - 1) as usize]
-        || hour > 23
-        || minute > 59
-        || second > 60
-    {
-        return None;
-    }
-    let mut pos = 19;
-    let mut nanos = 0u32;
-    if b.get(pos) == Some(&b'.') {
-        let digits = b[pos + 1..]
-            .iter()
-            .take_while(|c| c.is_ascii_digit())
-            .count();
-        if digits == 0 || digits > 9 {
-            return None;
-        }
-        let frac = num(pos + 1..pos + 1 + digits)?;
-        nanos = (frac * 10i64.pow(9 - digits as u32)) as u32;
-        pos += 1 + digits;
-    }
-    let offset = match &b[pos..] {
-        [b'Z' | b'z'] => 0,
-        [sign @ (b'+' | b'-'), _, _, b':', _, _] => {
-            let (h, m) = (num(pos + 1..pos + 3)?, num(pos + 4..pos + 6)?);
-            if h > 23 || m > 59 {
-                return None;
-            }
-            let o = h * 3600 + m * 60;
-            if *sign == b'-' { -o } else { o }
-        }
-        _ => return None,
-    };
-    let secs =
-        days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second - offset;
-    Some((secs, nanos))
 }

@@ -1,20 +1,17 @@
 #![allow(clippy::unwrap_used)]
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::sync::Arc;
 
 use flatbuffers::FlatBufferBuilder;
 use flate2::write::GzEncoder;
 use proptest::prelude::*;
 
-use super::convert::parse_rfc3339;
-use super::writer::format_rfc3339;
 use super::zinfo::{ZINFO_CHECKPOINT_LEN, ZINFO_HEADER_LEN, encode_gzip_zinfo};
 use super::*;
 use crate::entry::{Entry, EntryKind};
 use crate::reader::{LayerFormat, LayerReader};
 use crate::source::MemSource;
-use crate::tarwalk::TarWalker;
 
 const SPAN: u64 = 16 << 10;
 const DIGEST: &str = "sha256:0000000000000000000000000000000000000000000000000000000000000000";
@@ -104,17 +101,6 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
     e.finish().unwrap()
 }
 
-fn walk_tar(tar: &[u8]) -> Vec<(Entry, Vec<u8>)> {
-    let mut w = TarWalker::new(tar);
-    let mut out = Vec::new();
-    while let Some(e) = w.next_entry().unwrap() {
-        let mut d = Vec::new();
-        w.read_to_end(&mut d).unwrap();
-        out.push((e, d));
-    }
-    out
-}
-
 fn layer_digest(blob: &[u8]) -> String {
     use sha2::{Digest as _, Sha256};
     format!("sha256:{}", hex::encode(Sha256::digest(blob)))
@@ -131,7 +117,7 @@ fn check_reads(blob: &[u8], tar: &[u8]) -> crate::ferryidx::LayerIndex {
     let index = ztoc
         .to_layer_index(&layer_digest(blob), blob.len() as u64)
         .unwrap();
-    let expected = walk_tar(tar);
+    let expected = crate::tarwalk::walk_all(tar);
     let got: Vec<&Entry> = index.entries.iter().collect();
     assert_eq!(got, expected.iter().map(|(e, _)| e).collect::<Vec<_>>());
     let reader = LayerReader::new(
@@ -467,37 +453,6 @@ fn overlapping_entries_are_refused() {
     let (blob, mut z) = parsed();
     z.entries[0].mod_time = "yesterday".into();
     assert!(convert(&blob, &z).contains("RFC 3339"));
-}
-
-#[test]
-fn rfc3339_times() {
-    assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some((0, 0)));
-    assert_eq!(
-        parse_rfc3339("0001-01-01T00:00:00Z"),
-        Some((-62_135_596_800, 0))
-    );
-    assert_eq!(
-        parse_rfc3339("2023-11-14T23:13:20.5+01:00"),
-        Some((1_700_000_000, 500_000_000))
-    );
-    for bad in [
-        "",
-        "2023-13-01T00:00:00Z",
-        "2023-02-30T00:00:00Z",
-        "2023-01-01 00:00:00Z",
-        "2023-01-01T00:00:00",
-        "2023-01-01T00:00:00.Z",
-        "2023-01-01T00:00:00.1234567890Z",
-    ] {
-        assert_eq!(parse_rfc3339(bad), None, "{bad}");
-    }
-    for (s, n) in [
-        (0i64, 0u32),
-        (1_700_000_000, 250_000_000),
-        (-62_135_596_800, 1),
-    ] {
-        assert_eq!(parse_rfc3339(&format_rfc3339(s, n).unwrap()), Some((s, n)));
-    }
 }
 
 proptest! {

@@ -6,7 +6,6 @@
 use flatbuffers::{FlatBufferBuilder, WIPOffset};
 use sha2::{Digest as _, Sha256};
 
-use super::convert::civil_from_days;
 use super::zinfo::{ZinfoCheckpoint, encode_gzip_zinfo};
 use super::*;
 use crate::entry::{Entry, EntryKind};
@@ -157,7 +156,13 @@ fn file_metadata<'a>(
     let link = (!e.link_target.is_empty()).then(|| fbb.create_string(&e.link_target));
     let uname = (!e.uname.is_empty()).then(|| fbb.create_string(&e.uname));
     let gname = (!e.gname.is_empty()).then(|| fbb.create_string(&e.gname));
-    let mod_time = fbb.create_string(&format_rfc3339(e.mtime, e.mtime_nsec)?);
+    let mod_time = crate::rfc3339::format(e.mtime, e.mtime_nsec).ok_or_else(|| {
+        soci_err(format!(
+            "time {}.{:09} cannot be written as RFC 3339",
+            e.mtime, e.mtime_nsec
+        ))
+    })?;
+    let mod_time = fbb.create_string(&mod_time);
     let xattrs: Vec<_> = e
         .xattrs
         .iter()
@@ -197,28 +202,4 @@ fn file_metadata<'a>(
         fbb.push_slot_always(FM_XATTRS, xattrs);
     }
     Ok(fbb.end_table(t))
-}
-
-/// RFC 3339 in UTC with trailing zeros of the fraction dropped (Go's RFC3339Nano).
-pub(crate) fn format_rfc3339(secs: i64, nanos: u32) -> Result<String> {
-    let (y, mo, d) = civil_from_days(secs.div_euclid(86_400));
-    if !(0..=9999).contains(&y) || nanos >= 1_000_000_000 {
-        return Err(soci_err(format!(
-            "time {secs}.{nanos:09} cannot be written as RFC 3339"
-        )));
-    }
-    let s = secs.rem_euclid(86_400);
-    let mut out = format!(
-        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}",
-        s / 3600,
-        s / 60 % 60,
-        s % 60
-    );
-    if nanos > 0 {
-        let frac = format!("{nanos:09}");
-        out.push('.');
-        out.push_str(frac.trim_end_matches('0'));
-    }
-    out.push('Z');
-    Ok(out)
 }
