@@ -94,7 +94,7 @@ use shape::Shape;
 /// Size of a tar block.
 const BLOCK: usize = 512;
 /// [`BLOCK`] as a stream offset.
-const BLOCK_U64: u64 = BLOCK as u64;
+pub(crate) const BLOCK_U64: u64 = BLOCK as u64;
 /// Size of the reusable buffer used to skip file data the caller does not read.
 const SKIP_BUF_LEN: usize = 64 * 1024;
 /// Longest extended attribute name Linux sets (XATTR_NAME_MAX).

@@ -819,20 +819,7 @@ impl<R: Read> GzipIndexer<R> {
     }
 
     fn compress_window(&mut self, len: usize) -> Result<Vec<u8>> {
-        if len == 0 {
-            return Ok(Vec::new());
-        }
-        // libdeflate level 6 (its default): deterministic, fast, small windows.
-        let compressor = self.compressor.get_or_insert_with(|| {
-            libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
-        });
-        let bound = compressor.deflate_compress_bound(len);
-        let mut buf = vec![0u8; bound];
-        let n = compressor
-            .deflate_compress(&self.window[..len], &mut buf)
-            .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
-        buf.truncate(n);
-        Ok(buf)
+        deflate_window(&mut self.compressor, &self.window[..len])
     }
 
     fn step_trailer(&mut self) -> Result<()> {
@@ -920,6 +907,37 @@ impl<R: Read> Read for GzipIndexer<R> {
 // ---------------------------------------------------------------------------------------
 // Extraction
 // ---------------------------------------------------------------------------------------
+
+/// A checkpoint's window deflated as indexes keep it (libdeflate's default level:
+/// deterministic, fast, small); `compressor` is made on first use and kept for the next
+/// window. An empty window stays empty.
+pub(crate) fn deflate_window(
+    compressor: &mut Option<libdeflater::Compressor>,
+    window: &[u8],
+) -> Result<Vec<u8>> {
+    if window.is_empty() {
+        return Ok(Vec::new());
+    }
+    let compressor = compressor.get_or_insert_with(|| {
+        libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
+    });
+    let mut buf = vec![0u8; compressor.deflate_compress_bound(window.len())];
+    let n = compressor
+        .deflate_compress(window, &mut buf)
+        .map_err(|e| gzip_err(format!("compressing a checkpoint window: {e}")))?;
+    buf.truncate(n);
+    Ok(buf)
+}
+
+/// The raw history a deflated checkpoint window holds (at most [`WINDOW_SIZE`] bytes).
+pub(crate) fn inflate_window(deflated: &[u8]) -> Result<Vec<u8>> {
+    let mut raw = vec![0u8; WINDOW_SIZE];
+    let n = libdeflater::Decompressor::new()
+        .deflate_decompress(deflated, &mut raw)
+        .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?;
+    raw.truncate(n);
+    Ok(raw)
+}
 
 /// Decompresses uncompressed bytes `[cp.out_offset + skip, cp.out_offset + skip +
 /// out.len())`, given `compressed` = the blob's bytes starting at `cp.start_byte()` (as
@@ -1042,13 +1060,7 @@ impl Extraction {
             }
             match window {
                 Window::Deflated([]) => {}
-                Window::Deflated(d) => {
-                    let mut raw = vec![0u8; WINDOW_SIZE];
-                    let n = libdeflater::Decompressor::new()
-                        .deflate_decompress(d, &mut raw)
-                        .map_err(|e| gzip_err(format!("checkpoint window: {e}")))?;
-                    inf.set_dictionary(&raw[..n])?;
-                }
+                Window::Deflated(d) => inf.set_dictionary(&inflate_window(d)?)?,
                 Window::Raw(r) if r.len() > WINDOW_SIZE => {
                     return Err(gzip_err(format!("a window of {} bytes", r.len())));
                 }
@@ -1461,11 +1473,8 @@ mod tests {
                     .iter()
                     .find(|c| !c.member_start && c.out_offset == cp.out_offset + at[i])
                     .unwrap();
-                let mut indexed = vec![0u8; WINDOW_SIZE];
-                let n = libdeflater::Decompressor::new()
-                    .deflate_decompress(&want.window_deflate, &mut indexed)
-                    .unwrap();
-                assert!(raw == indexed[..n], "checkpoint at {}", at[i]);
+                let indexed = inflate_window(&want.window_deflate).unwrap();
+                assert!(raw == indexed, "checkpoint at {}", at[i]);
                 // A read starting there from the raw window gets the stream's bytes.
                 let at_out = (want.out_offset - cp.out_offset - skip) as usize;
                 let take = 1000.min(out.len() - at_out);

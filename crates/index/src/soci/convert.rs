@@ -10,19 +10,18 @@
 
 use std::collections::BTreeMap;
 
+use ferry_oci::digest::parse_sha256_bytes;
+
 use super::zinfo::{ZinfoCheckpoint, parse_gzip_zinfo};
 use super::{Ztoc, ZtocCompression, ZtocEntry, ZtocEntryType, soci_err};
 use crate::entry::{Entry, EntryKind};
 use crate::error::Result;
 use crate::ferryidx::{Checkpoint, Compression, LayerIndex};
-use crate::tarwalk::normalize_path;
-use crate::zran::WINDOW_SIZE;
+use crate::tarwalk::{BLOCK_U64, normalize_path};
+use crate::zran::{WINDOW_SIZE, deflate_window};
 
 /// PAX record prefix of a Linux extended attribute.
 const XATTR_PREFIX: &str = "SCHILY.xattr.";
-/// A tar block.
-const BLOCK: u64 = 512;
-
 impl Ztoc {
     /// Checks this zTOC against the layer it describes (`layer_digest`, `layer_size` as
     /// the image manifest gives them) and converts it into a ferry index with the
@@ -64,11 +63,7 @@ impl Ztoc {
             .iter()
             .enumerate()
             .map(|(i, d)| {
-                parse_sha256(d).ok_or_else(|| {
-                    soci_err(format!(
-                        "span digest {i} {d:?} is not sha256:<64 hex digits>"
-                    ))
-                })
+                parse_sha256_bytes(d).map_err(|e| soci_err(format!("span digest {i}: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
         let entries = convert_entries(&self.entries, uncompressed_size)?;
@@ -89,17 +84,6 @@ impl Ztoc {
             .map_err(|e| soci_err(format!("converted index is inconsistent: {e}")))?;
         Ok(index)
     }
-}
-
-/// `sha256:<64 lowercase hex>` as bytes.
-pub(crate) fn parse_sha256(s: &str) -> Option<[u8; 32]> {
-    let hex_part = s.strip_prefix("sha256:")?;
-    if hex_part.len() != 64 || hex_part.bytes().any(|b| b.is_ascii_uppercase()) {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    hex::decode_to_slice(hex_part, &mut out).ok()?;
-    Some(out)
 }
 
 fn convert_checkpoints(
@@ -150,19 +134,8 @@ fn convert_checkpoints(
             .window
             .get(cp.window.len().saturating_sub(history)..)
             .unwrap_or_default();
-        let window_deflate = if window.is_empty() {
-            Vec::new()
-        } else {
-            let c = compressor.get_or_insert_with(|| {
-                libdeflater::Compressor::new(libdeflater::CompressionLvl::default())
-            });
-            let mut buf = vec![0u8; c.deflate_compress_bound(window.len())];
-            let n = c
-                .deflate_compress(window, &mut buf)
-                .map_err(|e| soci_err(format!("checkpoint {i}: deflating its window: {e}")))?;
-            buf.truncate(n);
-            buf
-        };
+        let window_deflate = deflate_window(&mut compressor, window)
+            .map_err(|e| soci_err(format!("checkpoint {i}: {e}")))?;
         out.push(Checkpoint {
             in_offset: cp.in_offset,
             bits: cp.bits,
@@ -189,8 +162,8 @@ fn convert_entries(list: &[ZtocEntry], uncompressed_size: u64) -> Result<Vec<Ent
         let mut e = convert_entry(z).map_err(bad)?;
         let offset = z.uncompressed_offset;
         let data_end = offset.checked_add(z.uncompressed_size);
-        if !offset.is_multiple_of(BLOCK)
-            || offset < next_header.saturating_add(BLOCK)
+        if !offset.is_multiple_of(BLOCK_U64)
+            || offset < next_header.saturating_add(BLOCK_U64)
             || data_end.is_none_or(|end| end > uncompressed_size)
         {
             return Err(bad(format!(
@@ -201,7 +174,7 @@ fn convert_entries(list: &[ZtocEntry], uncompressed_size: u64) -> Result<Vec<Ent
         }
         e.header_offset = next_header;
         let end = data_end.unwrap_or(u64::MAX);
-        next_header = end.div_ceil(BLOCK).saturating_mul(BLOCK);
+        next_header = end.div_ceil(BLOCK_U64).saturating_mul(BLOCK_U64);
         entries.push(e);
     }
     Ok(entries)

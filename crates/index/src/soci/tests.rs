@@ -102,8 +102,7 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
 }
 
 fn layer_digest(blob: &[u8]) -> String {
-    use sha2::{Digest as _, Sha256};
-    format!("sha256:{}", hex::encode(Sha256::digest(blob)))
+    ferry_oci::digest::sha256_digest(blob).to_string()
 }
 
 /// Every file read through the crate's reader equals the tar's content; the file table

@@ -3,14 +3,14 @@
 //! the flatbuffer's byte layout (field and vtable placement) differs from theirs, its
 //! meaning does not.
 
+use ferry_oci::digest::sha256_digest;
 use flatbuffers::{FlatBufferBuilder, WIPOffset};
-use sha2::{Digest as _, Sha256};
 
 use super::zinfo::{ZinfoCheckpoint, encode_gzip_zinfo};
 use super::*;
 use crate::entry::{Entry, EntryKind};
 use crate::tarwalk::TarWalker;
-use crate::zran::{GzipIndexer, HeaderParse, WINDOW_SIZE, parse_member_header};
+use crate::zran::{GzipIndexer, HeaderParse, inflate_window, parse_member_header};
 
 /// Builds a zTOC for the gzip layer `layer` (the whole blob), with a checkpoint wherever
 /// a deflate block boundary lies more than `span_size` uncompressed bytes past the
@@ -60,13 +60,8 @@ pub fn write_ztoc(layer: &[u8], span_size: u64, build_tool: &str) -> Result<Vec<
             points.push((cp.in_offset + header, cp.out_offset, 0));
             windows.push(Vec::new());
         } else {
-            let mut raw = vec![0u8; WINDOW_SIZE];
-            let n = libdeflater::Decompressor::new()
-                .deflate_decompress(&cp.window_deflate, &mut raw)
-                .map_err(|e| soci_err(format!("indexer window: {e}")))?;
-            raw.truncate(n);
             points.push((cp.in_offset, cp.out_offset, cp.bits));
-            windows.push(raw);
+            windows.push(inflate_window(&cp.window_deflate)?);
         }
     }
     let zinfo: Vec<ZinfoCheckpoint<'_>> = points
@@ -84,7 +79,7 @@ pub fn write_ztoc(layer: &[u8], span_size: u64, build_tool: &str) -> Result<Vec<
             let start = zinfo[i].in_offset - u64::from(zinfo[i].bits > 0);
             let end = zinfo.get(i + 1).map_or(layer.len() as u64, |n| n.in_offset);
             let bytes = layer.get(start as usize..end as usize).unwrap_or_default();
-            format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+            sha256_digest(bytes).to_string()
         })
         .collect();
     let checkpoints = encode_gzip_zinfo(span_size, &zinfo)?;
