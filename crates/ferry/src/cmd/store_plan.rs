@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! starts × (wait_lazy − wait_baked) × node_price/3600 + starts × image_GB × egress_price
-//!   > store_GB × (snapshot_price × versions_kept + volume_price × starts × node_hours/730)
+//!   > store_GB × (snapshot_price × versions_kept + volume_price × starts × node_hours/730.5)
 //! ```
 //!
 //! It is arithmetic over its inputs, nothing measured here: defaults are ferry's own
